@@ -1,0 +1,203 @@
+"""XLA compiles in worker processes.
+
+A compile runs in a separate process so that (1) its time limit is real — a
+worker past the limit is killed, not abandoned on a thread — and (2) XLA aborting
+on a hostile module takes down a worker, never the server. The worker returns
+the serialized executable; the server loads it, exactly as on an L2 hit.
+
+The pipe carries bytes only (``send_bytes``/``recv_bytes``): a module in, a
+status byte plus the executable or an error message out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from compiler.errors import CompileFailed, CompileTimeout
+
+__all__ = ["CompilePool", "compile_options"]
+
+logger = logging.getLogger("jitserve.compiler.worker")
+
+_OK, _ERR = b"K", b"E"
+
+
+def compile_options() -> Any:
+    """The XLA compile options of every jitserve executable (see keys.COMPILE_OPTIONS)."""
+    from jax._src import compiler
+
+    return compiler.get_compile_options(num_replicas=1, num_partitions=1)
+
+
+def _worker_main(conn: _Pipe) -> None:
+    import jax
+    from jax._src.lib import xla_client as xc
+    from jax.extend import backend as xb
+
+    jax.config.update("jax_enable_x64", True)
+    backend = xb.get_backend()
+    devices = xc.DeviceList(tuple(backend.devices()[:1]))
+    options = compile_options()
+    conn.send_bytes(_OK)  # ready
+    while True:
+        try:
+            module = conn.recv_bytes()
+        except EOFError:
+            return
+        try:
+            exe = backend.compile_and_load(module, devices, options)
+            reply = _OK + backend.serialize_executable(exe)
+        except Exception as e:  # XLA's refusal, returned to the caller as text
+            reply = _ERR + str(e).encode("utf-8", "replace")[:8000]
+        conn.send_bytes(reply)
+
+
+class _Worker:
+    """One ``python -m compiler._compile_worker`` process and the pipes to it.
+
+    A plain subprocess, not multiprocessing's spawn: nothing re-imports the
+    caller's ``__main__``, and nothing is pickled.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        package_root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "compiler._compile_worker", str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
+            env={**os.environ, **env, "PYTHONPATH": path})
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self.conn = _Pipe(from_child_r, to_child_w)
+        self.ready = False
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.poll()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(5)
+        self.conn.close()
+
+
+class _Pipe:
+    """Both directions of a worker's pipes, framed as multiprocessing does."""
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self._r = Connection(read_fd, writable=False)
+        self._w = Connection(write_fd, readable=False)
+
+    def send_bytes(self, data: bytes) -> None:
+        self._w.send_bytes(data)
+
+    def recv_bytes(self) -> bytes:
+        return self._r.recv_bytes()
+
+    def poll(self, timeout: float) -> bool:
+        return self._r.poll(timeout)
+
+    def close(self) -> None:
+        self._r.close()
+        self._w.close()
+
+
+class CompilePool:
+    """At most ``workers`` compiles at once, each in a worker process with a time limit."""
+
+    def __init__(self, *, workers: int, timeout_s: float, platform: str) -> None:
+        self.timeout_s = timeout_s
+        self._env = {"JAX_PLATFORMS": platform, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                     "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+        self._slots = threading.BoundedSemaphore(max(1, workers))
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def warm(self) -> None:
+        """Start one worker now, so the first compile does not pay for jax's import."""
+        with self._slots:
+            worker = self._take()
+            try:
+                self._wait_ready(worker, deadline=time.monotonic() + 120)
+            except CompilerTimeoutOrCrash:
+                return
+            self._give_back(worker)
+
+    def compile(self, module: bytes) -> bytes:
+        """Compile a StableHLO module (bytecode); the serialized executable."""
+        with self._slots:
+            worker = self._take()
+            deadline = time.monotonic() + self.timeout_s
+            try:
+                self._wait_ready(worker, deadline + 60)  # a cold start is not the program's fault
+                worker.conn.send_bytes(module)
+                reply = self._receive(worker, deadline)
+            except CompilerTimeoutOrCrash as e:
+                worker.kill()
+                raise e.error from None
+            self._give_back(worker)
+        if reply[:1] == _ERR:
+            raise CompileFailed(f"XLA could not compile the program: {reply[1:].decode()}")
+        return reply[1:]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise CompileFailed("the compiler is shut down")
+            if self._idle:
+                return self._idle.pop()
+        return _Worker(self._env)
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(worker)
+                return
+        worker.kill()
+
+    def _wait_ready(self, worker: _Worker, deadline: float) -> None:
+        if not worker.ready:
+            if self._receive(worker, deadline) != _OK:
+                raise CompilerTimeoutOrCrash(CompileFailed("compile worker failed to start"))
+            worker.ready = True
+
+    def _receive(self, worker: _Worker, deadline: float) -> bytes:
+        try:
+            if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise CompilerTimeoutOrCrash(CompileTimeout(
+                    f"compile ran past its time limit of {self.timeout_s:g} s and was stopped"))
+            return worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            try:
+                code = worker.process.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise CompilerTimeoutOrCrash(CompileFailed(
+                f"XLA crashed while compiling the program (worker exit code {code})")) from None
+
+
+class CompilerTimeoutOrCrash(Exception):
+    """Internal: the worker must be killed; ``error`` is what the caller sees."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+

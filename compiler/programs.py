@@ -1,0 +1,223 @@
+"""Program formats in, one ``Program`` type out; and each format's way to a module.
+
+A ``Program`` is what a client uploaded, decoded and validated once. Compiling it
+for concrete inputs goes through ``lower``: each format yields a StableHLO module
+whose ``@main`` takes the flat input leaves, and from there every format shares the
+same path (``compiler.compile``).
+
+Program bytes are untrusted: decoding never unpickles or evaluates anything. A
+``jax_export`` artifact is a flatbuffer read by jax's own deserializer; its module
+is a VHLO artifact parsed by MLIR; a ``jaxpr`` document is plain data decoded
+against a primitive allowlist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import tree_util
+from jax._src.lib.mlir import ir
+
+from compiler import stablehlo
+from compiler.avals import DTYPES, Aval
+from compiler.errors import (
+    CompilerError,
+    InvalidProgram,
+    PlatformMismatch,
+    SignatureMismatch,
+    UnsafeProgram,
+)
+from compiler.safety import Limits, check_module
+from compiler.trees import treedef_to_json
+
+__all__ = ["Program", "ProgramFormat", "decode_program", "lower"]
+
+
+class ProgramFormat(str, enum.Enum):
+    """The ``format`` of an upload (docs/api.md)."""
+
+    JAX_EXPORT = "jax_export"
+    STABLEHLO = "stablehlo"
+    JAXPR = "jaxpr"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """An uploaded program, decoded and validated.
+
+    Attributes:
+      program_id: sha256 hex of ``payload``; the content address.
+      format: which decoder read it.
+      payload: the bytes as uploaded.
+      in_avals: flat input leaves; dynamic dims are ``None`` (raw ``?``) or ``str``
+        (jax.export symbolic dims).
+      out_avals: flat output leaves, when known before compiling.
+      in_tree, out_tree: the pytree structures (``compiler.trees``), when known.
+      platforms: platforms the program was made for; empty when it does not say.
+    """
+
+    program_id: str
+    format: ProgramFormat
+    payload: bytes = dataclasses.field(repr=False)
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...] | None
+    in_tree: Any = None
+    out_tree: Any = None
+    platforms: tuple[str, ...] = ()
+
+    @property
+    def is_static(self) -> bool:
+        return all(a.is_static for a in self.in_avals)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "program_id": self.program_id,
+            "format": self.format.value,
+            "in_avals": [a.to_json() for a in self.in_avals],
+            "out_avals": None if self.out_avals is None else [a.to_json() for a in self.out_avals],
+            "in_tree": self.in_tree,
+            "out_tree": self.out_tree,
+            "platforms": list(self.platforms),
+        }
+
+
+def decode_program(data: bytes, format: str | None, *, platform: str, limits: Limits) -> Program:
+    """Decode and validate ``data``; ``format`` is detected when ``None``.
+
+    Raises a ``CompilerError`` naming the problem: unreadable bytes, a disallowed
+    op or custom call, a size over ``limits``, or an export for other platforms.
+    """
+    if len(data) > limits.max_program_bytes:
+        raise InvalidProgram(
+            f"program is {len(data):,} bytes, over the limit of {limits.max_program_bytes:,}")
+    fmt = _format(format) if format else _detect(data)
+    decoder = {ProgramFormat.JAX_EXPORT: _decode_export, ProgramFormat.STABLEHLO: _decode_stablehlo,
+               ProgramFormat.JAXPR: _decode_jaxpr}[fmt]
+    return decoder(bytes(data), platform, limits)
+
+
+def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: Limits) -> ir.Module:
+    """The program as a module in ``ctx`` whose ``@main`` takes the flat ``in_avals``."""
+    if program.format is ProgramFormat.STABLEHLO:
+        return stablehlo.parse_module(program.payload, ctx, limits)
+    if program.format is ProgramFormat.JAX_EXPORT:
+        fn = _export_as_flat_function(_deserialize_export(program.payload))
+    else:
+        fn = _jaxpr_document(program.payload).as_function()
+    structs = [jax.ShapeDtypeStruct(a.shape, DTYPES[a.dtype], weak_type=p.weak_type)
+               for a, p in zip(in_avals, program.in_avals)]
+    try:
+        module = jax.jit(fn, keep_unused=True).lower(*structs).compiler_ir("stablehlo")
+    except CompilerError:
+        raise
+    except Exception as e:  # jax says why the inputs do not fit (symbolic dims, dtypes)
+        raise SignatureMismatch(f"the inputs do not fit the program: {_first_line(e)}") from None
+    return stablehlo.parse_module(stablehlo.to_bytecode(module), ctx, limits)
+
+
+def _format(name: str) -> ProgramFormat:
+    try:
+        return ProgramFormat(name)
+    except ValueError:
+        raise InvalidProgram(
+            f"unknown program format {name!r}; expected one of {[f.value for f in ProgramFormat]}"
+        ) from None
+
+
+def _detect(data: bytes) -> ProgramFormat:
+    if data.startswith(stablehlo.MLIR_BYTECODE_MAGIC):
+        return ProgramFormat.STABLEHLO
+    head = data[:4096].lstrip()
+    # A JSON jaxpr document; a msgpack one must be named (format=jaxpr), since its
+    # first byte could equally be a flatbuffer's root offset.
+    if head.startswith(b"{") and b"\x00" not in data[:16]:
+        return ProgramFormat.JAXPR
+    if b"func.func" in data[:1 << 20] or head.startswith((b"module", b"#loc", b"//")):
+        return ProgramFormat.STABLEHLO
+    return ProgramFormat.JAX_EXPORT
+
+
+def _program(data: bytes, fmt: ProgramFormat, **fields: Any) -> Program:
+    return Program(hashlib.sha256(data).hexdigest(), fmt, data, **fields)
+
+
+def _decode_stablehlo(data: bytes, platform: str, limits: Limits) -> Program:
+    with stablehlo.new_context() as ctx:
+        module = stablehlo.parse_module(data, ctx, limits)
+        check_module(module, limits)
+        in_avals, out_avals = stablehlo.main_signature(module)
+    _check_inputs(in_avals, limits)
+    static_out = out_avals if all(a.is_static for a in out_avals) else None
+    return _program(data, ProgramFormat.STABLEHLO, in_avals=in_avals, out_avals=static_out)
+
+
+def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
+    exp = _deserialize_export(data)
+    if platform not in exp.platforms:
+        raise PlatformMismatch(
+            f"program was exported for platforms {list(exp.platforms)}; this server runs "
+            f"{platform!r} (export with platforms=[{platform!r}, ...])")
+    if exp.ordered_effects or exp.unordered_effects:
+        raise UnsafeProgram(
+            f"program has effects {[*exp.ordered_effects, *exp.unordered_effects]}; "
+            "jitserve runs pure programs only (no callbacks, no debug printing)")
+    if exp.nr_devices != 1:
+        raise PlatformMismatch(f"program needs {exp.nr_devices} devices; jitserve runs it on 1")
+    with stablehlo.new_context() as ctx:
+        check_module(stablehlo.parse_module(exp.mlir_module_serialized, ctx, limits), limits)
+    in_avals = tuple(_export_aval(a) for a in exp.in_avals)
+    _check_inputs(in_avals, limits)
+    return _program(
+        data, ProgramFormat.JAX_EXPORT, in_avals=in_avals,
+        out_avals=tuple(_export_aval(a) for a in exp.out_avals),
+        in_tree=treedef_to_json(exp.in_tree), out_tree=treedef_to_json(exp.out_tree),
+        platforms=tuple(exp.platforms))
+
+
+def _decode_jaxpr(data: bytes, platform: str, limits: Limits) -> Program:
+    decoded = _jaxpr_document(data)
+    _check_inputs(decoded.in_avals, limits)
+    return _program(data, ProgramFormat.JAXPR, in_avals=tuple(decoded.in_avals),
+                    out_avals=tuple(decoded.out_avals))
+
+
+def _jaxpr_document(data: bytes) -> Any:
+    from compiler import jaxpr_format  # imported late: only jaxpr programs need it
+
+    return jaxpr_format.decode_document(data)
+
+
+def _deserialize_export(data: bytes) -> Any:
+    try:
+        return jax.export.deserialize(bytearray(data))
+    except Exception as e:  # a flatbuffer reader on hostile bytes fails in many ways
+        raise InvalidProgram(
+            f"not a jax.export artifact (Exported.serialize() bytes): {_first_line(e)}") from None
+
+
+def _export_as_flat_function(exp: Any) -> Callable[..., list[Any]]:
+    def flat(*leaves: Any) -> list[Any]:
+        args, kwargs = tree_util.tree_unflatten(exp.in_tree, leaves)
+        return tree_util.tree_leaves(exp.call(*args, **kwargs))
+
+    return flat
+
+
+def _export_aval(aval: Any) -> Aval:
+    shape = tuple(d if isinstance(d, int) else str(d) for d in aval.shape)
+    return Aval(shape, aval.dtype.name, bool(getattr(aval, "weak_type", False)))
+
+
+def _check_inputs(in_avals: Sequence[Aval], limits: Limits) -> None:
+    if len(in_avals) > limits.max_inputs:
+        raise InvalidProgram(f"program takes {len(in_avals)} inputs, over {limits.max_inputs}")
+
+
+def _first_line(e: BaseException, limit: int = 1500) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text[:limit]

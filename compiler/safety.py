@@ -1,0 +1,159 @@
+"""What an untrusted program may contain, checked before XLA sees it.
+
+Programs arrive from the network. Before a byte reaches XLA the compiler checks
+sizes (program bytes, op count, region nesting, the bytes of every tensor type)
+and allowlists (ops by dialect, ``custom_call`` targets). Host callbacks
+(``jax.pure_callback``, ``io_callback``, ``jax.debug.print``), infeed/outfeed and
+kernels written in other languages (Pallas, Triton) are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from jax._src.export import _export as jax_export_internals
+from jax._src.lib.mlir import ir
+
+from compiler.errors import LimitExceeded, UnsafeProgram
+
+__all__ = ["ALLOWED_CUSTOM_CALLS", "Limits", "ModuleStats", "check_module", "check_text_nesting"]
+
+# Targets that carry arbitrary code, or that only make sense off this host.
+_REFUSED_TARGETS = frozenset({
+    "tf.call_tf_function",  # calls back into TensorFlow
+    "tpu_custom_call",  # Pallas/Mosaic TPU kernels: arbitrary device code
+    "mosaic_gpu_v2",  # Pallas Mosaic GPU kernels: arbitrary device code
+})
+
+# The targets jax.export guarantees stable (LAPACK/cuSOLVER FFI kernels,
+# threefry, shape assertions, ...), less those that run foreign code. Callbacks
+# (xla_ffi_python_cpu_callback and friends) are not in jax's list, so they stay out.
+ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
+    jax_export_internals._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE - _REFUSED_TARGETS
+)
+
+_ALLOWED_DIALECTS = frozenset({"builtin", "func", "stablehlo", "chlo", "sdy"})
+# Ops that move data between the device and the host, outside the call's arguments.
+_REFUSED_OPS = frozenset({
+    "stablehlo.infeed", "stablehlo.outfeed", "stablehlo.send", "stablehlo.recv",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on one untrusted program.
+
+    Attributes:
+      max_program_bytes: size of the uploaded bytes, checked before parsing.
+      max_ops: operations in the module, nested regions included.
+      max_nesting: depth of nested regions (while bodies, conds, reducers).
+      max_tensor_bytes: bytes of any one tensor type in the module, and of any input.
+      max_inputs: number of flat inputs to @main.
+    """
+
+    max_program_bytes: int = 64 << 20
+    max_ops: int = 200_000
+    max_nesting: int = 64
+    max_tensor_bytes: int = 16 << 30
+    max_inputs: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleStats:
+    """What a walk over a module found."""
+
+    ops: int
+    max_depth: int
+    custom_calls: frozenset[str]
+
+
+def check_text_nesting(text: str, limits: Limits) -> None:
+    """Refuse MLIR text nested deeper than the limit, before the parser recurses into it.
+
+    Counting braces over-approximates region depth (attribute dictionaries count
+    too), which only makes the check stricter.
+    """
+    depth = 0
+    for ch in text:
+        if ch == "{":
+            depth += 1
+            if depth > 4 * limits.max_nesting:
+                raise LimitExceeded(
+                    f"program text nests deeper than the limit ({limits.max_nesting} regions)"
+                )
+        elif ch == "}":
+            depth -= 1
+
+
+def check_module(module: ir.Module, limits: Limits) -> ModuleStats:
+    """Walk every op of ``module``; raise if anything is not allowed.
+
+    Dynamic dimensions are skipped by the tensor-size check; the specialized
+    (static) module is checked again before it is compiled.
+    """
+    ops, max_depth, targets = 0, 0, set()
+    for op, depth in _walk(module.operation, 0):
+        ops += 1
+        max_depth = max(max_depth, depth)
+        if ops > limits.max_ops:
+            raise LimitExceeded(f"program has more than {limits.max_ops} ops")
+        if depth > limits.max_nesting:
+            raise LimitExceeded(f"program nests regions deeper than {limits.max_nesting}")
+        _check_op(op, limits)
+        if op.name == "stablehlo.custom_call":
+            targets.add(ir.StringAttr(op.attributes["call_target_name"]).value)
+    return ModuleStats(ops, max_depth, frozenset(targets))
+
+
+def _walk(op: ir.Operation, depth: int) -> Iterator[tuple[ir.Operation, int]]:
+    # Iterative: a hostile module must not exhaust Python's recursion limit.
+    stack = [(op, depth)]
+    while stack:
+        op, depth = stack.pop()
+        yield op, depth
+        for region in op.regions:
+            for block in region.blocks:
+                stack.extend((child.operation, depth + 1) for child in block.operations)
+
+
+def _check_op(op: ir.Operation, limits: Limits) -> None:
+    name = op.name
+    if name.split(".", 1)[0] not in _ALLOWED_DIALECTS or name in _REFUSED_OPS:
+        raise UnsafeProgram(f"op {name!r} is not allowed in a jitserve program")
+    if name == "stablehlo.custom_call":
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+        if target not in ALLOWED_CUSTOM_CALLS:
+            raise UnsafeProgram(
+                f"custom_call target {target!r} is not allowed (host callbacks, foreign "
+                "kernels and unknown targets are refused; allowed are the targets "
+                "jax.export guarantees stable)"
+            )
+    for result in op.results:
+        _check_type(result.type, name, limits)
+    if name == "func.func":
+        ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+        for t in [*ftype.inputs, *ftype.results]:
+            _check_type(t, name, limits)
+
+
+def _check_type(t: ir.Type, where: str, limits: Limits) -> None:
+    if not isinstance(t, ir.RankedTensorType) or not t.has_static_shape:
+        return
+    nbytes = 1
+    for d in t.shape:
+        nbytes *= d
+    nbytes = nbytes * element_bits(t.element_type) // 8
+    if nbytes > limits.max_tensor_bytes:
+        raise LimitExceeded(
+            f"{where} has a tensor of type {t} ({nbytes:,} bytes), over the limit of "
+            f"{limits.max_tensor_bytes:,} bytes per tensor"
+        )
+
+
+def element_bits(t: ir.Type) -> int:
+    """Storage bits of one element; sub-byte types count as a byte, as numpy stores them."""
+    if isinstance(t, ir.ComplexType):
+        return 2 * element_bits(t.element_type)
+    width = getattr(t, "width", None)
+    return max(int(width), 8) if width is not None else 64

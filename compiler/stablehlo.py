@@ -1,0 +1,159 @@
+"""StableHLO modules: parse, read the signature of ``@main``, specialize to static shapes.
+
+Every program format ends here: a module plus the concrete input avals becomes a
+module whose ``@main`` has static shapes, ready for XLA. Specializing wraps the
+program's ``@main`` in a new ``@main`` with the concrete types, converting each
+argument to the type the original expects (the way jax calls an exported module),
+then runs jax's shape refinement, which also checks jax's shape assertions.
+Wrapping also drops argument attributes such as buffer donation: a program must
+never consume the arrays it is given, since they may be other futures' outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from jax._src.interpreters import mlir
+from jax._src.lib import _jax
+from jax._src.lib.mlir import ir
+from jaxlib.mlir.dialects import func as func_d
+from jaxlib.mlir.dialects import stablehlo as hlo
+
+from compiler.avals import DTYPES, Aval
+from compiler.errors import InvalidProgram, SignatureMismatch
+from compiler.safety import Limits, check_text_nesting
+
+__all__ = [
+    "MLIR_BYTECODE_MAGIC",
+    "main_signature",
+    "new_context",
+    "parse_module",
+    "specialize",
+    "to_bytecode",
+]
+
+MLIR_BYTECODE_MAGIC = b"ML\xefR"
+_ORIGINAL_MAIN = "_jitserve_program_main"
+
+
+def new_context() -> ir.Context:
+    """A fresh MLIR context with jax's dialects. Contexts are not shared across threads."""
+    return mlir.make_ir_context()
+
+
+def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
+    """Parse MLIR text, MLIR bytecode or a VHLO portable artifact. Untrusted input."""
+    if len(data) > limits.max_program_bytes:
+        raise InvalidProgram(f"program is {len(data):,} bytes, over {limits.max_program_bytes:,}")
+    try:
+        if data.startswith(MLIR_BYTECODE_MAGIC):
+            if b"StableHLO_v" in data[:64]:
+                return _jax.mlir.deserialize_portable_artifact(data, ctx)
+            return ir.Module.parse(data, context=ctx)
+        text = data.decode("utf-8")
+        check_text_nesting(text, limits)
+        return ir.Module.parse(text, context=ctx)
+    except UnicodeDecodeError:
+        raise InvalidProgram("program is neither MLIR bytecode nor UTF-8 MLIR text") from None
+    except Exception as e:  # the MLIR bindings raise several types; all mean "not MLIR"
+        if isinstance(e, InvalidProgram) or type(e).__module__.startswith("compiler"):
+            raise
+        raise InvalidProgram(f"cannot parse the program as StableHLO: {_short(e)}") from None
+
+
+def main_signature(module: ir.Module) -> tuple[tuple[Aval, ...], tuple[Aval, ...]]:
+    """The input and output avals of ``@main``; dynamic dimensions are ``None``."""
+    ftype = _function_type(_main(module))
+    return (tuple(_aval(t, "input") for t in ftype.inputs),
+            tuple(_aval(t, "output") for t in ftype.results))
+
+
+def specialize(module: ir.Module, in_avals: Sequence[Aval]) -> ir.Module:
+    """A module whose ``@main`` takes exactly ``in_avals`` (static) and has static shapes."""
+    main = _main(module)
+    ftype = _function_type(main)
+    if len(in_avals) != len(ftype.inputs):
+        raise SignatureMismatch(f"program takes {len(ftype.inputs)} inputs, got {len(in_avals)}")
+    with module.context, ir.Location.unknown():
+        new_types = [_ir_type(a) for a in in_avals]
+        for i, (want, got) in enumerate(zip(ftype.inputs, new_types)):
+            if not _compatible(want, got):
+                raise SignatureMismatch(f"input {i}: program expects {want}, got {got}")
+        symtab = ir.SymbolTable(module.operation)
+        symtab.set_symbol_name(main, _ORIGINAL_MAIN)
+        main.attributes["sym_visibility"] = ir.StringAttr.get("private")
+        _add_wrapper(module, ftype, new_types)
+    # Always refine: it resolves dynamic shapes anywhere in the module (jax leaves
+    # them inside polymorphic exports), checks shape assertions, and verifies that
+    # what XLA gets is fully static.
+    return _refine(module)
+
+
+def to_bytecode(module: ir.Module) -> bytes:
+    return mlir.module_to_bytecode(module)
+
+
+def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: list[ir.Type]) -> None:
+    with ir.InsertionPoint(module.body):
+        wrapper = func_d.FuncOp("main", ir.FunctionType.get(new_types, list(ftype.results)))
+        wrapper.attributes["sym_visibility"] = ir.StringAttr.get("public")
+        block = wrapper.add_entry_block()
+        with ir.InsertionPoint(block):
+            args = [a if a.type == t else hlo.convert(t, a)
+                    for t, a in zip(ftype.inputs, block.arguments)]
+            call = func_d.CallOp(list(ftype.results), ir.FlatSymbolRefAttr.get(_ORIGINAL_MAIN), args)
+            func_d.ReturnOp(call.results)
+
+
+def _refine(module: ir.Module) -> ir.Module:
+    try:  # returns a module in a context of its own
+        return mlir.refine_polymorphic_shapes(module)
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise SignatureMismatch(f"the inputs do not fit the program's shapes: {_short(cause)}") from None
+
+
+def _main(module: ir.Module) -> ir.Operation:
+    for op in module.body.operations:
+        op = op.operation
+        if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            return op
+    raise InvalidProgram("the module has no func.func @main")
+
+
+def _function_type(main: ir.Operation) -> ir.FunctionType:
+    return ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+
+
+@functools.cache
+def _dtype_by_ir_name() -> dict[str, str]:
+    with new_context():
+        return {str(mlir.dtype_to_ir_type(dt)): name for name, dt in DTYPES.items()}
+
+
+def _aval(t: ir.Type, where: str) -> Aval:
+    if not isinstance(t, ir.RankedTensorType):
+        raise InvalidProgram(f"@main {where} of type {t} is not a ranked tensor")
+    dtype = _dtype_by_ir_name().get(str(t.element_type))
+    if dtype is None:
+        raise InvalidProgram(f"@main {where} has unsupported element type {t.element_type}")
+    shape = tuple(None if t.is_dynamic_dim(i) else d for i, d in enumerate(t.shape))
+    return Aval(shape, dtype)
+
+
+def _ir_type(aval: Aval) -> ir.Type:
+    return ir.RankedTensorType.get(list(aval.shape), mlir.dtype_to_ir_type(DTYPES[aval.dtype]))
+
+
+def _compatible(want: ir.Type, got: ir.Type) -> bool:
+    if not isinstance(want, ir.RankedTensorType) or want.element_type != got.element_type:
+        return False
+    if want.rank != got.rank:
+        return False
+    return all(want.is_dynamic_dim(i) or w == g for i, (w, g) in enumerate(zip(want.shape, got.shape)))
+
+
+def _short(e: BaseException, limit: int = 2000) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
