@@ -1,0 +1,87 @@
+"""jitserve's Python client: send jax programs to a server, get array futures back.
+
+Example::
+
+    import numpy as np
+    from client import Client
+
+    with Client("http://127.0.0.1:8000") as c:
+        f = c.jit(lambda x, n: x * n, static_argnums=(1,))
+        y = f(np.ones(3, np.float32), 2)   # a RemoteArray, returned at once
+        z = f(y, 3)                        # y never leaves the server
+        print(z.result(timeout=10))        # [6. 6. 6.]
+
+Importing this package needs only numpy, httpx, msgpack and ml_dtypes; jax is
+imported on the first ``jit`` call.
+"""
+
+from __future__ import annotations
+
+from client import errors, wire
+from client._async import AsyncClient
+from client._jit import AsyncRemoteFunction, RemoteFunction
+from client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from client._remote import AsyncRemoteArray, RemoteArray
+from client._sync import Client
+from client.errors import (
+    APIError,
+    BadRequest,
+    ConnectError,
+    FutureCancelled,
+    FutureError,
+    FutureExpired,
+    FutureFailed,
+    FuturePending,
+    JitserveError,
+    JitserveTimeout,
+    NotFound,
+    PayloadTooLarge,
+    ProgramError,
+    ProtocolError,
+    RequestTimeout,
+    ServerError,
+    TooManyRequests,
+    TransportError,
+    Unauthorized,
+)
+from client.wire import WireError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "APIError",
+    "AsyncClient",
+    "AsyncRemoteArray",
+    "AsyncRemoteFunction",
+    "Aval",
+    "BadRequest",
+    "Client",
+    "CompileInfo",
+    "ConnectError",
+    "FutureCancelled",
+    "FutureError",
+    "FutureExpired",
+    "FutureFailed",
+    "FutureInfo",
+    "FuturePending",
+    "JitserveError",
+    "JitserveTimeout",
+    "NOT_GIVEN",
+    "NotFound",
+    "NotGiven",
+    "PayloadTooLarge",
+    "ProgramError",
+    "ProgramInfo",
+    "ProtocolError",
+    "RemoteArray",
+    "RemoteFunction",
+    "RequestTimeout",
+    "ServerError",
+    "Timeout",
+    "TooManyRequests",
+    "TransportError",
+    "Unauthorized",
+    "WireError",
+    "errors",
+    "wire",
+]

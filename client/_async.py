@@ -1,0 +1,153 @@
+"""``AsyncClient``: the asyncio client. All logic lives in ``_base``; this file does the IO."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, overload
+
+import httpx
+import numpy as np
+
+from client._base import DEFAULT_URL, BaseClient, Op, WireFormat, _Call, _Reply, drive_step, transport_error
+from client._jit import AsyncRemoteFunction
+from client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from client._remote import AsyncRemoteArray
+from client.errors import JitserveError
+
+__all__ = ["AsyncClient"]
+
+T = TypeVar("T")
+
+
+class AsyncClient(BaseClient):
+    """The asyncio twin of ``Client``: the same arguments, awaitable methods.
+
+    Example::
+
+        async with AsyncClient("http://127.0.0.1:8000") as c:
+            f = c.jit(jnp.sin)
+            y = await f(np.ones(3, np.float32))   # AsyncRemoteArray, at once
+            print(await y.result(timeout=10))
+
+    ``transport`` is an ``httpx.AsyncBaseTransport``.
+    """
+
+    _array_cls = AsyncRemoteArray
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None | NotGiven = NOT_GIVEN,
+        timeout: Timeout | float | None = Timeout(),
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+        wire_format: WireFormat = "msgpack",
+        max_response_bytes: int | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
+                         wire_format=wire_format, max_response_bytes=max_response_bytes)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(),
+                                       timeout=self.timeout.to_httpx(), transport=transport)
+
+    # ------------------------------------------------------------------ IO
+
+    async def _send(self, call: _Call) -> _Reply:
+        request = self._build_request(self._http, call)
+        try:
+            response = await self._http.send(request)
+        except httpx.TransportError as e:
+            raise transport_error(e, request) from e
+        return self._reply(response)
+
+    async def _drive(self, op: Op[T]) -> T:
+        value: Any = None
+        exc: JitserveError | None = None
+        while True:
+            try:
+                step = drive_step(op, value, exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            value, exc = None, None
+            try:
+                if isinstance(step, _Call):
+                    value = await self._send(step)
+                else:
+                    await asyncio.sleep(step.seconds)
+            except JitserveError as e:
+                exc = e
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ API
+
+    async def upload(self, program: bytes, *, format: str | None = None) -> ProgramInfo:
+        """See ``Client.upload``."""
+        return await self._drive(self._op_upload(program, format))
+
+    async def get_program(self, program_id: str) -> ProgramInfo | None:
+        """See ``Client.get_program``."""
+        return await self._drive(self._op_get_program(program_id))
+
+    async def compile(self, program_id: str, *, in_avals: Iterable[Any] | None = None,
+                      static_key: str = "") -> CompileInfo:
+        """See ``Client.compile``."""
+        return await self._drive(self._op_compile(program_id, in_avals, static_key))
+
+    async def execute(self, program_id: str, args: Sequence[Any], *, wait: float | None = None,
+                      static_key: str = "") -> list[AsyncRemoteArray]:
+        """See ``Client.execute``."""
+        return self._wrap(await self._drive(self._op_execute(program_id, args, wait, static_key)))
+
+    async def future(self, future_id: str, *, wait: float | None = None) -> FutureInfo:
+        """See ``Client.future``."""
+        return await self._drive(self._op_future(future_id, wait))
+
+    async def result(self, future_id: str, *, wait: float | None = None) -> list[np.ndarray]:
+        """See ``Client.result``."""
+        return await self._drive(self._op_result(future_id, wait))
+
+    async def delete(self, future_id: str) -> str:
+        """See ``Client.delete``."""
+        return await self._drive(self._op_delete(future_id))
+
+    async def devices(self) -> Any:
+        """See ``Client.devices``."""
+        return await self._drive(self._op_get("/v1/devices"))
+
+    async def health(self) -> Any:
+        """See ``Client.health``."""
+        return await self._drive(self._op_get("/healthz"))
+
+    async def ready(self) -> bool:
+        """See ``Client.ready``."""
+        return await self._drive(self._op_ready())
+
+    @overload
+    def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Iterable[str] = ()) -> AsyncRemoteFunction: ...
+
+    @overload
+    def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Iterable[str] = ()
+            ) -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
+
+    def jit(self, fn: Callable[..., Any] | None = None, *,
+            static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Iterable[str] = ()) -> Any:
+        """See ``Client.jit``; calls of the result are awaitable."""
+        def make(f: Callable[..., Any]) -> AsyncRemoteFunction:
+            return AsyncRemoteFunction(self, f, static_argnums=static_argnums,
+                                       static_argnames=static_argnames)
+        return make if fn is None else make(fn)

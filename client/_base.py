@@ -1,0 +1,332 @@
+"""What ``Client`` and ``AsyncClient`` share: configuration, requests, answers, operations.
+
+Every operation is written once, here, as a generator that yields the HTTP calls it
+needs (``_Call``) or a pause (``_Sleep``) and receives each answer (``_Reply``) or
+the exception it raised. ``Client`` drives these generators with blocking IO and
+``AsyncClient`` with ``await``, so the two never drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from client import wire
+from client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from client._remote import _FutureState, _RemoteBase
+from client.errors import (
+    ConnectError,
+    FuturePending,
+    JitserveError,
+    JitserveTimeout,
+    NotFound,
+    ProtocolError,
+    RequestTimeout,
+    ServerError,
+    TransportError,
+    error_from_response,
+)
+
+__all__ = ["BaseClient"]
+
+T = TypeVar("T")
+WireFormat = Literal["msgpack", "json"]
+
+API_KEY_ENV = "JITSERVE_API_KEY"
+DEFAULT_URL = "http://127.0.0.1:8000"
+USER_AGENT = "jitserve-client/0.1.0"
+_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One HTTP request an operation needs; ``wait`` is the server-side wait it asks for."""
+
+    method: str
+    path: str
+    params: dict[str, str] | None = None
+    content: bytes | None = None
+    content_type: str | None = None
+    wait: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sleep:
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """A 2xx answer, its body decoded by ``Content-Type``."""
+
+    status: int
+    body: Any
+    request: httpx.Request
+
+    def parse(self, parser: Callable[[Any], T]) -> T:
+        """``parser(body)``, with this request on any ``ProtocolError`` it raises."""
+        try:
+            return parser(self.body)
+        except ProtocolError as e:
+            e.request = e.request or self.request
+            raise
+
+
+@dataclasses.dataclass(frozen=True)
+class _Execution:
+    """What an execute answered: a future, and its outputs when they came inline."""
+
+    future_id: str
+    out_avals: tuple[Aval, ...]
+    outputs: list[np.ndarray] | None
+    out_tree: Any
+
+
+Op = Generator[_Call | _Sleep, Any, T]
+
+
+def _ms(seconds: float) -> str:
+    return str(max(int(round(seconds * 1000)), 0))
+
+
+def _seg(ident: str) -> str:
+    """A path segment for an id; quoting keeps a hostile id inside its segment."""
+    return quote(str(ident), safe="")
+
+
+def transport_error(exc: httpx.TransportError, request: httpx.Request) -> TransportError:
+    """The client's exception for an httpx transport failure."""
+    text = f"{type(exc).__name__} on {request.method} {request.url}: {exc}"
+    if isinstance(exc, httpx.TimeoutException):
+        return RequestTimeout(text, request=request)
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectError(text, request=request)
+    return TransportError(text, request=request)
+
+
+class BaseClient:
+    """Configuration and every operation of the API, without IO (see the module docstring)."""
+
+    _array_cls: type[_RemoteBase]
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None | NotGiven = NOT_GIVEN,
+        timeout: Timeout | float | None = Timeout(),
+        headers: Mapping[str, str] | None = None,
+        wire_format: WireFormat = "msgpack",
+        max_response_bytes: int | None = None,
+    ) -> None:
+        if wire_format not in ("msgpack", "json"):
+            raise ValueError(f"wire_format must be 'msgpack' or 'json', got {wire_format!r}")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = os.environ.get(API_KEY_ENV) if isinstance(api_key, NotGiven) else api_key
+        self.timeout = Timeout.of(timeout)
+        self.wire_format: WireFormat = wire_format
+        self.max_response_bytes = max_response_bytes
+        self._extra_headers = dict(headers or {})
+        self._platforms: tuple[str, ...] | None | NotGiven = NOT_GIVEN
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url!r})"
+
+    # ------------------------------------------------------------------ HTTP plumbing
+
+    def _headers(self) -> dict[str, str]:
+        accept = wire.JSON if self.wire_format == "json" else f"{wire.MSGPACK}, {wire.JSON};q=0.5"
+        headers = {"User-Agent": USER_AGENT, "Accept": accept}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return {**headers, **self._extra_headers}
+
+    def _encode(self, body: Any) -> tuple[bytes, str]:
+        if self.wire_format == "json":
+            return wire.dumps_json(body), wire.JSON
+        return wire.packb(body), wire.MSGPACK
+
+    def _build_request(self, http: httpx.Client | httpx.AsyncClient, call: _Call) -> httpx.Request:
+        headers = {"Content-Type": call.content_type} if call.content_type else None
+        return http.build_request(call.method, call.path, params=call.params,
+                                  content=call.content, headers=headers,
+                                  timeout=self.timeout.to_httpx(call.wait))
+
+    def _decode_body(self, response: httpx.Response) -> Any:
+        ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        data = response.content
+        if not data:
+            return None
+        if ctype in _MSGPACK_TYPES:
+            return wire.unpackb(data, max_bytes=self.max_response_bytes)
+        if ctype == wire.JSON or ctype.endswith("+json"):
+            return wire.loads_json(data, max_bytes=self.max_response_bytes)
+        return response.text
+
+    def _reply(self, response: httpx.Response) -> _Reply:
+        """Decode a 2xx answer, or raise the ``APIError`` of a 4xx/5xx one."""
+        try:
+            body = self._decode_body(response)
+        except wire.WireError as e:
+            if response.is_success:
+                raise ProtocolError(f"undecodable answer to {response.request.method} "
+                                    f"{response.request.url}: {e}", request=response.request) from e
+            body = None
+        if not response.is_success:
+            raise error_from_response(response, body)
+        return _Reply(response.status_code, body, response.request)
+
+    # ------------------------------------------------------------------ arguments, arrays
+
+    def _arg(self, a: Any) -> Any:
+        """One execute argument on the wire: a future reference or an array."""
+        if isinstance(a, _RemoteBase):
+            # Another client's future lives on another server (or under another key).
+            return a.ref() if a._belongs_to(self) else np.asarray(a)
+        if wire.is_future_ref(a):
+            return dict(a)
+        return np.asarray(a)
+
+    def _wrap(self, ex: _Execution, avals: Sequence[Aval] | None = None) -> list[Any]:
+        """The remote arrays of an execution (``avals`` overrides the server's)."""
+        state = _FutureState(self, ex.future_id, ex.outputs)
+        return [self._array_cls(state, i, a) for i, a in enumerate(avals or ex.out_avals)]
+
+    @staticmethod
+    def _outputs(body: Any) -> list[np.ndarray]:
+        outputs = body.get("outputs") if isinstance(body, Mapping) else None
+        if not isinstance(outputs, list) or not all(isinstance(o, np.ndarray) for o in outputs):
+            raise ProtocolError(f"expected {{'outputs': [arrays...]}}, got {body!r:.200}")
+        return outputs
+
+    # ------------------------------------------------------------------ operations
+
+    def _op_upload(self, program: bytes, format: str | None) -> Op[ProgramInfo]:
+        params = {"format": format} if format else None
+        reply = yield _Call("POST", "/v1/programs", params, bytes(program), "application/octet-stream")
+        return reply.parse(ProgramInfo.from_json)
+
+    def _op_get_program(self, program_id: str) -> Op[ProgramInfo | None]:
+        try:
+            reply = yield _Call("GET", f"/v1/programs/{_seg(program_id)}")
+        except NotFound:
+            return None
+        return reply.parse(ProgramInfo.from_json)
+
+    def _op_compile(self, program_id: str, in_avals: Iterable[Any] | None,
+                    static_key: str) -> Op[CompileInfo]:
+        body: dict[str, Any] = {"static_key": static_key}
+        if in_avals is not None:
+            body["in_avals"] = [Aval.of(a).to_json() for a in in_avals]
+        content, ctype = self._encode(body)
+        reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/compile", None, content, ctype)
+        return reply.parse(CompileInfo.from_json)
+
+    def _op_execute(self, program_id: str, args: Iterable[Any], wait: float | None,
+                    static_key: str) -> Op[_Execution]:
+        body: dict[str, Any] = {"args": [self._arg(a) for a in args]}
+        if static_key:
+            body["static_key"] = static_key
+        content, ctype = self._encode(body)
+        ask = None if wait is None else min(wait, self.timeout.poll)
+        params = None if ask is None else {"wait": _ms(ask)}
+        reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/execute", params,
+                            content, ctype, wait=ask or 0.0)
+        return reply.parse(functools.partial(self._execution, reply.status))
+
+    def _execution(self, status: int, body: Any) -> _Execution:
+        if not isinstance(body, Mapping) or not isinstance(body.get("future_id"), str):
+            raise ProtocolError(f"execute answer: expected a future_id, got {body!r:.200}")
+        if status == 200 and "outputs" in body:
+            outputs = self._outputs(body)
+            avals = tuple(Aval(o.shape, o.dtype.name) for o in outputs)
+            return _Execution(body["future_id"], avals, outputs, body.get("out_tree"))
+        info = FutureInfo.from_json({"status": "pending", **body})
+        return _Execution(info.future_id, info.out_avals, None, info.out_tree)
+
+    def _op_future(self, future_id: str, wait: float | None) -> Op[FutureInfo]:
+        ask = None if wait is None else min(wait, self.timeout.poll)
+        params = None if ask is None else {"wait": _ms(ask)}
+        reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}", params, wait=ask or 0.0)
+        return reply.parse(FutureInfo.from_json)
+
+    def _op_result(self, future_id: str, wait: float | None) -> Op[list[np.ndarray]]:
+        """Long-poll ``/result`` in slices of at most ``timeout.poll`` until done or ``wait``."""
+        deadline = None if wait is None else time.monotonic() + wait
+        backoff = 0.01
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ask = self.timeout.poll if left is None else min(self.timeout.poll, left)
+            started = time.monotonic()
+            try:
+                reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}/result",
+                                    {"wait": _ms(ask)} if ask > 0 else None, wait=ask)
+                return reply.parse(self._outputs)
+            except FuturePending as e:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise JitserveTimeout(f"future {future_id} not done after {wait} s",
+                                          request=e.request) from e
+                if time.monotonic() - started < ask / 2:
+                    # The server answered early without holding the request: back off.
+                    yield _Sleep(backoff if left is None else min(backoff, left))
+                    backoff = min(backoff * 2, 1.0)
+
+    def _op_delete(self, future_id: str) -> Op[str]:
+        reply = yield _Call("DELETE", f"/v1/futures/{_seg(future_id)}")
+        body = reply.body
+        return str(body.get("status", "")) if isinstance(body, Mapping) else ""
+
+    def _op_get(self, path: str) -> Op[Any]:
+        reply = yield _Call("GET", path)
+        return reply.body
+
+    def _op_ready(self) -> Op[bool]:
+        try:
+            yield _Call("GET", "/readyz")
+        except ServerError:
+            return False
+        return True
+
+    def _op_platforms(self) -> Op[tuple[str, ...] | None]:
+        """The server's jax.export platforms (from ``/v1/devices``), asked once per client."""
+        if isinstance(self._platforms, NotGiven):
+            try:
+                body = yield from self._op_get("/v1/devices")
+            except NotFound:
+                body = None
+            self._platforms = platforms_of(body)
+        return self._platforms
+
+
+def platforms_of(doc: Any) -> tuple[str, ...] | None:
+    """The export platforms named in a ``/v1/devices`` document; ``None`` if it names none.
+
+    Reads ``platform`` from the document, its ``backend`` and each of its ``devices``
+    (or from each entry of a list). jax backends say ``gpu`` where jax.export says
+    ``cuda`` or ``rocm``; the document's platform versions tell which.
+    """
+    entries = list(doc) if isinstance(doc, list) else [doc]
+    if isinstance(doc, Mapping):
+        entries.append(doc.get("backend"))
+        devices = doc.get("devices")
+        entries += devices if isinstance(devices, list) else []
+    rocm = "rocm" in repr(doc).lower()
+    found: list[str] = []
+    for e in entries:
+        if isinstance(e, Mapping) and isinstance(e.get("platform"), str):
+            name = e["platform"].lower()
+            found.append(("rocm" if rocm else "cuda") if name == "gpu" else name)
+    return tuple(dict.fromkeys(found)) or None
+
+
+def drive_step(op: Op[T], value: Any, exc: JitserveError | None) -> _Call | _Sleep:
+    """Advance ``op`` with an answer or an exception; ``StopIteration`` carries its result."""
+    return op.throw(exc) if exc is not None else op.send(value)

@@ -1,0 +1,230 @@
+"""Small value objects: configuration (``Timeout``, ``NOT_GIVEN``) and the API's documents."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import httpx
+
+from client import wire
+from client.errors import ProtocolError
+
+__all__ = [
+    "NOT_GIVEN",
+    "Aval",
+    "CompileInfo",
+    "FutureInfo",
+    "NotGiven",
+    "ProgramInfo",
+    "Timeout",
+]
+
+Dim = int | str | None
+TERMINAL: Final = frozenset({"done", "failed", "cancelled"})
+
+
+class NotGiven(enum.Enum):
+    """The type of ``NOT_GIVEN``: tells "argument not given" from an explicit ``None``."""
+
+    NOT_GIVEN = "NOT_GIVEN"
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NOT_GIVEN: Final = NotGiven.NOT_GIVEN
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeout:
+    """How long the client waits, in seconds (``None``: no limit).
+
+    Attributes:
+      request: one HTTP exchange, not counting a long-poll wait the client asked for.
+      connect: opening a connection; defaults to ``request``.
+      poll: the longest wait asked of the server per long-poll request; a longer
+        wait is a loop of these, so no proxy ever sees a very long request.
+
+    >>> Timeout(10.0, connect=2.0)
+    Timeout(request=10.0, connect=2.0, poll=30.0)
+    """
+
+    request: float | None = 60.0
+    connect: float | None | NotGiven = NOT_GIVEN
+    poll: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.connect is NOT_GIVEN:
+            object.__setattr__(self, "connect", self.request)
+        if not self.poll > 0:
+            raise ValueError(f"poll must be a positive number of seconds, got {self.poll!r}")
+
+    @classmethod
+    def of(cls, value: Timeout | float | None) -> Timeout:
+        """``value`` as a ``Timeout``: a number or ``None`` sets ``request`` and ``connect``."""
+        return value if isinstance(value, Timeout) else cls(value)
+
+    def to_httpx(self, wait: float = 0.0) -> httpx.Timeout:
+        """The httpx timeout of one request that asks the server to wait ``wait`` seconds."""
+        read = None if self.request is None else self.request + wait
+        connect = None if isinstance(self.connect, NotGiven) else self.connect  # set in __post_init__
+        return httpx.Timeout(read, connect=connect)
+
+
+@dataclasses.dataclass(frozen=True)
+class Aval:
+    """The shape and dtype of an array, without its data.
+
+    A dimension is an ``int``, or ``None``/a ``str`` (``"b"``) when it is dynamic.
+    """
+
+    shape: tuple[Dim, ...]
+    dtype: str
+    weak_type: bool = False
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Aval:
+        """Parse ``{"shape": [...], "dtype": str, "weak_type"?: bool}`` from the server."""
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("shape"), list) \
+                or not isinstance(obj.get("dtype"), str):
+            raise ProtocolError(f"an aval is {{'shape': [...], 'dtype': str}}, got {obj!r:.200}")
+        return cls(tuple(obj["shape"]), obj["dtype"], bool(obj.get("weak_type", False)))
+
+    @classmethod
+    def of(cls, x: Any) -> Aval:
+        """The aval of an ``Aval``, a mapping, or anything with ``shape`` and ``dtype``."""
+        if isinstance(x, Aval):
+            return x
+        if isinstance(x, Mapping):
+            return cls(tuple(x["shape"]), str(x["dtype"]), bool(x.get("weak_type", False)))
+        return cls(tuple(x.shape), wire.dtype_name(x.dtype), bool(getattr(x, "weak_type", False)))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
+        if self.weak_type:
+            out["weak_type"] = True
+        return out
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        dims = ",".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}]"
+
+
+def _field(doc: Any, key: str, types: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(doc, Mapping):
+        raise ProtocolError(f"{what}: expected a JSON object, got {type(doc).__name__}")
+    if key not in doc or not isinstance(doc[key], types):
+        raise ProtocolError(f"{what}: field {key!r} is missing or not {types}: {doc!r:.300}")
+    return doc[key]
+
+
+def _avals(obj: Any) -> tuple[Aval, ...] | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, Sequence) or isinstance(obj, (str, bytes)):
+        raise ProtocolError(f"avals must be a list, got {obj!r:.200}")
+    return tuple(Aval.from_json(a) for a in obj)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramInfo:
+    """An uploaded program (``POST /v1/programs``, ``GET /v1/programs/{id}``).
+
+    ``in_tree``/``out_tree`` are the JSON pytree forms of docs/api.md ("Trees").
+    """
+
+    program_id: str
+    format: str
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...] | None
+    in_tree: Any
+    out_tree: Any
+    platforms: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ProgramInfo:
+        what = "program document"
+        return cls(
+            program_id=_field(doc, "program_id", str, what),
+            format=_field(doc, "format", str, what),
+            in_avals=_avals(_field(doc, "in_avals", list, what)) or (),
+            out_avals=_avals(doc.get("out_avals")),
+            in_tree=doc.get("in_tree"),
+            out_tree=doc.get("out_tree"),
+            platforms=tuple(doc.get("platforms") or ()),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileInfo:
+    """An executable (``POST /v1/programs/{id}/compile``).
+
+    ``tier`` says where it came from: ``memory``, ``disk``, ``redis`` or ``compiled``.
+    """
+
+    executable_id: str
+    tier: str
+    compile_seconds: float
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+    out_tree: Any
+
+    @classmethod
+    def from_json(cls, doc: Any) -> CompileInfo:
+        what = "compile answer"
+        return cls(
+            executable_id=_field(doc, "executable_id", str, what),
+            tier=_field(doc, "tier", str, what),
+            compile_seconds=float(_field(doc, "compile_seconds", (int, float), what)),
+            in_avals=_avals(_field(doc, "in_avals", list, what)) or (),
+            out_avals=_avals(_field(doc, "out_avals", list, what)) or (),
+            out_tree=doc.get("out_tree"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FutureInfo:
+    """A future's state (``GET /v1/futures/{id}``).
+
+    ``timings`` has ``queued_s``, ``compile_s`` and ``run_s``; ``created`` and
+    ``expires_at`` are what the server sent (Unix seconds).
+    """
+
+    future_id: str
+    status: str
+    out_avals: tuple[Aval, ...]
+    out_tree: Any = None
+    error: dict[str, Any] | None = None
+    timings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created: Any = None
+    expires_at: Any = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the future finished: ``done``, ``failed`` or ``cancelled``."""
+        return self.status in TERMINAL
+
+    @classmethod
+    def from_json(cls, doc: Any) -> FutureInfo:
+        what = "future document"
+        error = doc.get("error") if isinstance(doc, Mapping) else None
+        return cls(
+            future_id=_field(doc, "future_id", str, what),
+            status=_field(doc, "status", str, what),
+            out_avals=_avals(doc.get("out_avals")) or (),
+            out_tree=doc.get("out_tree"),
+            error=dict(error) if isinstance(error, Mapping) else None,
+            timings=dict(doc.get("timings") or {}),
+            created=doc.get("created"),
+            expires_at=doc.get("expires_at"),
+        )

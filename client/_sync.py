@@ -1,0 +1,177 @@
+"""``Client``: the blocking client. All logic lives in ``_base``; this file does the IO."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, overload
+
+import httpx
+import numpy as np
+
+from client._base import DEFAULT_URL, BaseClient, Op, WireFormat, _Call, _Reply, drive_step, transport_error
+from client._jit import RemoteFunction
+from client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from client._remote import RemoteArray
+from client.errors import JitserveError
+
+__all__ = ["Client"]
+
+T = TypeVar("T")
+
+
+class Client(BaseClient):
+    """A blocking jitserve client.
+
+    Example::
+
+        with Client("http://127.0.0.1:8000", api_key="...") as c:
+            f = c.jit(lambda x, n: x * n, static_argnums=(1,))
+            y = f(np.ones(3, np.float32), 2)    # RemoteArray, at once
+            print(np.asarray(f(y, 3)))          # y stays on the server
+
+    Args:
+      base_url: the server, e.g. ``"http://127.0.0.1:8000"``.
+      api_key: sent as ``Authorization: Bearer <key>``; defaults to ``$JITSERVE_API_KEY``,
+        ``None`` sends none.
+      timeout: a ``Timeout``, or seconds for each request (``None``: no limit).
+      transport: an ``httpx.BaseTransport`` (``httpx.MockTransport`` in tests).
+      headers: extra headers for every request.
+      wire_format: ``"msgpack"`` (default) or ``"json"`` request and answer bodies.
+      max_response_bytes: refuse to decode answers larger than this.
+    """
+
+    _array_cls = RemoteArray
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        *,
+        api_key: str | None | NotGiven = NOT_GIVEN,
+        timeout: Timeout | float | None = Timeout(),
+        transport: httpx.BaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+        wire_format: WireFormat = "msgpack",
+        max_response_bytes: int | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
+                         wire_format=wire_format, max_response_bytes=max_response_bytes)
+        self._http = httpx.Client(base_url=self.base_url, headers=self._headers(),
+                                  timeout=self.timeout.to_httpx(), transport=transport)
+
+    # ------------------------------------------------------------------ IO
+
+    def _send(self, call: _Call) -> _Reply:
+        request = self._build_request(self._http, call)
+        try:
+            response = self._http.send(request)
+        except httpx.TransportError as e:
+            raise transport_error(e, request) from e
+        return self._reply(response)
+
+    def _drive(self, op: Op[T]) -> T:
+        value: Any = None
+        exc: JitserveError | None = None
+        while True:
+            try:
+                step = drive_step(op, value, exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            value, exc = None, None
+            try:
+                if isinstance(step, _Call):
+                    value = self._send(step)
+                else:
+                    time.sleep(step.seconds)
+            except JitserveError as e:
+                exc = e
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ API
+
+    def upload(self, program: bytes, *, format: str | None = None) -> ProgramInfo:
+        """Upload program bytes (``jax_export`` or ``stablehlo``; detected when omitted)."""
+        return self._drive(self._op_upload(program, format))
+
+    def get_program(self, program_id: str) -> ProgramInfo | None:
+        """The program's document, or ``None`` if the server does not have it."""
+        return self._drive(self._op_get_program(program_id))
+
+    def compile(self, program_id: str, *, in_avals: Iterable[Any] | None = None,
+                static_key: str = "") -> CompileInfo:
+        """Compile ahead of time; ``in_avals`` (avals, arrays, ``{"shape", "dtype"}``) fix dynamic dims."""
+        return self._drive(self._op_compile(program_id, in_avals, static_key))
+
+    def execute(self, program_id: str, args: Sequence[Any], *, wait: float | None = None,
+                static_key: str = "") -> list[RemoteArray]:
+        """Run a program on flattened input leaves; one ``RemoteArray`` per output.
+
+        ``args`` are arrays (anything ``np.asarray`` takes) or ``RemoteArray`` s of
+        this client, sent as references. With ``wait`` (seconds, capped at
+        ``timeout.poll``) the server may hold the answer until the outputs are
+        ready; they then come back already fetched.
+        """
+        return self._wrap(self._drive(self._op_execute(program_id, args, wait, static_key)))
+
+    def future(self, future_id: str, *, wait: float | None = None) -> FutureInfo:
+        """A future's state; ``wait`` long-polls until it leaves pending/running."""
+        return self._drive(self._op_future(future_id, wait))
+
+    def result(self, future_id: str, *, wait: float | None = None) -> list[np.ndarray]:
+        """All outputs of a future, waiting up to ``wait`` seconds (``None``: as long as it takes).
+
+        Raises ``JitserveTimeout`` if not done in time, and the future's error if it failed.
+        """
+        return self._drive(self._op_result(future_id, wait))
+
+    def delete(self, future_id: str) -> str:
+        """Cancel the future if it has not started and free its outputs; its new status."""
+        return self._drive(self._op_delete(future_id))
+
+    def devices(self) -> Any:
+        """The server's devices document (``GET /v1/devices``)."""
+        return self._drive(self._op_get("/v1/devices"))
+
+    def health(self) -> Any:
+        """``GET /healthz``: raises if the server is not alive."""
+        return self._drive(self._op_get("/healthz"))
+
+    def ready(self) -> bool:
+        """Whether the server is ready to serve (``GET /readyz``)."""
+        return self._drive(self._op_ready())
+
+    @overload
+    def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Iterable[str] = ()) -> RemoteFunction: ...
+
+    @overload
+    def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Iterable[str] = ()
+            ) -> Callable[[Callable[..., Any]], RemoteFunction]: ...
+
+    def jit(self, fn: Callable[..., Any] | None = None, *,
+            static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Iterable[str] = ()) -> Any:
+        """Like ``jax.jit``, but the function runs on the server; see ``RemoteFunction``.
+
+        Also a decorator: ``@c.jit`` or ``@c.jit(static_argnums=1)``.
+
+        >>> f = c.jit(lambda x, n: x ** n, static_argnums=1)   # doctest: +SKIP
+        >>> f(np.arange(3.0), 2).result()                       # doctest: +SKIP
+        array([0., 1., 4.])
+        """
+        def make(f: Callable[..., Any]) -> RemoteFunction:
+            return RemoteFunction(self, f, static_argnums=static_argnums,
+                                  static_argnames=static_argnames)
+        return make if fn is None else make(fn)

@@ -1,0 +1,240 @@
+"""Every exception the client raises.
+
+One tree; catch ``JitserveError`` for all of them::
+
+    JitserveError
+    ├── TransportError              no HTTP answer came back
+    │   ├── ConnectError            the server could not be reached
+    │   └── RequestTimeout          one HTTP exchange ran out of time (also a JitserveTimeout)
+    ├── JitserveTimeout             a deadline passed (also builtins.TimeoutError)
+    ├── ProtocolError               an answer that does not follow docs/api.md
+    └── APIError                    the server answered 4xx/5xx {"error": {"code", "message"}}
+        ├── BadRequest              400 bad_request, and any other unmapped 4xx
+        │   ├── ProgramError        invalid_program, unsafe_program, limit_exceeded,
+        │   │                       platform_mismatch, signature_mismatch,
+        │   │                       compile_failed, compile_timeout
+        │   └── PayloadTooLarge     413 payload_too_large
+        ├── Unauthorized            401 unauthorized
+        ├── NotFound                404 not_found
+        ├── TooManyRequests         429 too_many_requests (.retry_after seconds)
+        ├── FutureError             a future that has no outputs to give
+        │   ├── FuturePending       409 future_pending (not done yet)
+        │   ├── FutureFailed        future_failed: its execution failed (.error)
+        │   ├── FutureCancelled     409 future_cancelled
+        │   └── FutureExpired       410 future_expired
+        └── ServerError             5xx
+
+An ``APIError`` is chosen by the answer's ``code`` first, its status second, so a
+code this client does not know still lands on the right branch. Every exception
+carries ``request``: the ``httpx.Request`` that caused it (``None`` only for a
+deadline that passed between requests).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "APIError",
+    "BadRequest",
+    "ConnectError",
+    "FutureCancelled",
+    "FutureError",
+    "FutureExpired",
+    "FutureFailed",
+    "FuturePending",
+    "JitserveError",
+    "JitserveTimeout",
+    "NotFound",
+    "PayloadTooLarge",
+    "ProgramError",
+    "ProtocolError",
+    "RequestTimeout",
+    "ServerError",
+    "TooManyRequests",
+    "TransportError",
+    "Unauthorized",
+    "error_class",
+    "error_from_response",
+]
+
+
+class JitserveError(Exception):
+    """Base of every client error; ``request`` is the request that caused it."""
+
+    def __init__(self, message: str, *, request: httpx.Request | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request = request
+
+
+class TransportError(JitserveError):
+    """The request got no HTTP answer (connection refused, reset, timed out...)."""
+
+
+class ConnectError(TransportError):
+    """The server could not be reached."""
+
+
+class JitserveTimeout(JitserveError, builtins.TimeoutError):
+    """A deadline passed: a request, or waiting for a future's outputs."""
+
+
+class RequestTimeout(TransportError, JitserveTimeout):
+    """One HTTP exchange ran out of time (see ``Timeout``)."""
+
+
+class ProtocolError(JitserveError):
+    """The server's answer does not follow the API (wrong shape, undecodable body)."""
+
+
+class APIError(JitserveError):
+    """The server answered with an error document.
+
+    Attributes:
+      status_code: the HTTP status.
+      code: the error code (``"not_found"``, ``"compile_failed"``...).
+      details: the error document's other fields.
+      response: the ``httpx.Response``.
+    """
+
+    def __init__(self, message: str, *, status_code: int, code: str,
+                 details: Mapping[str, Any] | None = None,
+                 request: httpx.Request | None = None,
+                 response: httpx.Response | None = None) -> None:
+        super().__init__(message, request=request)
+        self.status_code = status_code
+        self.code = code
+        self.details: dict[str, Any] = dict(details or {})
+        self.response = response
+
+    def __str__(self) -> str:
+        return f"{self.status_code} {self.code}: {self.message}"
+
+
+class BadRequest(APIError):
+    """The server refused the request as malformed (400, or another 4xx)."""
+
+
+class ProgramError(BadRequest):
+    """The program, or its inputs, cannot be compiled or run (the compiler's codes)."""
+
+
+class PayloadTooLarge(BadRequest):
+    """The request body is over the server's limit."""
+
+
+class Unauthorized(APIError):
+    """A missing or wrong API key, or a future created with another key."""
+
+
+class NotFound(APIError):
+    """Unknown, expired or deleted program or future id."""
+
+
+class TooManyRequests(APIError):
+    """The server is busy; ``retry_after`` says how many seconds to back off."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.retry_after = retry_after
+
+
+class FutureError(APIError):
+    """A future that has no outputs to give."""
+
+
+class FuturePending(FutureError):
+    """The future is not done yet."""
+
+
+class FutureFailed(FutureError):
+    """The future's execution failed; ``error`` is the server's error document."""
+
+    @property
+    def error(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, **self.details}
+
+
+class FutureCancelled(FutureError):
+    """The future was cancelled (deleted before it ran)."""
+
+
+class FutureExpired(FutureError):
+    """The future's outputs were dropped after its time to live."""
+
+
+class ServerError(APIError):
+    """The server failed (5xx)."""
+
+
+PROGRAM_CODES = frozenset({
+    "invalid_program", "unsafe_program", "limit_exceeded", "platform_mismatch",
+    "signature_mismatch", "compile_failed", "compile_timeout",
+})
+
+_BY_CODE: dict[str, type[APIError]] = {
+    "bad_request": BadRequest, "unauthorized": Unauthorized, "not_found": NotFound,
+    "payload_too_large": PayloadTooLarge, "too_many_requests": TooManyRequests,
+    "future_pending": FuturePending, "future_failed": FutureFailed,
+    "future_cancelled": FutureCancelled, "future_expired": FutureExpired,
+    **{code: ProgramError for code in PROGRAM_CODES},
+}
+
+_BY_STATUS: dict[int, type[APIError]] = {
+    401: Unauthorized, 403: Unauthorized, 404: NotFound, 413: PayloadTooLarge,
+    429: TooManyRequests,
+}
+
+
+def error_class(status_code: int, code: str) -> type[APIError]:
+    """The exception class for an error answer: by code, then by status."""
+    if code in _BY_CODE:
+        return _BY_CODE[code]
+    if status_code >= 500:
+        return ServerError
+    return _BY_STATUS.get(status_code, BadRequest if status_code >= 400 else APIError)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None  # absent, or an HTTP date: leave the choice to the caller
+
+
+def error_from_response(response: httpx.Response, body: Any) -> APIError:
+    """The ``APIError`` for a 4xx/5xx ``response`` whose decoded body is ``body``."""
+    status = response.status_code
+    err = body.get("error") if isinstance(body, Mapping) else None
+    if isinstance(err, Mapping) and isinstance(err.get("code"), str):
+        code, message = err["code"], str(err.get("message", ""))
+        details = {k: v for k, v in err.items() if k not in ("code", "message")}
+    else:  # not a jitserve error document (a proxy's page, say)
+        code = "internal" if status >= 500 else f"http_{status}"
+        message = _text(response) or response.reason_phrase
+        details = {}
+    cls = error_class(status, code)
+    kw: dict[str, Any] = {"status_code": status, "code": code, "details": details,
+                          "request": _request(response), "response": response}
+    if cls is TooManyRequests:
+        kw["retry_after"] = _retry_after(response)
+    return cls(message, **kw)
+
+
+def _text(response: httpx.Response) -> str:
+    try:
+        return response.text[:500]
+    except (httpx.ResponseNotRead, UnicodeDecodeError, LookupError):
+        return ""
+
+
+def _request(response: httpx.Response) -> httpx.Request | None:
+    try:
+        return response.request
+    except RuntimeError:  # a Response built by hand, with no request
+        return None

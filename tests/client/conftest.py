@@ -1,0 +1,38 @@
+"""Fixtures: a ``FakeServer`` and clients wired to it through ``httpx.MockTransport``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+# client_fakes sits next to this file; import it whatever the import mode.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from client_fakes import FAST, FakeServer  # noqa: E402
+
+from client import AsyncClient, Client
+
+
+@pytest.fixture
+def server() -> FakeServer:
+    return FakeServer()
+
+
+@pytest.fixture
+def client(server: FakeServer) -> Iterator[Client]:
+    with Client("http://jitserve.test", api_key=None, timeout=FAST,
+                transport=httpx.MockTransport(server)) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(server: FakeServer) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient("http://jitserve.test", api_key=None, timeout=FAST,
+                           transport=httpx.MockTransport(server)) as c:
+        yield c

@@ -1,0 +1,289 @@
+"""client.jit against the fake server: tracing, signatures, caching, chaining, upload."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from client_fakes import FAST, FakeServer
+
+from client import (
+    AsyncClient,
+    AsyncRemoteArray,
+    AsyncRemoteFunction,
+    Client,
+    NotFound,
+    ProgramError,
+    RemoteArray,
+    RemoteFunction,
+    wire,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+def executes(server: FakeServer) -> list[dict[str, Any]]:
+    return [wire.unpackb(r.content) for r in server.requests if r.url.path.endswith("/execute")]
+
+
+@pytest.fixture
+def exports(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every jax.export.export call made while tracing."""
+    calls: list[Any] = []
+    real = jax.export.export
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls.append(kw.get("platforms"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(jax.export, "export", counting)
+    return calls
+
+
+def test_pytrees_in_and_out(client: Client) -> None:
+    def fn(x: Any, pair: Any, *, scale: Any) -> Any:
+        return {"sum": x + pair[0], "rest": (pair[1] * scale, None), "n": jnp.sum(x)}
+
+    f = client.jit(fn)
+    assert isinstance(f, RemoteFunction) and f.__name__ == "fn"
+    out = f(X, (X, np.int32(3)), scale=np.int32(2))
+    assert set(out) == {"sum", "rest", "n"} and out["rest"][1] is None
+    assert all(isinstance(v, RemoteArray) for v in jax.tree_util.tree_leaves(out))
+    # Shapes and dtypes are known before anything is fetched.
+    assert (out["sum"].shape, out["sum"].dtype, out["n"].shape) == ((2, 3), np.float32, ())
+    expected = jax.jit(fn)(X, (X, np.int32(3)), scale=np.int32(2))
+    for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want))
+        assert got.dtype == want.dtype and got.shape == want.shape
+
+
+def test_requests_of_first_and_later_calls(client: Client, server: FakeServer,
+                                           exports: list[Any]) -> None:
+    f = client.jit(jnp.sin)
+    f(X)
+    pid = next(iter(server.programs))
+    assert server.paths() == ["GET /v1/devices", f"GET /v1/programs/{pid}", "POST /v1/programs",
+                              f"POST /v1/programs/{pid}/execute"]
+    server.requests.clear()
+    f(X + 1)
+    assert server.paths() == [f"POST /v1/programs/{pid}/execute"]  # no trace, no check, no upload
+    assert len(exports) == 1 and f._cache_size() == 1
+
+
+def test_program_id_is_the_sha256_of_the_export(client: Client, server: FakeServer) -> None:
+    import hashlib
+
+    client.jit(jnp.cos)(X)
+    ((pid, blob),) = server.programs.items()
+    assert pid == hashlib.sha256(blob).hexdigest()
+    assert jax.export.deserialize(bytearray(blob)).platforms == ("cpu",)
+
+
+def test_upload_skipped_when_the_server_has_the_program(client: Client, server: FakeServer) -> None:
+    client.jit(jnp.tanh)(X)
+    server.requests.clear()
+    client.jit(jnp.tanh)(X)  # a new RemoteFunction: checks, finds it, does not upload
+    assert [p.split(" ")[0] for p in server.paths()] == ["GET", "POST"]
+    assert not any(p == "POST /v1/programs" for p in server.paths())
+
+
+def test_new_signatures_trace_again(client: Client, exports: list[Any]) -> None:
+    f = client.jit(lambda x: x * 2)
+    f(X)
+    f(X[:1])                       # new shape
+    f(X.astype(np.int32))          # new dtype
+    f((X,)[0])                     # same as the first
+    f(2.0)                         # weak-typed scalar
+    f(np.float32(2.0))             # strong float32 scalar: a different signature
+    assert f._cache_size() == len(exports) == 5
+
+
+def test_static_argnums_and_argnames(client: Client, server: FakeServer, exports: list[Any]) -> None:
+    def power(x: Any, n: int, *, mode: str = "pow") -> Any:
+        return x ** n if mode == "pow" else x * n
+
+    f = client.jit(power, static_argnums=1, static_argnames="mode")
+    np.testing.assert_allclose(np.asarray(f(X, 2)), X ** 2)
+    np.testing.assert_allclose(np.asarray(f(X, n=3)), X ** 3)  # by name: still static
+    np.testing.assert_allclose(np.asarray(f(X, 2, mode="mul")), X * 2)
+    np.testing.assert_allclose(np.asarray(f(X, 2)), X ** 2)
+    assert len(exports) == 3
+    assert all(len(body["args"]) == 1 for body in executes(server))  # statics are not sent
+
+
+def test_static_argnames_given_positionally(client: Client) -> None:
+    f = client.jit(lambda x, n: jnp.tile(x, n), static_argnames="n")
+    assert f(X, 2).shape == (2, 6)
+
+
+def test_negative_static_argnum(client: Client) -> None:
+    f = client.jit(lambda x, shape: jnp.broadcast_to(x, shape), static_argnums=-1)
+    assert f(np.float32(1), (2, 2)).shape == (2, 2)
+
+
+def test_unhashable_static_argument(client: Client) -> None:
+    f = client.jit(lambda x, opts: x, static_argnums=1)
+    with pytest.raises(ValueError, match="Non-hashable static arguments"):
+        f(X, {"a": 1})
+
+
+@pytest.fixture(params=[False, True], ids=["x32", "x64"])
+def x64(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Run with jax_enable_x64 off and on (the caller's choice, as with jax.jit)."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", request.param)
+    yield request.param
+    jax.config.update("jax_enable_x64", before)
+
+
+def test_scalars_and_x64_follow_jax_jit(client: Client, server: FakeServer, x64: bool) -> None:
+    def fn(a: Any, b: Any, c: Any, d: Any) -> Any:
+        return (a + 1, b, c, d)
+
+    f = client.jit(fn)
+    inputs = (2.5, 7, True, np.arange(3, dtype=np.float64))
+    out = f(*inputs)
+    wide = ["float64", "int64", "bool", "float64"]
+    narrow = ["float32", "int32", "bool", "float32"]
+    args = executes(server)[0]["args"]
+    assert [a.dtype.name for a in args] == (wide if x64 else narrow)
+    expected = jax.jit(fn)(*inputs)
+    assert [o.dtype for o in out] == [e.dtype for e in expected]
+    np.testing.assert_allclose(out[0].result(), 3.5)
+
+
+def test_x64_setting_is_part_of_the_signature(client: Client, exports: list[Any]) -> None:
+    f = client.jit(lambda a: a * 2)
+    before = jax.config.jax_enable_x64
+    try:
+        for flag in (False, True, False):
+            jax.config.update("jax_enable_x64", flag)
+            assert f(1.5).dtype == (np.float64 if flag else np.float32)
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    assert len(exports) == 2
+
+
+def test_jax_arrays_as_inputs(client: Client) -> None:
+    y = client.jit(lambda a: a.T)(jnp.asarray(X))
+    np.testing.assert_array_equal(np.asarray(y), X.T)
+
+
+def test_chaining_keeps_data_on_the_server(client: Client, server: FakeServer) -> None:
+    f = client.jit(lambda a, b: a @ b)
+    y = f(X, X.T)
+    z = f(y, y)
+    assert not any(p.endswith("/result") for p in server.paths())
+    assert executes(server)[1]["args"] == [{"future": y.future_id, "output": 0}] * 2
+    np.testing.assert_allclose(np.asarray(z), (X @ X.T) @ (X @ X.T))
+
+
+def test_remote_array_of_another_client_is_sent_inline(client: Client) -> None:
+    other_server = FakeServer()
+    with Client("http://other.test", api_key=None, timeout=FAST,
+                transport=httpx.MockTransport(other_server)) as other:
+        y = other.jit(jnp.negative)(X)
+        z = client.jit(jnp.abs)(y)
+    np.testing.assert_array_equal(np.asarray(z), X)
+
+
+def test_reupload_when_the_server_lost_the_program(client: Client, server: FakeServer) -> None:
+    f = client.jit(jnp.exp)
+    f(X)
+    server.programs.clear()  # a restart with a fresh store
+    server.requests.clear()
+    np.testing.assert_allclose(np.asarray(f(X)), np.exp(X), rtol=1e-6)
+    assert [p.split(" ")[0] + " " + p.split("/")[-1] for p in server.paths()] == [
+        "POST execute", f"GET {next(iter(server.programs))}", "POST programs", "POST execute",
+        "GET result"]
+
+
+def test_missing_future_reference_is_not_found(client: Client, server: FakeServer) -> None:
+    f = client.jit(jnp.exp)
+    y = f(X)
+    y.delete()
+    with pytest.raises(NotFound, match="unknown future"):
+        f(y)
+
+
+def test_outputs_none_and_zero_leaves(client: Client) -> None:
+    assert client.jit(lambda x: None)(X) is None
+    assert client.jit(lambda x: ())(X) == ()
+
+
+def test_decorator_forms(client: Client) -> None:
+    @client.jit
+    def double(x: Any) -> Any:
+        return x * 2
+
+    @client.jit(static_argnums=1)
+    def scale(x: Any, k: float) -> Any:
+        return x * k
+
+    np.testing.assert_array_equal(np.asarray(double(X)), X * 2)
+    np.testing.assert_array_equal(np.asarray(scale(X, 3.0)), X * 3)
+    assert "double" in repr(double)
+
+
+def test_exports_for_the_server_platform(client: Client, server: FakeServer,
+                                         exports: list[Any]) -> None:
+    server.devices_doc = {"platform": "gpu", "platform_version": "cuda 12.4"}
+    with pytest.raises(ProgramError, match="platform_mismatch"):
+        client.jit(jnp.sin)(X)  # the fake runs CPU programs only
+    assert exports == [("cuda",)]
+    (blob,) = server.programs.values()
+    assert jax.export.deserialize(bytearray(blob)).platforms == ("cuda",)
+
+
+def test_failed_execution_surfaces_on_result(client: Client, server: FakeServer) -> None:
+    from client import FutureFailed
+
+    server.fail_with = {"code": "internal", "message": "out of device memory"}
+    y = client.jit(jnp.sin)(X)
+    with pytest.raises(FutureFailed, match="out of device memory"):
+        y.result(timeout=5)
+
+
+def test_program_errors_raise_at_call(client: Client, server: FakeServer) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(422, json={"error": {"code": "unsafe_program",
+                                                   "message": "custom_call foo not allowed"}})
+
+    server._post_programs = refuse  # type: ignore[method-assign]
+    with pytest.raises(ProgramError, match="custom_call foo"):
+        client.jit(jnp.sin)(X)
+
+
+async def test_async_jit(aclient: AsyncClient, server: FakeServer) -> None:
+    f = aclient.jit(lambda a, n: {"y": a * n}, static_argnums=1)
+    assert isinstance(f, AsyncRemoteFunction)
+    out = await f(X, 3)
+    y = out["y"]
+    assert isinstance(y, AsyncRemoteArray) and y.shape == (2, 3)
+    z = await f(y, 2)
+    np.testing.assert_array_equal(await z["y"].result(timeout=5), X * 6)
+    assert executes(server)[1]["args"] == [{"future": y.future_id, "output": 0}]
+
+    @aclient.jit
+    def neg(a: Any) -> Any:
+        return -a
+
+    np.testing.assert_array_equal(await (await neg(X)), -X)
+
+
+def test_jit_needs_a_callable(client: Client) -> None:
+    with pytest.raises(TypeError, match="callable"):
+        client.jit(3)  # type: ignore[call-overload]
+
+
+def test_functools_partial(client: Client) -> None:
+    f = client.jit(functools.partial(jnp.add, 1.0))
+    np.testing.assert_array_equal(np.asarray(f(X)), X + 1)

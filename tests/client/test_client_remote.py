@@ -1,0 +1,177 @@
+"""RemoteArray and AsyncRemoteArray: metadata, one shared fetch, numpy protocol, deletion."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from client_fakes import FakeServer
+
+from client import (
+    AsyncClient,
+    AsyncRemoteArray,
+    Aval,
+    Client,
+    FutureFailed,
+    JitserveTimeout,
+    NotFound,
+    RemoteArray,
+)
+from client._base import _Execution
+
+pytestmark = pytest.mark.timeout(60)
+
+OUTS = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(7, np.int64)]
+
+
+def future(server: FakeServer, c: Client | AsyncClient, outputs: list[np.ndarray] = OUTS,
+           status: str = "done", error: dict[str, Any] | None = None) -> list[Any]:
+    """Remote arrays for a future the fake server already holds."""
+    fid = f"f{len(server.futures)}"
+    avals = [{"shape": list(o.shape), "dtype": o.dtype.name} for o in outputs]
+    server.futures[fid] = {"future_id": fid, "status": status, "error": error,
+                           "outputs": outputs, "out_avals": avals}
+    ex = _Execution(fid, tuple(Aval(o.shape, o.dtype.name) for o in outputs), None, None)
+    return c._wrap(ex)
+
+
+def result_calls(server: FakeServer) -> int:
+    return sum(p.endswith("/result") for p in server.paths())
+
+
+def test_metadata_without_any_request(server: FakeServer, client: Client) -> None:
+    a, b = future(server, client)
+    assert isinstance(a, RemoteArray)
+    assert (a.shape, a.dtype, a.ndim, a.size, a.nbytes) == ((2, 3), np.float32, 2, 6, 24)
+    assert (b.shape, b.dtype, b.ndim, b.size) == ((), np.int64, 0, 1)
+    assert (a.future_id, a.index, b.index) == ("f0", 0, 1)
+    assert a.ref() == {"future": "f0", "output": 0}
+    assert repr(a) == "RemoteArray(future='f0', index=0, shape=(2, 3), dtype=float32, remote)"
+    assert server.requests == []
+
+
+def test_siblings_share_one_fetch(server: FakeServer, client: Client) -> None:
+    a, b = future(server, client)
+    np.testing.assert_array_equal(a.result(), OUTS[0])
+    assert b.result() == 7 and b.result().shape == ()
+    np.testing.assert_array_equal(np.asarray(a), OUTS[0])
+    assert result_calls(server) == 1
+    assert "fetched" in repr(b)
+
+
+def test_concurrent_result_calls_fetch_once(server: FakeServer, client: Client) -> None:
+    arrays = future(server, client)
+    server.pending_polls = 2
+    got: list[np.ndarray] = []
+    threads = [threading.Thread(target=lambda i=i: got.append(arrays[i % 2].result(timeout=5)))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 6
+    assert result_calls(server) == 3  # two pending polls, then one fetch for all
+
+
+def test_array_protocol(server: FakeServer, client: Client) -> None:
+    a, _ = future(server, client)
+    assert np.asarray(a, dtype=np.float64).dtype == np.float64
+    copy = np.array(a, copy=True)
+    copy[0, 0] = 100  # a copy is writable; the fetched value is not touched
+    assert a.result()[0, 0] == 0
+    assert np.asarray(a).sum() == 15
+    with pytest.raises(ValueError, match="needs a copy"):
+        a.__array__(np.float64, copy=False)
+
+
+def test_done_and_block_until_ready(server: FakeServer, client: Client) -> None:
+    a, _ = future(server, client)
+    server.pending_polls = 1
+    assert a.done() is False  # the fake says "running" while polls are pending
+    server.pending_polls = 0
+    assert a.done() is True
+    assert a.block_until_ready() is a
+    n = len(server.requests)
+    assert a.done() is True and len(server.requests) == n  # cached: no request
+
+
+def test_result_timeout(server: FakeServer, client: Client) -> None:
+    a, _ = future(server, client)
+    server.pending_polls = 10**6
+    with pytest.raises(JitserveTimeout):
+        a.result(timeout=0.3)
+
+
+def test_failed_future(server: FakeServer, client: Client) -> None:
+    a, _ = future(server, client, status="failed",
+                  error={"code": "internal", "message": "device lost"})
+    with pytest.raises(FutureFailed, match="device lost") as info:
+        a.result()
+    assert info.value.details["cause"]["code"] == "internal"
+
+
+def test_delete_frees_the_whole_future(server: FakeServer, client: Client) -> None:
+    a, b = future(server, client)
+    a.delete()
+    assert "f0" not in server.futures
+    with pytest.raises(NotFound):
+        b.result()
+
+
+def test_fetched_values_survive_delete(server: FakeServer, client: Client) -> None:
+    a, b = future(server, client)
+    a.result()
+    a.delete()
+    assert b.result() == 7
+
+
+def test_unknown_dtype_from_server_is_a_protocol_error(server: FakeServer, client: Client) -> None:
+    from client import ProtocolError
+
+    with pytest.raises(ProtocolError, match="unsupported dtype"):
+        client._wrap(_Execution("f", (Aval((1,), "float128"),), None, None))
+
+
+def test_missing_output_is_a_protocol_error(server: FakeServer, client: Client) -> None:
+    from client import ProtocolError
+
+    a, b = future(server, client)
+    server.futures["f0"]["outputs"] = OUTS[:1]
+    with pytest.raises(ProtocolError, match="output 1 is missing"):
+        b.result()
+
+
+async def test_async_remote_array(server: FakeServer, aclient: AsyncClient) -> None:
+    a, b = future(server, aclient)
+    assert isinstance(a, AsyncRemoteArray)
+    with pytest.raises(TypeError, match="not fetched yet"):
+        np.asarray(a)
+    server.pending_polls = 1
+    assert await a.done() is False
+    server.pending_polls = 0
+    np.testing.assert_array_equal(await a.result(timeout=5), OUTS[0])
+    assert await b == 7  # awaiting the array is awaiting its result
+    np.testing.assert_array_equal(np.asarray(a), OUTS[0])
+    assert result_calls(server) == 1
+    assert await a.done() is True
+    assert await a.block_until_ready() is a
+
+
+async def test_async_concurrent_fetch_once(server: FakeServer, aclient: AsyncClient) -> None:
+    import asyncio
+
+    arrays = future(server, aclient)
+    server.pending_polls = 1
+    got = await asyncio.gather(*(arrays[i % 2].result() for i in range(5)))
+    assert len(got) == 5 and result_calls(server) == 2
+
+
+async def test_async_timeout_and_delete(server: FakeServer, aclient: AsyncClient) -> None:
+    a, _ = future(server, aclient)
+    server.pending_polls = 10**6
+    with pytest.raises(JitserveTimeout):
+        await a.result(timeout=0.3)
+    await a.delete()
+    assert server.futures == {}
