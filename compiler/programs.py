@@ -98,7 +98,14 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
     fmt = _format(format) if format else _detect(data)
     decoder = {ProgramFormat.JAX_EXPORT: _decode_export, ProgramFormat.STABLEHLO: _decode_stablehlo,
                ProgramFormat.JAXPR: _decode_jaxpr}[fmt]
-    return decoder(bytes(data), platform, limits)
+    try:
+        return decoder(bytes(data), platform, limits)
+    except InvalidProgram as e:
+        if format or fmt is not ProgramFormat.JAX_EXPORT:
+            raise
+        raise InvalidProgram(  # detection fell through: say what was tried
+            "unrecognized program: not MLIR text or bytecode, not a JSON jaxpr document, and "
+            f"not a jax.export artifact ({e}); pass format= to name it") from None
 
 
 def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: Limits) -> ir.Module:
