@@ -28,6 +28,7 @@ from compiler.avals import DTYPES, Aval
 from compiler.errors import (
     CompilerError,
     InvalidProgram,
+    LimitExceeded,
     PlatformMismatch,
     SignatureMismatch,
     UnsafeProgram,
@@ -93,7 +94,7 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
     op or custom call, a size over ``limits``, or an export for other platforms.
     """
     if len(data) > limits.max_program_bytes:
-        raise InvalidProgram(
+        raise LimitExceeded(
             f"program is {len(data):,} bytes, over the limit of {limits.max_program_bytes:,}")
     fmt = _format(format) if format else _detect(data)
     decoder = {ProgramFormat.JAX_EXPORT: _decode_export, ProgramFormat.STABLEHLO: _decode_stablehlo,
@@ -222,7 +223,7 @@ def _export_aval(aval: Any) -> Aval:
 
 def _check_inputs(in_avals: Sequence[Aval], limits: Limits) -> None:
     if len(in_avals) > limits.max_inputs:
-        raise InvalidProgram(f"program takes {len(in_avals)} inputs, over {limits.max_inputs}")
+        raise LimitExceeded(f"program takes {len(in_avals)} inputs, over {limits.max_inputs}")
 
 
 def _first_line(e: BaseException, limit: int = 1500) -> str:

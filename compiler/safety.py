@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from jax._src.export import _export as jax_export_internals
 from jax._src.lib.mlir import ir
 
+from compiler._lapack import check_lapack_call, is_lapack_target
 from compiler.errors import LimitExceeded, UnsafeProgram
 
 __all__ = ["ALLOWED_CUSTOM_CALLS", "Limits", "ModuleStats", "check_module", "check_text_nesting"]
@@ -26,11 +27,21 @@ _REFUSED_TARGETS = frozenset({
     "mosaic_gpu_v2",  # Pallas Mosaic GPU kernels: arbitrary device code
 })
 
-# The targets jax.export guarantees stable (LAPACK/cuSOLVER FFI kernels,
-# threefry, shape assertions, ...), less those that run foreign code. Callbacks
+# Targets that write no buffer sized by their attributes: safe whatever their types.
+_SHAPE_FREE_TARGETS = frozenset({
+    "shape_assertion", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape",
+    "annotate_device_placement", "AllocateBuffer",
+})
+
+# What a program may call: the targets jax.export guarantees stable, less those
+# that run foreign code, and of the rest only those whose result types the server
+# can check (compiler._lapack) or that write nothing sized by attributes. Kernels
+# trust their declared result shapes, so a target without a rule (today: the GPU
+# and TPU solver kernels) is refused rather than trusted. Callbacks
 # (xla_ffi_python_cpu_callback and friends) are not in jax's list, so they stay out.
 ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
-    jax_export_internals._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE - _REFUSED_TARGETS
+    t for t in jax_export_internals._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE - _REFUSED_TARGETS
+    if is_lapack_target(t) or t in _SHAPE_FREE_TARGETS
 )
 
 _ALLOWED_DIALECTS = frozenset({"builtin", "func", "stablehlo", "chlo", "sdy"})
@@ -71,19 +82,21 @@ class ModuleStats:
 def check_text_nesting(text: str, limits: Limits) -> None:
     """Refuse MLIR text nested deeper than the limit, before the parser recurses into it.
 
-    Counting braces over-approximates region depth (attribute dictionaries count
-    too), which only makes the check stricter.
+    MLIR's parser recurses on every kind of bracket (regions, types, attributes,
+    locations), so all of them count; the count over-approximates region depth,
+    which only makes the check stricter.
     """
-    depth = 0
+    depth = max_depth = 0
     for ch in text:
-        if ch == "{":
+        if ch in "([{<":
             depth += 1
-            if depth > 4 * limits.max_nesting:
-                raise LimitExceeded(
-                    f"program text nests deeper than the limit ({limits.max_nesting} regions)"
-                )
-        elif ch == "}":
+            max_depth = max(max_depth, depth)
+        elif ch in ")]}>":
             depth -= 1
+    if max_depth > 8 * limits.max_nesting:
+        raise LimitExceeded(
+            f"program text nests {max_depth} brackets deep, over the limit "
+            f"({8 * limits.max_nesting}, for {limits.max_nesting} regions)")
 
 
 def check_module(module: ir.Module, limits: Limits) -> ModuleStats:
@@ -126,9 +139,11 @@ def _check_op(op: ir.Operation, limits: Limits) -> None:
         if target not in ALLOWED_CUSTOM_CALLS:
             raise UnsafeProgram(
                 f"custom_call target {target!r} is not allowed (host callbacks, foreign "
-                "kernels and unknown targets are refused; allowed are the targets "
-                "jax.export guarantees stable)"
+                "kernels and unknown targets are refused; allowed are the LAPACK targets "
+                "jax.export guarantees stable, with checked shapes)"
             )
+        if is_lapack_target(target):
+            check_lapack_call(op, target)
     for result in op.results:
         _check_type(result.type, name, limits)
     if name == "func.func":

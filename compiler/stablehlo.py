@@ -21,7 +21,7 @@ from jaxlib.mlir.dialects import func as func_d
 from jaxlib.mlir.dialects import stablehlo as hlo
 
 from compiler.avals import DTYPES, Aval
-from compiler.errors import InvalidProgram, SignatureMismatch
+from compiler.errors import CompilerError, InvalidProgram, LimitExceeded, SignatureMismatch
 from compiler.safety import Limits, check_text_nesting
 
 __all__ = [
@@ -45,7 +45,7 @@ def new_context() -> ir.Context:
 def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
     """Parse MLIR text, MLIR bytecode or a VHLO portable artifact. Untrusted input."""
     if len(data) > limits.max_program_bytes:
-        raise InvalidProgram(f"program is {len(data):,} bytes, over {limits.max_program_bytes:,}")
+        raise LimitExceeded(f"program is {len(data):,} bytes, over {limits.max_program_bytes:,}")
     try:
         if data.startswith(MLIR_BYTECODE_MAGIC):
             if b"StableHLO_v" in data[:64]:
@@ -56,9 +56,9 @@ def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
         return ir.Module.parse(text, context=ctx)
     except UnicodeDecodeError:
         raise InvalidProgram("program is neither MLIR bytecode nor UTF-8 MLIR text") from None
+    except CompilerError:
+        raise
     except Exception as e:  # the MLIR bindings raise several types; all mean "not MLIR"
-        if isinstance(e, InvalidProgram) or type(e).__module__.startswith("compiler"):
-            raise
         raise InvalidProgram(f"cannot parse the program as StableHLO: {_short(e)}") from None
 
 
