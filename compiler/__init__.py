@@ -6,7 +6,7 @@ process, and keep the executable in tiered caches (``cache``).
 """
 
 from compiler.avals import DTYPES, Aval
-from compiler.cache import DiskTier, Entry, MemoryCache, Tier
+from compiler.cache import DiskTier, Entry, MemoryCache, SharedTier, Tier
 from compiler.compile import Compiler, CompilerConfig, Executable, Lookup
 from compiler.errors import (
     CompileFailed,
@@ -40,6 +40,7 @@ __all__ = [
     "PlatformMismatch",
     "Program",
     "ProgramFormat",
+    "SharedTier",
     "SignatureMismatch",
     "Tier",
     "UnsafeProgram",

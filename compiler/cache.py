@@ -11,6 +11,7 @@ failure is a warning and a miss, never a failed request.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import zstandard
 
@@ -31,6 +32,7 @@ __all__ = [
     "DiskTier",
     "Entry",
     "MemoryCache",
+    "SharedTier",
     "Tier",
     "decode_entry",
     "encode_entry",
@@ -75,6 +77,20 @@ class Tier(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
     def delete(self, key: str) -> None: ...
+
+
+@runtime_checkable
+class SharedTier(Tier, Protocol):
+    """An L2 tier shared by several processes, which can elect one compiler per key.
+
+    ``compile_lock(key)`` enters once every tier has missed: it yields ``True``
+    when this process should compile (it holds the lock, or cannot get one and
+    must not wait longer), or ``False`` when another process stored the entry
+    meanwhile, so the caller reads the tiers again. It must not raise for the
+    tier's own failures: those mean "compile here".
+    """
+
+    def compile_lock(self, key: str) -> contextlib.AbstractContextManager[bool]: ...
 
 
 def encode_entry(entry: Entry) -> bytes:

@@ -4,13 +4,16 @@
 tiers: L1 (loaded executables in this process), the L2 tiers (serialized
 executables: disk by default, Redis when configured), then an XLA compile in a
 worker process. Concurrent lookups of one key share a single flight: one caller
-compiles, the others wait for its result. Lookups block; a server calls them
-from a thread pool so its event loop stays free.
+compiles, the others wait for its result. With a shared tier (``SharedTier``,
+e.g. Redis) the flight spans processes: one process compiles under the tier's
+lock, the others wait for the entry to appear and load it. Lookups block; a
+server calls them from a thread pool so its event loop stays free.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -26,7 +29,16 @@ from jax.extend import backend as xb
 
 from compiler import stablehlo
 from compiler.avals import Aval
-from compiler.cache import CorruptEntry, DiskTier, Entry, MemoryCache, Tier, decode_entry, encode_entry
+from compiler.cache import (
+    CorruptEntry,
+    DiskTier,
+    Entry,
+    MemoryCache,
+    SharedTier,
+    Tier,
+    decode_entry,
+    encode_entry,
+)
 from compiler.errors import LimitExceeded, SignatureMismatch
 from compiler.keys import cache_key, key_parts
 from compiler.programs import Program, decode_program, lower
@@ -51,7 +63,9 @@ class CompilerConfig:
       compile_timeout_s: a compile past this is stopped (its worker is killed).
       compile_workers: compiles that may run at once, each in its own process.
       limits: what an untrusted program may be (``compiler.safety.Limits``).
-      extra_tiers: L2 tiers consulted after the disk tier (e.g. Redis).
+      extra_tiers: L2 tiers consulted after the disk tier (e.g.
+        ``compiler.redis_tier.RedisTier``); the first ``SharedTier`` among them
+        also elects one compiler per key across processes.
     """
 
     cache_dir: Path | None = None
@@ -154,10 +168,7 @@ class Compiler:
                static_key: str = "") -> Lookup:
         """The executable of ``program`` for ``in_avals`` (default: the program's own)."""
         concrete = self._concrete_avals(program, in_avals)
-        key = cache_key(key_parts(
-            program_id=program.program_id, in_avals=concrete, static_key=static_key,
-            platform=self.platform, platform_version=self._backend.platform_version,
-            device_kind=self.device.device_kind, device_count=1))
+        key = self._key(program, concrete, static_key)
         hit = self._l1.get(key)
         if hit is not None:
             return Lookup(hit, key, "memory", 0.0)
@@ -175,6 +186,11 @@ class Compiler:
         future.set_result(lookup.executable)
         return lookup
 
+    def executable_id(self, program: Program, in_avals: Sequence[Aval] | None = None,
+                      static_key: str = "") -> str:
+        """The cache key ``lookup`` would use, without looking anything up."""
+        return self._key(program, self._concrete_avals(program, in_avals), static_key)
+
     def stats(self) -> dict[str, int]:
         return {"compilations": self._compilations, "l1_entries": len(self._l1),
                 "l1_bytes": self._l1.nbytes}
@@ -183,6 +199,12 @@ class Compiler:
         self._pool.close()
 
     # -- internals -----------------------------------------------------------------
+
+    def _key(self, program: Program, concrete: Sequence[Aval], static_key: str) -> str:
+        return cache_key(key_parts(
+            program_id=program.program_id, in_avals=concrete, static_key=static_key,
+            platform=self.platform, platform_version=self._backend.platform_version,
+            device_kind=self.device.device_kind, device_count=1))
 
     def _concrete_avals(self, program: Program, in_avals: Sequence[Aval] | None) -> tuple[Aval, ...]:
         if in_avals is None:
@@ -213,20 +235,48 @@ class Compiler:
 
     def _resolve(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
                  key: str) -> Lookup:
+        hit = self._from_tiers(key)
+        if hit is not None:
+            return hit
+        with self._shared_flight(key) as should_compile:
+            if not should_compile:
+                hit = self._from_tiers(key)  # another process compiled it while we waited
+                if hit is not None:
+                    return hit
+            return self._compile_and_store(program, concrete, static_key, key)
+
+    def _from_tiers(self, key: str) -> Lookup | None:
         for i, tier in enumerate(self.tiers):
-            executable = self._load_from(tier, key)
-            if executable is not None:
-                self._store(key, executable, self.tiers[:i])  # fill the faster tiers
+            loaded = self._load_from(tier, key)
+            if loaded is not None:
+                executable, data = loaded
+                self._put(key, data, self.tiers[:i])  # fill the faster tiers, same bytes
                 return Lookup(executable, key, tier.name, 0.0)
+        return None
+
+    def _shared_flight(self, key: str) -> contextlib.AbstractContextManager[bool]:
+        """Single flight across processes: the first shared tier's compile lock, if any."""
+        for tier in self.tiers:
+            if isinstance(tier, SharedTier):
+                return tier.compile_lock(key)
+        return contextlib.nullcontext(True)
+
+    def _compile_and_store(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
+                           key: str) -> Lookup:
         start = time.perf_counter()
-        executable = self._compile(program, concrete, static_key, key)
+        executable, serialized = self._compile(program, concrete, static_key, key)
         seconds = time.perf_counter() - start
         executable.meta["compile_seconds"] = seconds
-        self._store(key, executable, self.tiers)
+        self._l1.put(key, executable, executable.nbytes)
+        # Store the worker's bytes, never a re-serialization of the loaded
+        # executable: on CPU (jaxlib 0.10.2) serializing a deserialized executable
+        # drops its object code, and loading that fails at run time.
+        self._put(key, encode_entry(Entry(serialized, executable.meta)), self.tiers)
         return Lookup(executable, key, "compiled", seconds)
 
     def _compile(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                 key: str) -> Executable:
+                 key: str) -> tuple[Executable, bytes]:
+        """Compile in a worker; the loaded executable and the bytes it was loaded from."""
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
             module = stablehlo.specialize(lower(program, concrete, ctx, limits), concrete)
@@ -236,7 +286,7 @@ class Compiler:
         serialized = self._pool.compile(bytecode)
         self._compilations += 1
         meta = self._meta(key, program, concrete, out_avals, static_key)
-        return Executable(self._deserialize(serialized), key, meta, len(serialized))
+        return Executable(self._deserialize(serialized), key, meta, len(serialized)), serialized
 
     def _meta(self, key: str, program: Program, concrete: Sequence[Aval],
               out_avals: Sequence[Aval], static_key: str) -> dict[str, Any]:
@@ -255,7 +305,8 @@ class Compiler:
     def _deserialize(self, serialized: bytes) -> Any:
         return self._backend.deserialize_executable(serialized, self._devices, self._options)
 
-    def _load_from(self, tier: Tier, key: str) -> Executable | None:
+    def _load_from(self, tier: Tier, key: str) -> tuple[Executable, bytes] | None:
+        """The executable of ``key`` in ``tier`` and its entry bytes; ``None`` on a miss."""
         try:
             data = tier.get(key)
             if data is None:
@@ -272,14 +323,9 @@ class Compiler:
             self._forget(tier, key)
             return None
         self._l1.put(key, executable, executable.nbytes)
-        return executable
+        return executable, data
 
-    def _store(self, key: str, executable: Executable, tiers: Sequence[Tier]) -> None:
-        self._l1.put(key, executable, executable.nbytes)
-        if not tiers:
-            return
-        data = encode_entry(Entry(self._backend.serialize_executable(executable._loaded),
-                                  executable.meta))
+    def _put(self, key: str, data: bytes, tiers: Sequence[Tier]) -> None:
         for tier in tiers:
             try:
                 tier.put(key, data)
