@@ -141,8 +141,16 @@ class RemoteArray(_RemoteBase):
         return self._future.outputs is not None or self._client.future(self.future_id).done
 
     def block_until_ready(self) -> RemoteArray:
-        """Wait for (and fetch) the value, like ``jax.Array.block_until_ready``; returns self."""
-        self.result()
+        """Wait until the value is computed, like ``jax.Array.block_until_ready``; returns self.
+
+        The value stays on the server (nothing is downloaded); a failed future raises.
+        """
+        if self._future.outputs is None:
+            info = self._client.future(self.future_id, wait=self._client.timeout.poll)
+            while not info.done:
+                info = self._client.future(self.future_id, wait=self._client.timeout.poll)
+            if info.status != "done":
+                self.result()  # raises the future's error
         return self
 
     def delete(self) -> None:
@@ -194,8 +202,13 @@ class AsyncRemoteArray(_RemoteBase):
         return (await self._client.future(self.future_id)).done
 
     async def block_until_ready(self) -> AsyncRemoteArray:
-        """Wait for (and fetch) the value; returns self."""
-        await self.result()
+        """Wait until the value is computed, without downloading it; returns self."""
+        if self._future.outputs is None:
+            info = await self._client.future(self.future_id, wait=self._client.timeout.poll)
+            while not info.done:
+                info = await self._client.future(self.future_id, wait=self._client.timeout.poll)
+            if info.status != "done":
+                await self.result()  # raises the future's error
         return self
 
     async def delete(self) -> None:
