@@ -191,6 +191,13 @@ class Compiler:
         """The cache key ``lookup`` would use, without looking anything up."""
         return self._key(program, self._concrete_avals(program, in_avals), static_key)
 
+    def cached(self, program: Program, in_avals: Sequence[Aval] | None = None,
+               static_key: str = "") -> Lookup | None:
+        """``lookup`` from L1 alone, or ``None``: never blocks, so an event loop may call it."""
+        key = self._key(program, self._concrete_avals(program, in_avals), static_key)
+        hit = self._l1.get(key)
+        return None if hit is None else Lookup(hit, key, "memory", 0.0)
+
     def stats(self) -> dict[str, int]:
         return {"compilations": self._compilations, "l1_entries": len(self._l1),
                 "l1_bytes": self._l1.nbytes}
