@@ -1,0 +1,7 @@
+"""jitserve's server: the FastAPI app, its settings, and the ``jitserve`` CLI.
+
+    from service import Settings, create_app
+    app = create_app(Settings(cache_dir="/tmp/jitserve"))
+"""
+
+from __future__ import annotations

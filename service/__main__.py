@@ -1,0 +1,8 @@
+"""``python -m service`` is the ``jitserve`` command."""
+
+from __future__ import annotations
+
+from service.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

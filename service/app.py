@@ -1,0 +1,114 @@
+"""The FastAPI application.
+
+    from service.app import create_app
+    app = create_app()              # settings from the JITSERVE_* environment
+    # uvicorn.run(app, host="127.0.0.1", port=8000)
+
+The lifespan builds the shared objects (compiler, program store, future store,
+executor) on ``app.state``; route handlers reach them through ``service.deps``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import jax
+from fastapi import FastAPI
+
+from compiler import Compiler, CompilerConfig, Limits
+from service.calls import Calls
+from service.errors import install_error_handlers
+from service.executor import Executor
+from service.futures import FutureStore
+from service.metrics import Metrics, RequestMetricsMiddleware
+from service.programs import ProgramStore
+from service.routes import futures as futures_routes
+from service.routes import health as health_routes
+from service.routes import programs as programs_routes
+from service.settings import Settings
+
+__all__ = ["create_app", "make_compiler"]
+
+log = logging.getLogger("jitserve")
+
+# The compiler module turns this on too; the server must never run without it,
+# whatever was imported first.
+jax.config.update("jax_enable_x64", True)
+
+
+def make_compiler(settings: Settings) -> Compiler:
+    """A ``Compiler`` configured from ``settings``."""
+    limits = Limits(max_program_bytes=settings.max_program_bytes, max_ops=settings.max_ops,
+                    max_nesting=settings.max_nesting, max_tensor_bytes=settings.max_tensor_bytes,
+                    max_inputs=settings.max_inputs)
+    return Compiler(CompilerConfig(
+        cache_dir=settings.cache_dir, l1_max_entries=settings.l1_max_entries,
+        l1_max_bytes=settings.l1_max_bytes, compile_timeout_s=settings.compile_timeout_s,
+        compile_workers=settings.compile_workers, limits=limits))
+
+
+def create_app(settings: Settings | None = None, *, compiler: Compiler | None = None) -> FastAPI:
+    """The jitserve app.
+
+    Args:
+      settings: configuration; read from the environment when omitted.
+      compiler: a compiler to share (tests reuse one); the app makes and closes
+        its own when omitted.
+    """
+    settings = settings or Settings()
+    metrics = Metrics()
+    app = FastAPI(title="jitserve", version="0.1.0", lifespan=_lifespan_for(compiler),
+                  description="JIT-as-a-service for JAX and XLA: send programs, get array "
+                              "futures back. See docs/api.md.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    install_error_handlers(app)
+    app.include_router(health_routes.router)
+    app.include_router(health_routes.devices_router)
+    app.include_router(programs_routes.router)
+    app.include_router(futures_routes.router)
+    return app
+
+
+def _lifespan_for(shared: Compiler | None):  # noqa: ANN202 - FastAPI's lifespan type
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings: Settings = app.state.settings
+        compiler = shared or await asyncio.to_thread(make_compiler, settings)
+        try:
+            async with _serving(app, settings, compiler):
+                yield
+        finally:
+            if shared is None:
+                await asyncio.to_thread(compiler.close)
+
+    return lifespan
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> AsyncIterator[None]:
+    """Everything that lives as long as the server, on ``app.state``."""
+    metrics: Metrics = app.state.metrics
+    futures = FutureStore(ttl_s=settings.future_ttl_s, max_live=settings.max_live_futures,
+                          max_device_bytes=settings.max_device_bytes)
+    futures.on_final = lambda fut: metrics.execution_finished(fut.status.value)
+    executor = Executor(compiler.device, futures, metrics, settings.executor_threads)
+    state = app.state
+    state.compiler = compiler
+    state.programs = ProgramStore(settings.cache_dir / "programs", compiler)
+    state.futures = futures
+    state.executor = executor
+    state.calls = Calls(compiler, futures, executor, metrics)
+    sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
+    log.info("jitserve ready on %s (%s), cache %s", compiler.device,
+             compiler.platform, settings.cache_dir)
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        await executor.close()
+        futures.clear()

@@ -1,0 +1,113 @@
+"""Program calls: compile on demand, then execute into a future.
+
+``Calls.execute`` is the whole of ``POST /v1/programs/{id}/execute`` below the
+HTTP layer: it turns the decoded arguments (numpy arrays and future references)
+into concrete avals, looks up (or compiles) the executable for them off the
+event loop, creates the future and hands the work to the executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
+from client import wire
+from compiler.avals import Aval
+from compiler.programs import Program
+from service.errors import BadRequest, FutureCancelled, FutureFailed
+from service.executor import Arg, Executor, FutureRef
+from service.futures import Future, FutureStatus, FutureStore
+from service.metrics import Metrics
+
+if TYPE_CHECKING:
+    from compiler import Compiler
+
+__all__ = ["Call", "Calls"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A started execution: its future and where its executable came from."""
+
+    future: Future
+    tier: str
+
+
+class Calls:
+    """Compiles and runs programs for callers.
+
+    Args:
+      compiler: decodes, compiles and caches (``compiler.Compiler``).
+      futures: where new futures go.
+      executor: runs them.
+      metrics: cache, compile and transfer counters.
+    """
+
+    def __init__(self, compiler: Compiler, futures: FutureStore, executor: Executor,
+                 metrics: Metrics) -> None:
+        self._compiler = compiler
+        self._futures = futures
+        self._executor = executor
+        self._metrics = metrics
+
+    async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
+                      static_key: str = "") -> Any:
+        """The compiler's ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed)."""
+        lookup = await run_in_threadpool(self._compiler.lookup, program, in_avals, static_key)
+        self._metrics.lookup(lookup.tier, lookup.compile_seconds)
+        return lookup
+
+    async def execute(self, program: Program, args: Sequence[Any], static_key: str,
+                      owner: str | None) -> Call:
+        """Start running ``program`` on ``args``; returns before it runs.
+
+        ``args`` are decoded wire values: numpy arrays or ``{"future", "output"}``
+        references to the caller's own futures.
+        """
+        resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
+        avals = [aval for _, aval in resolved]
+        lookup = await self.compile(program, avals, static_key)
+        lookup.executable.check_inputs(avals)
+        fut = self._futures.create(
+            owner=owner, executable_id=lookup.executable_id,
+            out_avals=lookup.executable.out_avals, out_tree=lookup.executable.out_tree,
+            compile_s=lookup.compile_seconds)
+        self._metrics.transferred("in", sum(a.nbytes for a, _ in resolved
+                                            if isinstance(a, np.ndarray)))
+        self._executor.submit(fut, lookup.executable, [a for a, _ in resolved])
+        return Call(fut, lookup.tier)
+
+    def _resolve(self, arg: Any, i: int, owner: str | None) -> tuple[Arg, Aval]:
+        """One argument as something the executor takes, with its aval."""
+        if isinstance(arg, np.ndarray):
+            return arg, Aval.of(arg)
+        if wire.is_future_ref(arg):
+            return self._resolve_ref(arg, i, owner)
+        raise BadRequest(f"args[{i}] must be an array {{dtype, shape, data}} or a future "
+                         f"reference {{future, output}}, got {_describe(arg)}")
+
+    def _resolve_ref(self, ref: dict[str, Any], i: int, owner: str | None) -> tuple[Arg, Aval]:
+        dep = self._futures.get(ref["future"], owner)
+        k = ref["output"]
+        if not 0 <= k < len(dep.out_avals):
+            raise BadRequest(f"args[{i}] asks for output {k} of future {dep.future_id}, "
+                             f"which has {len(dep.out_avals)} outputs")
+        aval = dep.out_avals[k]
+        if dep.status is FutureStatus.DONE and dep.outputs is not None:
+            return dep.outputs[k], aval  # the device array itself: no transfer
+        if dep.status is FutureStatus.FAILED:
+            msg = (dep.error or {}).get("message", "")
+            raise FutureFailed(f"args[{i}] refers to future {dep.future_id}, which failed: {msg}")
+        if dep.status is FutureStatus.CANCELLED:
+            raise FutureCancelled(f"args[{i}] refers to future {dep.future_id}, which was cancelled")
+        return FutureRef(dep, k), aval
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"a map with keys {sorted(map(str, value))[:8]}"
+    return type(value).__name__

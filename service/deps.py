@@ -1,0 +1,116 @@
+"""Dependencies of the route handlers, as ``Annotated`` aliases.
+
+Everything shared lives on ``app.state`` (made by the lifespan in ``app.py``);
+handlers receive it through these aliases, never through module globals::
+
+    @router.get("/v1/futures/{future_id}")
+    async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner): ...
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Header, Query, Request
+
+from compiler import Compiler
+from service.auth import authenticate
+from service.bodies import BodyReader, wants_json
+from service.calls import Calls
+from service.futures import FutureStore
+from service.metrics import Metrics
+from service.programs import ProgramStore
+from service.settings import Settings
+
+
+__all__ = [
+    "AsJSON",
+    "Body",
+    "CallsDep",
+    "CompilerDep",
+    "FutureStoreDep",
+    "MetricsDep",
+    "Owner",
+    "ProgramBody",
+    "ProgramStoreDep",
+    "SettingsDep",
+    "WaitSeconds",
+]
+
+
+def _state(request: Request) -> Any:
+    return request.app.state
+
+
+def get_settings(request: Request) -> Settings:
+    return _state(request).settings
+
+
+def get_compiler(request: Request) -> Compiler:
+    return _state(request).compiler
+
+
+def get_programs(request: Request) -> ProgramStore:
+    return _state(request).programs
+
+
+def get_futures(request: Request) -> FutureStore:
+    return _state(request).futures
+
+
+def get_calls(request: Request) -> Calls:
+    return _state(request).calls
+
+
+def get_metrics(request: Request) -> Metrics:
+    return _state(request).metrics
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+CompilerDep = Annotated[Compiler, Depends(get_compiler)]
+ProgramStoreDep = Annotated[ProgramStore, Depends(get_programs)]
+FutureStoreDep = Annotated[FutureStore, Depends(get_futures)]
+CallsDep = Annotated[Calls, Depends(get_calls)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+
+
+def get_owner(settings: SettingsDep,
+              authorization: Annotated[str | None, Header()] = None) -> str | None:
+    """The caller's owner id (API-key digest), or ``None`` when auth is off."""
+    return authenticate(authorization, settings)
+
+
+def get_body(request: Request, settings: SettingsDep) -> BodyReader:
+    """A reader for the request body, bounded by ``max_body_bytes``.
+
+    A reader rather than the bytes, so a handler can drop a big body as soon
+    as it is decoded (FastAPI would hold a dependency's value until the end).
+    """
+    return BodyReader(request, settings.max_body_bytes)
+
+
+def get_program_body(request: Request, settings: SettingsDep) -> BodyReader:
+    """A body reader for program uploads, bounded by ``max_program_bytes`` too."""
+    if settings.max_program_bytes < settings.max_body_bytes:
+        return BodyReader(request, settings.max_program_bytes, "JITSERVE_MAX_PROGRAM_BYTES")
+    return BodyReader(request, settings.max_body_bytes)
+
+
+def get_as_json(request: Request) -> bool:
+    return wants_json(request)
+
+
+def get_wait_s(
+    settings: SettingsDep,
+    wait: Annotated[int | None, Query(ge=0, description="milliseconds to wait for the result")]
+    = None,
+) -> float:
+    """The ``?wait=<ms>`` of a request in seconds, capped at ``max_wait_ms``."""
+    return min(wait or 0, settings.max_wait_ms) / 1000
+
+
+Owner = Annotated[str | None, Depends(get_owner)]
+Body = Annotated[BodyReader, Depends(get_body)]
+ProgramBody = Annotated[BodyReader, Depends(get_program_body)]
+AsJSON = Annotated[bool, Depends(get_as_json)]
+WaitSeconds = Annotated[float, Depends(get_wait_s)]

@@ -1,0 +1,278 @@
+"""Array futures: the state of one execution and the store that owns them.
+
+A future goes ``pending -> running -> done | failed``, or ``pending -> cancelled``
+when deleted before it starts. Its outputs stay on the device, as ``jax.Array``s,
+until the future is deleted or expires. Every state change happens on the event
+loop and wakes long-pollers through an ``asyncio.Event``, so nobody busy-waits.
+
+The store bounds how many futures are alive and how many output bytes they may
+hold; past either limit ``create`` raises ``TooManyRequests`` (a 429 with
+``Retry-After``). Ids are ``secrets.token_urlsafe(24)`` (192 bits): unguessable,
+and only their creator (by API-key digest) can see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from compiler.avals import Aval
+from compiler.errors import LimitExceeded
+from service.errors import NotFound, TooManyRequests
+
+__all__ = ["Future", "FutureStatus", "FutureStore", "Job", "Timings"]
+
+log = logging.getLogger("jitserve.futures")
+
+
+class FutureStatus(str, enum.Enum):
+    """Where an execution stands."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (FutureStatus.DONE, FutureStatus.FAILED, FutureStatus.CANCELLED)
+
+
+class Job(Protocol):
+    """The execution behind a future, as far as the store needs it."""
+
+    def cancel(self) -> bool:
+        """Stop the execution if it has not started; whether it was stopped."""
+        ...
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds spent: waiting to run, compiling (before the future existed), running."""
+
+    queued_s: float | None = None
+    compile_s: float = 0.0
+    run_s: float | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Future:
+    """One execution's stored state (the wire view is ``schemas.FutureView``).
+
+    Attributes:
+      future_id: the unguessable id.
+      owner: the creator's API-key digest, or ``None`` without auth.
+      executable_id: what runs.
+      out_avals, out_tree: the outputs' avals and pytree structure.
+      created, expires_at: wall-clock seconds since the epoch.
+      reserved_bytes: device bytes counted against the store's limit.
+      status, outputs, error, timings: progress; ``outputs`` only when done.
+      removed: why the future left the store (``"deleted"``, ``"expired"``), if it did.
+    """
+
+    future_id: str
+    owner: str | None
+    executable_id: str
+    out_avals: tuple[Aval, ...]
+    out_tree: Any
+    created: float
+    expires_at: float
+    reserved_bytes: int
+    status: FutureStatus = FutureStatus.PENDING
+    outputs: list[Any] | None = None
+    error: dict[str, Any] | None = None
+    timings: Timings = dataclasses.field(default_factory=Timings)
+    job: Job | None = None
+    removed: str | None = None
+    _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False)
+
+    def _notify(self) -> None:
+        # Wake everyone waiting on the old event; later waiters get a fresh one.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, seen: FutureStatus, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds while the status is still ``seen``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self.status is seen and self.removed is None:
+                    await self._changed.wait()
+
+    async def wait_final(self, timeout: float | None = None) -> bool:
+        """Wait (up to ``timeout``) until done, failed, cancelled or removed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while not self.status.is_final and self.removed is None:
+                    await self._changed.wait()
+        return self.status.is_final
+
+
+class FutureStore:
+    """The live futures of this server, with TTL expiry and resource limits.
+
+    Args:
+      ttl_s: how long a future lives after it is created or finishes.
+      max_live: most futures alive at once.
+      max_device_bytes: most output bytes held (or promised) by live futures.
+      clock: wall-clock seconds (injectable for tests).
+    """
+
+    def __init__(self, *, ttl_s: float, max_live: int, max_device_bytes: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.ttl_s = ttl_s
+        self.max_live = max_live
+        self.max_device_bytes = max_device_bytes
+        self._clock = clock
+        self._futures: dict[str, Future] = {}
+        self.device_bytes = 0
+        self.on_final: Callable[[Future], None] | None = None
+
+    def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
+               out_tree: Any, compile_s: float = 0.0) -> Future:
+        """A new pending future; ``TooManyRequests`` when a limit is reached."""
+        self.sweep()
+        need = sum(a.nbytes for a in out_avals)
+        self._check_limits(need)
+        now = self._clock()
+        fut = Future(secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
+                     out_tree, now, now + self.ttl_s, need, timings=Timings(compile_s=compile_s))
+        self._futures[fut.future_id] = fut
+        self.device_bytes += need
+        return fut
+
+    def _check_limits(self, need: int) -> None:
+        if need > self.max_device_bytes:
+            raise LimitExceeded(f"the outputs need {need:,} bytes of device memory, over the "
+                                f"server's limit of {self.max_device_bytes:,}")
+        if len(self._futures) >= self.max_live:
+            raise TooManyRequests(f"{len(self._futures)} futures are alive, the server's limit; "
+                                  "fetch and DELETE finished ones", self._retry_after())
+        if self.device_bytes + need > self.max_device_bytes:
+            raise TooManyRequests(
+                f"live futures hold {self.device_bytes:,} of {self.max_device_bytes:,} device "
+                f"bytes and this call needs {need:,}; DELETE futures you no longer need",
+                self._retry_after())
+
+    def _retry_after(self) -> float:
+        # When the first future expires, space frees up for sure.
+        soonest = min((f.expires_at for f in self._futures.values()), default=self._clock())
+        return min(max(soonest - self._clock(), 1.0), 60.0)
+
+    def get(self, future_id: str, owner: str | None) -> Future:
+        """The live future ``future_id`` of ``owner``; ``NotFound`` otherwise.
+
+        Another owner's future is "not found" too, so ids cannot be probed.
+        """
+        fut = self._futures.get(future_id)
+        if fut is not None and self._expired(fut, self._clock()):
+            self._remove(fut, "expired")
+            fut = None
+        if fut is None or not _same_owner(fut.owner, owner):
+            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+        return fut
+
+    def mark_running(self, fut: Future, queued_s: float) -> None:
+        """The execution started."""
+        if fut.status is FutureStatus.PENDING:
+            fut.status = FutureStatus.RUNNING
+            fut.timings.queued_s = queued_s
+            fut._notify()
+
+    def complete(self, fut: Future, outputs: list[Any], run_s: float) -> None:
+        """The execution finished with ``outputs`` (device arrays)."""
+        fut.timings.run_s = run_s
+        if fut.removed is None:
+            fut.outputs = outputs
+            fut.expires_at = self._clock() + self.ttl_s
+        else:
+            self._release(fut)  # deleted while running: nobody can fetch these
+        self._finish(fut, FutureStatus.DONE)
+
+    def fail(self, fut: Future, code: str, message: str) -> None:
+        """The execution failed; the future keeps the error."""
+        fut.error = {"code": code, "message": message}
+        fut.expires_at = self._clock() + self.ttl_s
+        self._release(fut)
+        self._finish(fut, FutureStatus.FAILED)
+
+    def delete(self, fut: Future) -> FutureStatus:
+        """Cancel ``fut`` if it has not started, free its outputs, and forget it."""
+        if fut.status is FutureStatus.PENDING and fut.job is not None and fut.job.cancel():
+            fut.error = {"code": "future_cancelled", "message": "deleted before it ran"}
+            self._finish(fut, FutureStatus.CANCELLED)
+        self._remove(fut, "deleted")
+        return fut.status
+
+    def _finish(self, fut: Future, status: FutureStatus) -> None:
+        fut.status = status
+        fut.job = None
+        fut._notify()
+        if self.on_final is not None:
+            self.on_final(fut)
+
+    def _remove(self, fut: Future, why: str) -> None:
+        self._futures.pop(fut.future_id, None)
+        if fut.removed is None:
+            fut.removed = why
+        if fut.status is not FutureStatus.RUNNING:
+            self._release(fut)  # a running one releases when it completes
+        fut._notify()
+
+    def _release(self, fut: Future) -> None:
+        fut.outputs = None
+        self.device_bytes -= fut.reserved_bytes
+        fut.reserved_bytes = 0
+
+    def _expired(self, fut: Future, now: float) -> bool:
+        # A running execution cannot be stopped; it gets a fresh TTL when it ends.
+        return fut.expires_at <= now and fut.status is not FutureStatus.RUNNING
+
+    def sweep(self) -> int:
+        """Expire futures past their TTL; returns how many."""
+        now = self._clock()
+        stale = [f for f in self._futures.values() if self._expired(f, now)]
+        for fut in stale:
+            if fut.status is FutureStatus.PENDING and fut.job is not None and fut.job.cancel():
+                fut.error = {"code": "future_expired", "message": "expired before it ran"}
+                self._finish(fut, FutureStatus.CANCELLED)
+            self._remove(fut, "expired")
+        return len(stale)
+
+    async def sweep_forever(self, interval_s: float) -> None:
+        """Run ``sweep`` every ``interval_s`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self.sweep()
+            except Exception:  # a sweep bug must not stop expiry for good
+                log.exception("future sweep failed")
+
+    def counts(self) -> dict[str, int]:
+        """How many live futures are in each status."""
+        out = {s.value: 0 for s in FutureStatus}
+        for fut in self._futures.values():
+            out[fut.status.value] += 1
+        return out
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def clear(self) -> None:
+        """Cancel what has not started and forget every future (shutdown)."""
+        for fut in list(self._futures.values()):
+            self.delete(fut)
+
+
+def _same_owner(have: str | None, want: str | None) -> bool:
+    if have is None or want is None:
+        return have is want
+    return hmac.compare_digest(have, want)

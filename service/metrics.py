@@ -1,0 +1,119 @@
+"""Prometheus metrics, in a registry of their own per app (so tests do not collide).
+
+Names (the Grafana dashboard and the acceptance tests read these)::
+
+    jitserve_requests_total{route,status}     route is the template, e.g. /v1/futures/{future_id}
+    jitserve_compilations_total               compiles that ran XLA
+    jitserve_compile_seconds                  histogram of those compiles
+    jitserve_cache_hits_total{tier}           memory | disk | redis
+    jitserve_cache_misses_total
+    jitserve_executions_total{status}         done | failed | cancelled
+    jitserve_execute_seconds                  histogram of run time on the device
+    jitserve_futures{state}                   live futures by state
+    jitserve_device_bytes_in_use              output bytes held by live futures
+    jitserve_transfer_bytes_total{direction}  array bytes decoded from requests (in)
+                                              and encoded into responses (out)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "RequestMetricsMiddleware"]
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """The server's metrics, registered in their own ``CollectorRegistry``."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("jitserve_requests", "HTTP requests by route template and status",
+                                ["route", "status"], registry=r)
+        self.compilations = Counter("jitserve_compilations", "XLA compilations", registry=r)
+        self.compile_seconds = Histogram("jitserve_compile_seconds", "XLA compile time",
+                                         buckets=_SECONDS, registry=r)
+        self.cache_hits = Counter("jitserve_cache_hits", "executable cache hits by tier",
+                                  ["tier"], registry=r)
+        self.cache_misses = Counter("jitserve_cache_misses", "executable cache misses", registry=r)
+        self.executions = Counter("jitserve_executions", "finished executions by status",
+                                  ["status"], registry=r)
+        self.execute_seconds = Histogram("jitserve_execute_seconds", "run time on the device",
+                                         buckets=_SECONDS, registry=r)
+        self.futures = Gauge("jitserve_futures", "live futures by state", ["state"], registry=r)
+        self.device_bytes = Gauge("jitserve_device_bytes_in_use",
+                                  "output bytes held by live futures", registry=r)
+        self.transfer_bytes = Counter("jitserve_transfer_bytes", "array bytes moved over HTTP",
+                                      ["direction"], registry=r)
+        # Series present at 0 from the start, so rates and dashboards need no special case.
+        for direction in ("in", "out"):
+            self.transfer_bytes.labels(direction)
+        for tier in ("memory", "disk", "redis"):
+            self.cache_hits.labels(tier)
+        for status in ("done", "failed", "cancelled"):
+            self.executions.labels(status)
+
+    def lookup(self, tier: str, compile_seconds: float) -> None:
+        """Count one executable lookup that ended in ``tier``."""
+        if tier == "compiled":
+            self.cache_misses.inc()
+            self.compilations.inc()
+            self.compile_seconds.observe(compile_seconds)
+        else:
+            self.cache_hits.labels(tier).inc()
+
+    def transferred(self, direction: str, nbytes: int) -> None:
+        """Count array bytes moved ``"in"`` (requests) or ``"out"`` (responses)."""
+        self.transfer_bytes.labels(direction).inc(nbytes)
+
+    def execution_finished(self, status: str) -> None:
+        self.executions.labels(status).inc()
+
+    def render(self, futures_by_state: Mapping[str, int], device_bytes: int) -> bytes:
+        """The Prometheus text exposition, with the gauges brought up to date."""
+        for state, n in futures_by_state.items():
+            self.futures.labels(state).set(n)
+        self.device_bytes.set(device_bytes)
+        return generate_latest(self.registry)
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request by route template and status code.
+
+    A pure ASGI middleware (no response buffering, so big results stream through).
+    Requests that match no route count under ``route="unmatched"``, which keeps
+    the label's values bounded whatever paths clients try.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, str(status)).inc()

@@ -1,0 +1,59 @@
+"""``/v1/futures``: poll, long-poll, fetch and delete array futures."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Response
+
+from service.bodies import outputs_response
+from service.deps import AsJSON, FutureStoreDep, MetricsDep, Owner, WaitSeconds, get_owner
+from service.errors import FutureCancelled, FutureFailed, FuturePending, NotFound
+from service.futures import Future, FutureStatus
+from service.schemas import DeleteResult, FutureView
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)])
+
+
+@router.get("/{future_id}", response_model=FutureView)
+async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
+                     wait: WaitSeconds) -> FutureView:
+    """The future's status; ``?wait=<ms>`` long-polls until the status changes."""
+    fut = futures.get(future_id, owner)
+    if wait and not fut.status.is_final:
+        await fut.wait_change(fut.status, wait)
+    return FutureView.of(fut)
+
+
+@router.get("/{future_id}/result",
+            responses={200: {"description": "the outputs (msgpack, or JSON on Accept)"}})
+async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDep, owner: Owner,
+                     wait: WaitSeconds, as_json: AsJSON) -> Response:
+    """The outputs of a done future; ``?wait=<ms>`` waits for them first."""
+    fut = futures.get(future_id, owner)
+    if wait:
+        await fut.wait_final(wait)
+    _raise_unless_done(fut)
+    return await outputs_response(fut, metrics, as_json)
+
+
+@router.delete("/{future_id}", response_model=DeleteResult)
+async def delete_future(future_id: str, futures: FutureStoreDep, owner: Owner) -> DeleteResult:
+    """Cancel the future if it has not started, and free its outputs."""
+    fut = futures.get(future_id, owner)
+    status = futures.delete(fut)
+    return DeleteResult(future_id=fut.future_id, status=status.value)
+
+
+def _raise_unless_done(fut: Future) -> None:
+    """The error a result request gets for a future that has no outputs to give."""
+    error = fut.error or {}
+    if fut.removed is not None:
+        raise NotFound(f"future {fut.future_id} was {fut.removed}")
+    if fut.status is FutureStatus.FAILED:
+        raise FutureFailed(error.get("message", "execution failed"), cause=error)
+    if fut.status is FutureStatus.CANCELLED:
+        raise FutureCancelled(error.get("message", "cancelled"))
+    if fut.status is not FutureStatus.DONE:
+        raise FuturePending(f"future {fut.future_id} is {fut.status.value}; "
+                            "retry later or pass ?wait=<ms>")

@@ -1,0 +1,67 @@
+"""Liveness, readiness, metrics (all open) and ``/v1/devices`` (behind auth)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.deps import CompilerDep, FutureStoreDep, MetricsDep, SettingsDep, get_owner
+from service.errors import error_body
+from service.metrics import CONTENT_TYPE_LATEST
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["health"])
+devices_router = APIRouter(prefix="/v1", tags=["devices"], dependencies=[Depends(get_owner)])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up and serving HTTP."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "not ready, with the failed checks"}})
+async def readyz(request: Request, settings: SettingsDep) -> Response:
+    """Ready for work: the backend is up and the cache directory is writable."""
+    checks = {
+        "backend": getattr(request.app.state, "compiler", None) is not None,
+        "cache_dir": await run_in_threadpool(_writable, settings.cache_dir),
+    }
+    if all(checks.values()):
+        return JSONResponse({"status": "ready", "checks": checks})
+    failed = ", ".join(k for k, ok in checks.items() if not ok)
+    return JSONResponse(error_body("not_ready", f"not ready: {failed}", checks=checks), 503)
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(metrics: MetricsDep, futures: FutureStoreDep) -> Response:
+    """Prometheus metrics of this process."""
+    body = metrics.render(futures.counts(), futures.device_bytes)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@devices_router.get("/devices")
+async def devices(compiler: CompilerDep) -> dict[str, Any]:
+    """The backend, and the device programs run on."""
+    device = compiler.device
+    return {
+        "backend": compiler.backend_info(),
+        "devices": [{"id": device.id, "platform": device.platform,
+                     "device_kind": device.device_kind, "default": True}],
+    }
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,104 @@
+"""``/v1/programs``: upload, describe, compile and execute programs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Response
+from fastapi.responses import JSONResponse
+
+from compiler.avals import Aval
+from compiler.programs import ProgramFormat
+from service.bodies import outputs_response
+from service.deps import (
+    AsJSON,
+    Body,
+    CallsDep,
+    MetricsDep,
+    Owner,
+    ProgramBody,
+    ProgramStoreDep,
+    WaitSeconds,
+    get_owner,
+)
+from service.errors import BadRequest
+from service.schemas import (
+    CompileRequest,
+    CompileResult,
+    ExecuteAccepted,
+    ExecuteRequest,
+    ProgramInfo,
+    parse,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/programs", tags=["programs"], dependencies=[Depends(get_owner)])
+
+_RAW_BODY = {"requestBody": {"required": True, "content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+_MESSAGE_BODY = {"requestBody": {"content": {
+    "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
+    "application/json": {"schema": {"type": "object"}}}}}
+
+
+@router.post("", status_code=201, response_model=ProgramInfo, openapi_extra=_RAW_BODY,
+             responses={200: {"model": ProgramInfo, "description": "already known"}})
+async def upload_program(
+    programs: ProgramStoreDep, body: ProgramBody, response: Response,
+    format: Annotated[ProgramFormat | None, Query(description="detected when omitted")] = None,
+) -> dict[str, Any]:
+    """Upload program bytes; idempotent (the id is the sha256 of the bytes)."""
+    fmt = format.value if format else None
+    program, created = await programs.put(bytes(await body.read()), fmt)
+    response.status_code = 201 if created else 200
+    return program.to_json()
+
+
+@router.get("/{program_id}", response_model=ProgramInfo)
+async def get_program(program_id: str, programs: ProgramStoreDep) -> dict[str, Any]:
+    """The program's signature and metadata."""
+    return (await programs.get(program_id)).to_json()
+
+
+@router.post("/{program_id}/compile", response_model=CompileResult, openapi_extra=_MESSAGE_BODY)
+async def compile_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
+                          body: Body) -> CompileResult:
+    """Compile (or find in a cache) the executable for the given input avals."""
+    program = await programs.get(program_id)
+    req = parse(CompileRequest, await body.message(), "compile request")
+    in_avals = None if req.in_avals is None else [Aval.from_json(a) for a in req.in_avals]
+    lookup = await calls.compile(program, in_avals, req.static_key)
+    exe = lookup.executable
+    return CompileResult(
+        executable_id=lookup.executable_id, tier=lookup.tier,
+        compile_seconds=lookup.compile_seconds, in_avals=[a.to_json() for a in exe.in_avals],
+        out_avals=[a.to_json() for a in exe.out_avals], out_tree=exe.out_tree)
+
+
+@router.post("/{program_id}/execute", status_code=202, response_model=ExecuteAccepted,
+             openapi_extra=_MESSAGE_BODY,
+             responses={200: {"description": "the outputs, when ?wait was long enough"}})
+async def execute_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
+                          metrics: MetricsDep, body: Body, owner: Owner, wait: WaitSeconds,
+                          as_json: AsJSON) -> Response:
+    """Run the program on arrays or future references; answers with a future.
+
+    With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time.
+    """
+    program = await programs.get(program_id)
+    req = parse(ExecuteRequest, await _message(body), "execute request")
+    call = await calls.execute(program, req.args, req.static_key, owner)
+    del req  # the executor holds the input arrays now; do not pin them while we wait
+    fut = call.future
+    if wait and await fut.wait_final(wait) and fut.outputs is not None:
+        return await outputs_response(fut, metrics, as_json)
+    accepted = ExecuteAccepted.of(fut, call.tier)
+    return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+
+
+async def _message(body: Body) -> Any:
+    message = await body.message()
+    if message is None:
+        raise BadRequest("execute needs a body {'args': [...]}")
+    return message

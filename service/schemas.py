@@ -1,0 +1,134 @@
+"""Wire schemas: the JSON documents of requests and answers (docs/api.md).
+
+Stored state lives in ``futures.Future`` and ``compiler.Program``; these models are
+only what crosses the wire, built from that state by the ``of`` constructors.
+Array payloads never go through pydantic: the wire codec handles them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.errors import BadRequest
+from service.futures import Future
+
+__all__ = [
+    "CompileRequest",
+    "CompileResult",
+    "DeleteResult",
+    "ExecuteAccepted",
+    "ExecuteRequest",
+    "FutureView",
+    "ProgramInfo",
+    "TimingsView",
+    "parse",
+]
+
+AvalJSON = dict[str, Any]
+M = TypeVar("M", bound="BaseModel")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProgramInfo(BaseModel):
+    """An uploaded program (``Program.to_json``)."""
+
+    program_id: str
+    format: str
+    in_avals: list[AvalJSON]
+    out_avals: list[AvalJSON] | None
+    in_tree: Any = None
+    out_tree: Any = None
+    platforms: list[str]
+
+
+class CompileRequest(_Strict):
+    """Body of ``POST /v1/programs/{id}/compile``; all optional."""
+
+    in_avals: list[AvalJSON] | None = None
+    static_key: str = Field("", max_length=4096)
+
+
+class CompileResult(BaseModel):
+    """Answer of ``POST /v1/programs/{id}/compile``."""
+
+    executable_id: str
+    tier: str
+    compile_seconds: float
+    in_avals: list[AvalJSON]
+    out_avals: list[AvalJSON]
+    out_tree: Any = None
+
+
+class ExecuteRequest(_Strict):
+    """Body of ``POST /v1/programs/{id}/execute`` (arrays stay as decoded by the codec)."""
+
+    args: list[Any]
+    static_key: str = Field("", max_length=4096)
+
+
+class ExecuteAccepted(BaseModel):
+    """The ``202`` answer of an execute: the future to poll."""
+
+    future_id: str
+    status: str
+    out_avals: list[AvalJSON]
+    out_tree: Any = None
+    executable_id: str
+    tier: str
+
+    @classmethod
+    def of(cls, fut: Future, tier: str) -> ExecuteAccepted:
+        return cls(future_id=fut.future_id, status=fut.status.value,
+                   out_avals=[a.to_json() for a in fut.out_avals], out_tree=fut.out_tree,
+                   executable_id=fut.executable_id, tier=tier)
+
+
+class TimingsView(BaseModel):
+    queued_s: float | None
+    compile_s: float
+    run_s: float | None
+
+
+class FutureView(BaseModel):
+    """Answer of ``GET /v1/futures/{id}``."""
+
+    future_id: str
+    status: str
+    out_avals: list[AvalJSON]
+    out_tree: Any = None
+    error: dict[str, Any] | None
+    timings: TimingsView
+    created: float
+    expires_at: float
+
+    @classmethod
+    def of(cls, fut: Future) -> FutureView:
+        t = fut.timings
+        return cls(future_id=fut.future_id, status=fut.status.value,
+                   out_avals=[a.to_json() for a in fut.out_avals], out_tree=fut.out_tree,
+                   error=fut.error, created=fut.created, expires_at=fut.expires_at,
+                   timings=TimingsView(queued_s=t.queued_s, compile_s=t.compile_s, run_s=t.run_s))
+
+
+class DeleteResult(BaseModel):
+    """Answer of ``DELETE /v1/futures/{id}``."""
+
+    future_id: str
+    status: str
+
+
+def parse(model: type[M], obj: Any, what: str) -> M:
+    """Validate a decoded body against ``model``; ``BadRequest`` naming the problem."""
+    if obj is None:
+        obj = {}
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        where = "; ".join(f"{'.'.join(map(str, err['loc'])) or what}: {err['msg']}"
+                          for err in e.errors()[:5])
+        raise BadRequest(f"invalid {what}: {where}") from None

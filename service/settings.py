@@ -1,0 +1,103 @@
+"""The server's configuration: one pydantic-settings object read from ``JITSERVE_*``.
+
+    JITSERVE_PORT=9000 JITSERVE_API_KEYS=k1,k2 jitserve serve
+
+Every knob has a default that runs on a fresh machine with no Redis. Outside
+``JITSERVE_ENV=development`` the settings refuse placeholder API keys such as
+``changeme``, so a sample config cannot ship to production by accident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["PLACEHOLDER_SECRETS", "Settings"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Values people paste from examples; never accepted as a real API key.
+PLACEHOLDER_SECRETS = frozenset(
+    {"changeme", "change-me", "change_me", "secret", "password", "example",
+     "test", "key", "apikey", "api-key", "xxx", "todo", "default", "token"}
+)
+
+
+class Settings(BaseSettings):
+    """Everything the server reads from its environment (prefix ``JITSERVE_``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="JITSERVE_", extra="ignore", validate_default=True, populate_by_name=True
+    )
+
+    env: Literal["development", "test", "production"] = "production"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    cache_dir: Path = Path("~/.cache/jitserve")
+    # Read but unused until shared state moves to Redis; REDIS_URL is the common name.
+    redis_url: str | None = Field(
+        None, validation_alias=AliasChoices("redis_url", "JITSERVE_REDIS_URL", "REDIS_URL")
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+
+    # Request limits.
+    max_body_bytes: int = Field(1 * GiB, gt=0)
+    max_wait_ms: int = Field(60_000, ge=0)
+
+    # Compiler limits and caches.
+    max_program_bytes: int = Field(64 * MiB, gt=0)
+    max_ops: int = Field(200_000, gt=0)
+    max_inputs: int = Field(4096, gt=0)
+    max_nesting: int = Field(64, gt=0)
+    max_tensor_bytes: int = Field(16 * GiB, gt=0)
+    compile_timeout_s: float = Field(120.0, gt=0)
+    compile_workers: int = Field(2, gt=0)
+    l1_max_entries: int = Field(256, gt=0)
+    l1_max_bytes: int = Field(2 * GiB, gt=0)
+
+    # Futures and execution.
+    future_ttl_s: float = Field(600.0, gt=0)
+    sweep_interval_s: float = Field(1.0, gt=0)
+    max_live_futures: int = Field(10_000, gt=0)
+    max_device_bytes: int = Field(8 * GiB, gt=0)
+    executor_threads: int = Field(2, gt=0)
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        # The environment gives "k1, k2"; Python callers may give a list.
+        if isinstance(value, str):
+            return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_placeholders(self) -> Settings:
+        if self.env == "development":
+            return self
+        bad = [k for k in self.api_keys if k.lower() in PLACEHOLDER_SECRETS or len(k) < 8]
+        if bad:
+            raise ValueError(
+                "JITSERVE_API_KEYS holds a placeholder or too-short key (under 8 characters); "
+                "set real keys, or JITSERVE_ENV=development to allow them"
+            )
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Whether ``/v1`` routes require a bearer token."""
+        return bool(self.api_keys)
+
+    def key_digests(self) -> tuple[bytes, ...]:
+        """sha256 digests of the API keys, the form auth compares and owners store."""
+        return tuple(hashlib.sha256(k.encode()).digest() for k in self.api_keys)

@@ -1,0 +1,97 @@
+"""End-to-end fixtures: real ``jitserve serve`` processes on free local ports.
+
+``server_url`` is one server for the whole session; ``auth_server_url`` a second
+one started only if a test asks for it, with API keys configured. Each runs with
+its own cache directory and logs to a file that is printed if it fails to start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+AUTH_KEYS = ("e2e-alice-key-0123456789", "e2e-bob-key-0123456789")
+E2E_ENV = {
+    # Small enough that the bad-input tests can exceed it cheaply.
+    "JITSERVE_MAX_BODY_BYTES": str(256 * 1024),
+    "JITSERVE_FUTURE_TTL_S": "120",
+    "JITSERVE_EXECUTOR_THREADS": "2",
+    "JITSERVE_LOG_LEVEL": "warning",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"jitserve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"jitserve did not become healthy in {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+def _serve(tmp: Path, extra_env: dict[str, str]) -> Iterator[str]:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JITSERVE_") and k != "REDIS_URL"}
+    env.update(E2E_ENV, **extra_env)
+    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--cache-dir", str(tmp / "cache")]
+    log = tmp / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(url, proc, log, timeout_s=90)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real jitserve process without auth."""
+    yield from _serve(tmp_path_factory.mktemp("jitserve"), {})
+
+
+@pytest.fixture(scope="session")
+def auth_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real jitserve process that requires one of ``AUTH_KEYS``."""
+    yield from _serve(tmp_path_factory.mktemp("jitserve-auth"),
+                      {"JITSERVE_API_KEYS": ",".join(AUTH_KEYS)})
+
+
+@pytest.fixture
+def http(server_url: str) -> Iterator[httpx.Client]:
+    """A plain httpx client on the server."""
+    with httpx.Client(base_url=server_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def auth_keys() -> tuple[str, ...]:
+    """The API keys ``auth_server_url`` accepts."""
+    return AUTH_KEYS

@@ -1,0 +1,135 @@
+"""Fixtures for in-process tests of the service app.
+
+One real ``Compiler`` serves the whole session (its first compile starts a worker
+process); every test gets a fresh app around it, with its own settings, cache
+directory and event loop. ``api`` talks to that app through httpx's ASGI transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from jax import export
+
+from client import wire
+from compiler import Compiler
+from service.app import create_app, make_compiler
+from service.settings import Settings
+
+F32 = np.float32
+
+
+def _export(fn: Callable[..., Any], *specs: Any) -> bytes:
+    return bytes(export.export(jax.jit(fn))(*specs).serialize())
+
+
+def _spec(shape: Any, dtype: Any = F32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.fixture(scope="session")
+def programs() -> dict[str, bytes]:
+    """Serialized ``jax.export`` programs the tests run, by name."""
+    (b,) = export.symbolic_shape("b")
+    return {
+        # (x + y, 2x) on float32[2, 3]
+        "add_mul": _export(lambda x, y: (x + y, x * 2), _spec((2, 3)), _spec((2, 3))),
+        # 3x on float32[2, 3]: takes an output of add_mul
+        "triple": _export(lambda x: x * 3, _spec((2, 3))),
+        # column sums of float32[b, 3]: a dynamic dimension
+        "colsum": _export(lambda x: x.sum(axis=0), _spec((b, 3))),
+        # float64 and int64 in, a dict out: x64 is on
+        "f64": _export(lambda x, n: {"y": x * 2, "n": n + 1},
+                       _spec((4,), np.float64), _spec((), np.int64)),
+        # 1 MiB of float32 + 1: results big enough to stream in slices
+        "big": _export(lambda x: x + jnp.float32(1), _spec((1 << 18,))),
+    }
+
+
+@pytest.fixture(scope="session")
+def compiler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compiler]:
+    """One compiler (with its disk tier) for the whole session."""
+    settings = Settings(env="test", cache_dir=tmp_path_factory.mktemp("compiler-cache"))
+    c = make_compiler(settings)
+    yield c
+    c.close()
+
+
+@dataclass
+class Api:
+    """An app in its lifespan and an httpx client on it, with shortcuts."""
+
+    app: FastAPI
+    http: httpx.AsyncClient
+    programs: dict[str, bytes]
+
+    async def upload(self, name: str) -> str:
+        r = await self.http.post("/v1/programs", content=self.programs[name],
+                                 headers={"content-type": "application/octet-stream"})
+        assert r.status_code in (200, 201), r.text
+        return r.json()["program_id"]
+
+    async def execute(self, program_id: str, args: list[Any], *, wait: int | None = None,
+                      headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+        params = {} if wait is None else {"wait": wait}
+        return await self.http.post(
+            f"/v1/programs/{program_id}/execute", params=params,
+            content=wire.packb({"args": args, **extra}),
+            headers={"content-type": wire.MSGPACK, **(headers or {})})
+
+    async def result(self, future_id: str, wait: int = 10_000, **kw: Any) -> httpx.Response:
+        return await self.http.get(f"/v1/futures/{future_id}/result",
+                                   params={"wait": wait}, **kw)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample on ``/metrics`` (0 when absent)."""
+        text = (await self.http.get("/metrics")).text
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+                       if labels else "")
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == want:
+                return float(value)
+        return 0.0
+
+
+MakeApi = Callable[..., contextlib.AbstractAsyncContextManager[Api]]
+
+
+@pytest.fixture
+def make_api(compiler: Compiler, programs: dict[str, bytes], tmp_path: Path) -> MakeApi:
+    """A factory: ``async with make_api(**settings) as api`` runs an app with those settings."""
+
+    @contextlib.asynccontextmanager
+    async def make(cache_dir: Path | None = None, **overrides: Any) -> AsyncIterator[Api]:
+        settings = Settings(env="test", cache_dir=cache_dir or tmp_path / "cache", **overrides)
+        app = create_app(settings, compiler=compiler)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=transport, base_url="http://jitserve") as http:
+                yield Api(app, http, programs)
+
+    return make
+
+
+@pytest.fixture
+async def api(make_api: MakeApi) -> AsyncIterator[Api]:
+    """An app with the default test settings."""
+    async with make_api() as a:
+        yield a
+
+
+@pytest.fixture
+def x() -> np.ndarray:
+    """A float32[2, 3] input."""
+    return np.arange(6, dtype=F32).reshape(2, 3)

@@ -1,0 +1,175 @@
+"""Futures: long-polling, cancellation, failure, TTL expiry and resource limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from client import wire
+from service.futures import FutureStatus, FutureStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.contextmanager
+def executor_blocked(api) -> Iterator[threading.Event]:
+    """Occupy the executor's only thread until the yielded event is set.
+
+    Work submitted meanwhile stays queued: not started, so still cancellable.
+    """
+    gate = threading.Event()
+    executor = api.app.state.executor
+    blocker = executor._pool.submit(gate.wait)
+    try:
+        yield gate
+    finally:
+        gate.set()
+        blocker.result(timeout=10)
+
+
+async def test_long_poll_returns_when_the_status_changes(make_api, x) -> None:
+    async with make_api(executor_threads=1) as api:
+        pid = await api.upload("add_mul")
+        await api.execute(pid, [x, x], wait=30_000)  # compiled: later calls only queue
+        with executor_blocked(api) as gate:
+            fid = (await api.execute(pid, [x, x])).json()["future_id"]
+            poll = asyncio.create_task(api.http.get(f"/v1/futures/{fid}", params={"wait": 20_000}))
+            await asyncio.sleep(0.3)
+            assert not poll.done()  # still pending: the poll waits
+            released = time.monotonic()
+            gate.set()
+            status = (await poll).json()["status"]
+            assert time.monotonic() - released < 2.0  # woken by the change, not the timeout
+        assert status in ("running", "done")
+
+
+async def test_long_poll_times_out_with_the_same_status(make_api, x) -> None:
+    async with make_api(executor_threads=1) as api:
+        pid = await api.upload("add_mul")
+        with executor_blocked(api):
+            fid = (await api.execute(pid, [x, x])).json()["future_id"]
+            start = time.monotonic()
+            r = await api.http.get(f"/v1/futures/{fid}", params={"wait": 300})
+            assert 0.25 < time.monotonic() - start < 2.0
+            assert r.json()["status"] == "pending"
+            r = await api.http.get(f"/v1/futures/{fid}/result", params={"wait": 100})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "future_pending"
+
+
+async def test_wait_is_capped_by_max_wait_ms(make_api, x) -> None:
+    async with make_api(executor_threads=1, max_wait_ms=200) as api:
+        pid = await api.upload("add_mul")
+        with executor_blocked(api):
+            start = time.monotonic()
+            r = await api.execute(pid, [x, x], wait=60_000)
+            assert r.status_code == 202
+            assert time.monotonic() - start < 5.0
+
+
+async def test_delete_cancels_a_queued_execution(make_api, x) -> None:
+    async with make_api(executor_threads=1) as api:
+        pid = await api.upload("add_mul")
+        with executor_blocked(api):
+            fid = (await api.execute(pid, [x, x])).json()["future_id"]
+            assert (await api.http.get(f"/v1/futures/{fid}")).json()["status"] == "pending"
+            r = await api.http.delete(f"/v1/futures/{fid}")
+            assert r.status_code == 200
+            assert r.json() == {"future_id": fid, "status": "cancelled"}
+        await asyncio.sleep(0.1)
+        assert (await api.http.get(f"/v1/futures/{fid}")).status_code == 404
+        assert await api.metric("jitserve_executions_total", status="cancelled") == 1
+        assert await api.metric("jitserve_executions_total", status="done") == 0
+        assert await api.metric("jitserve_device_bytes_in_use") == 0
+
+
+async def test_a_cancelled_dependency_fails_its_dependents(make_api, x) -> None:
+    async with make_api(executor_threads=1) as api:
+        add_mul, triple = await api.upload("add_mul"), await api.upload("triple")
+        with executor_blocked(api):
+            first = (await api.execute(add_mul, [x, x])).json()["future_id"]
+            second = (await api.execute(triple, [{"future": first, "output": 0}])).json()
+            await api.http.delete(f"/v1/futures/{first}")
+            status = (await api.http.get(f"/v1/futures/{second['future_id']}",
+                                         params={"wait": 5_000})).json()
+        assert status["status"] == "failed"
+        assert status["error"]["code"] == "future_cancelled"
+        assert first in status["error"]["message"]
+        r = await api.result(second["future_id"])
+        assert r.status_code == 422
+        err = r.json()["error"]
+        assert err["code"] == "future_failed" and err["cause"]["code"] == "future_cancelled"
+        # Referencing the gone future now is a plain 404.
+        r = await api.execute(triple, [{"future": first, "output": 0}])
+        assert r.status_code == 404
+
+
+async def test_futures_expire_after_their_ttl(make_api, x) -> None:
+    async with make_api(future_ttl_s=0.3, sweep_interval_s=0.05) as api:
+        pid = await api.upload("add_mul")
+        r = await api.execute(pid, [x, x], wait=30_000)
+        fid = wire.unpackb(r.content)["future_id"]
+        assert await api.metric("jitserve_device_bytes_in_use") == 48
+        await asyncio.sleep(0.6)
+        assert len(api.app.state.futures) == 0  # the sweeper took it
+        assert (await api.http.get(f"/v1/futures/{fid}")).status_code == 404
+        assert await api.metric("jitserve_device_bytes_in_use") == 0
+
+
+async def test_expiry_is_checked_on_access_too(make_api, x) -> None:
+    async with make_api(future_ttl_s=0.2, sweep_interval_s=3600) as api:
+        pid = await api.upload("add_mul")
+        fid = wire.unpackb((await api.execute(pid, [x, x], wait=30_000)).content)["future_id"]
+        await asyncio.sleep(0.3)
+        r = await api.http.get(f"/v1/futures/{fid}/result")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+async def test_too_many_live_futures_is_429(make_api, x) -> None:
+    async with make_api(max_live_futures=2) as api:
+        pid = await api.upload("add_mul")
+        fids = [(await api.execute(pid, [x, x])).json()["future_id"] for _ in range(2)]
+        r = await api.execute(pid, [x, x])
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == "too_many_requests"
+        assert int(r.headers["retry-after"]) >= 1
+        await api.http.delete(f"/v1/futures/{fids[0]}")
+        assert (await api.execute(pid, [x, x])).status_code == 202
+
+
+async def test_device_bytes_limit_is_429(make_api, x) -> None:
+    # Each add_mul call holds 2 outputs of 24 bytes.
+    async with make_api(max_device_bytes=100) as api:
+        pid = await api.upload("add_mul")
+        assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
+        assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
+        r = await api.execute(pid, [x, x])
+        assert r.status_code == 429 and "Retry-After" in r.headers
+        assert "device" in r.json()["error"]["message"]
+
+
+async def test_outputs_bigger_than_the_device_limit_are_refused(make_api) -> None:
+    async with make_api(max_device_bytes=1000) as api:
+        pid = await api.upload("big")
+        r = await api.execute(pid, [np.zeros(1 << 18, np.float32)])
+        assert r.status_code == 422 and r.json()["error"]["code"] == "limit_exceeded"
+
+
+async def test_store_ids_are_unguessable_and_owned() -> None:
+    store = FutureStore(ttl_s=60, max_live=10, max_device_bytes=1 << 20)
+    a = store.create(owner="alice", executable_id="e", out_avals=(), out_tree=None)
+    b = store.create(owner=None, executable_id="e", out_avals=(), out_tree=None)
+    assert len(a.future_id) == 32 and a.future_id != b.future_id  # 24 random bytes
+    assert store.get(a.future_id, "alice") is a
+    for owner in ("bob", None):
+        with pytest.raises(Exception, match="no future"):
+            store.get(a.future_id, owner)
+    with pytest.raises(Exception, match="no future"):
+        store.get(b.future_id, "alice")
+    assert store.delete(a) is FutureStatus.PENDING
+    assert store.counts()["pending"] == 1
