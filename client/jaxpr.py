@@ -32,6 +32,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from client import wire
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -103,10 +105,11 @@ def jaxpr_to_document(closed_jaxpr: Any, *, binary: bool = False) -> dict[str, A
     """
     import jax
 
-    encoder = _Encoder(binary=binary)
-    body = encoder.jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, "")
     for i, var in enumerate(closed_jaxpr.jaxpr.invars):
         _check_top_dtype(var.aval, f"input {i}")
+    for i, atom in enumerate(closed_jaxpr.jaxpr.outvars):
+        _check_top_dtype(atom.aval, f"output {i}")
+    body = _Encoder(binary=binary).jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, "")
     return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
             "producer": f"jax {jax.__version__}", "jaxpr": body}
 
@@ -153,7 +156,7 @@ class _Encoder:
         params = _PARAM_FILTERS.get(name, _keep)(dict(eqn.params), where)
         out: dict[str, Any] = {"primitive": name}
         if params:
-            out["params"] = {k: self.value(v, f"{where} param {k!r}", name)
+            out["params"] = {k: self.value(v, f"{where} param {k!r}")
                              for k, v in sorted(params.items())}
         out["invars"] = [self.atom(a, scope) for a in eqn.invars]
         out["outvars"] = [{"var": scope.binder(v), "aval": _aval(v.aval)} for v in eqn.outvars]
@@ -173,7 +176,7 @@ class _Encoder:
     def array(self, x: Any) -> dict[str, Any]:
         return _wire_array(np.asarray(x), binary=self.binary)
 
-    def value(self, v: Any, where: str, prim: str) -> Any:
+    def value(self, v: Any, where: str) -> Any:
         """A param value in its plain-data spelling (the decoder's codecs read it back)."""
         from jax.extend import core as jcore
 
@@ -181,6 +184,8 @@ class _Encoder:
             return v.name
         if v is None or isinstance(v, (bool, str)):
             return v
+        if isinstance(v, np.bool_):
+            return bool(v)
         if isinstance(v, (int, np.integer)):
             return int(v)
         if isinstance(v, (float, np.floating)):
@@ -190,15 +195,17 @@ class _Encoder:
         if isinstance(v, jcore.ClosedJaxpr):
             return self.jaxpr(v.jaxpr, v.consts, f"{where} >")
         if isinstance(v, jcore.Jaxpr):
+            if v.constvars:
+                raise JaxprEncodeError(f"{where}: an open jaxpr with constvars but no values")
             return self.jaxpr(v, [], f"{where} >")
         if isinstance(v, jcore.Primitive):
             return v.name
         if type(v).__name__ == "PRNGImpl":  # a NamedTuple of functions: send its name
             return v.name
         if isinstance(v, tuple) and hasattr(v, "_fields"):  # dimension-number records
-            return {f: self.value(getattr(v, f), where, prim) for f in v._fields}
+            return {f: self.value(getattr(v, f), where) for f in v._fields}
         if isinstance(v, (tuple, list)):
-            return [self.value(x, where, prim) for x in v]
+            return [self.value(x, where) for x in v]
         if isinstance(v, np.ndarray):
             return self.array(v)
         return _special_value(v, where)
@@ -324,7 +331,10 @@ def _is_dtype(v: Any) -> bool:
 def _dtype_name(dtype: Any) -> str:
     if type(dtype).__name__ == "KeyTy":
         return f"key<{dtype._impl.name}>"
-    return np.dtype(dtype).name
+    try:
+        return wire.dtype_name(dtype)
+    except wire.WireError as e:
+        raise JaxprEncodeError(str(e)) from None
 
 
 def _aval(aval: Any) -> dict[str, Any]:
@@ -335,6 +345,7 @@ def _aval(aval: Any) -> dict[str, Any]:
 
 
 def _check_top_dtype(aval: Any, what: str) -> None:
+    # Program inputs and outputs travel as wire arrays, which have no key type.
     if type(aval.dtype).__name__ == "KeyTy":
         raise JaxprEncodeError(f"{what} is a PRNG key ({aval.str_short()}); pass "
                                "jax.random.key_data(key) and wrap it inside the function")
@@ -362,9 +373,10 @@ def _scalar(val: np.ndarray) -> Any:
 
 
 def _wire_array(x: np.ndarray, *, binary: bool) -> dict[str, Any]:
-    data = np.ascontiguousarray(x).tobytes()
-    return {"dtype": x.dtype.name, "shape": list(x.shape),
-            "data": data if binary else base64.b64encode(data).decode("ascii")}
+    # The shared wire codec, with base64 text in JSON: exact, unlike decimal lists.
+    out = wire.encode_array(x)
+    out["data"] = bytes(out["data"]) if binary else base64.b64encode(out["data"]).decode("ascii")
+    return out
 
 
 def _arrays_to_wire(tree: Any, *, binary: bool) -> Any:
