@@ -1,0 +1,36 @@
+"""The baseline: a minimal hand-written FastAPI endpoint doing the same work as jitserve.
+
+It decodes a msgpack array, runs the jitted function, and encodes the result —
+no futures, no caching layers, no validation. bench/service.py compares against it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+from fastapi import FastAPI, Request, Response
+
+jax.config.update("jax_enable_x64", True)
+app = FastAPI()
+
+
+@jax.jit
+def f(x):  # noqa: ANN001, ANN201 - the benchmark function, kept identical in service.py
+    return jnp.sin(x) * 2.0 + 1.0
+
+
+@app.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@app.post("/run")
+async def run(request: Request) -> Response:
+    body = msgpack.unpackb(await request.body())
+    a = body["args"][0]
+    x = np.frombuffer(a["data"], dtype=a["dtype"]).reshape(a["shape"])
+    y = np.asarray(f(x))
+    out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tobytes()}]}
+    return Response(msgpack.packb(out), media_type="application/msgpack")

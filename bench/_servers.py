@@ -1,0 +1,80 @@
+"""Start and stop server processes for benchmarks: jitserve, and a minimal baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+BENCH = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"server at {url} did not become healthy")
+
+
+@contextlib.contextmanager
+def process(argv: list[str], url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def jitserve(**env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``jitserve serve`` on a free loopback port with a fresh cache dir."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as cache:
+        argv = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1",
+                "--port", str(port), "--cache-dir", cache, "--log-level", "warning"]
+        with process(argv, url, env) as proc:
+            yield url, proc
+
+
+@contextlib.contextmanager
+def baseline() -> Iterator[str]:
+    """The hand-written minimal FastAPI endpoint (bench/_baseline_app.py) under uvicorn."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "uvicorn", "_baseline_app:app", "--app-dir", str(BENCH),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    with process(argv, url):
+        yield url
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0

@@ -1,0 +1,211 @@
+"""Service benchmarks (issue 3): round trip, throughput, transfer, chaining.
+
+Every figure is printed as a ratio against a baseline measured in the same run,
+on the same function and machine, and written to bench/results/service.json:
+
+  P1  median round trip of a cached call with ``wait`` vs a minimal hand-written
+      FastAPI endpoint (bench/_baseline_app.py) and vs in-process ``jax.jit``.
+  P2  throughput with 64 calls in flight from the AsyncClient vs the same baseline.
+  P4  upload / download GB/s at 1, 16 and 256 MiB, and the server's peak RSS
+      growth during the round trip relative to the payload.
+  P5  a 10-step chain on a 64 MiB array through futures vs shipping the data each step.
+
+Run: ``.venv/bin/python bench/service.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _servers import baseline, jitserve, rss_bytes  # noqa: E402
+
+from client import AsyncClient, Client  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+MiB = 1 << 20
+
+
+def f(x):  # noqa: ANN001, ANN201 - identical to the baseline app's function
+    return jnp.sin(x) * 2.0 + 1.0
+
+
+def export(fn: Any, x: np.ndarray) -> bytes:
+    exp = jax.export.export(jax.jit(fn))(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return bytes(exp.serialize())
+
+
+def median_ms(fn: Any, n: int) -> float:
+    for _ in range(min(10, n)):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def baseline_body(x: np.ndarray) -> bytes:
+    return msgpack.packb({"args": [{"dtype": x.dtype.name, "shape": list(x.shape),
+                                    "data": x.tobytes()}]})
+
+
+def p1(url: str, base: str, n: int) -> dict[str, float]:
+    x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
+    jitted = jax.jit(f)
+    local_ms = median_ms(lambda: np.asarray(jitted(x)), n)
+    with Client(url) as c, httpx.Client() as h:
+        pid = c.upload(export(f, x)).program_id
+        remote_ms = median_ms(lambda: c.execute(pid, [x], wait=10)[0].result(), n)
+        body = baseline_body(x)
+        base_ms = median_ms(lambda: h.post(f"{base}/run", content=body,
+                                           headers={"content-type": "application/msgpack"}), n)
+    return {"jitserve_ms": remote_ms, "baseline_fastapi_ms": base_ms, "local_jit_ms": local_ms,
+            "ratio_vs_baseline": remote_ms / base_ms, "ratio_vs_local_jit": remote_ms / local_ms}
+
+
+async def _throughput(call: Any, total: int, in_flight: int) -> float:
+    sem = asyncio.Semaphore(in_flight)
+
+    async def one() -> None:
+        async with sem:
+            await call()
+
+    await asyncio.gather(*(one() for _ in range(in_flight)))  # warm-up
+    t = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(total)))
+    return total / (time.perf_counter() - t)
+
+
+async def p2(url: str, base: str, total: int) -> dict[str, float]:
+    x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with AsyncClient(url) as ac, httpx.AsyncClient(limits=limits) as h:
+        pid = (await ac.upload(export(f, x))).program_id
+
+        async def remote() -> None:
+            outs = await ac.execute(pid, [x], wait=30)
+            await outs[0].result()
+
+        body = baseline_body(x)
+
+        async def base_call() -> None:
+            await h.post(f"{base}/run", content=body, headers={"content-type": "application/msgpack"})
+
+        remote_cps = await _throughput(remote, total, 64)
+        base_cps = await _throughput(base_call, total, 64)
+    return {"jitserve_calls_per_s": remote_cps, "baseline_calls_per_s": base_cps,
+            "ratio_vs_baseline": remote_cps / base_cps}
+
+
+class PeakRss:
+    """Samples a process's RSS in a thread; ``peak - start`` is the growth."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.start, self.peak = pid, rss_bytes(pid), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes(self.pid))
+            time.sleep(0.002)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def p4(url: str, pid_server: int, sizes_mib: list[int]) -> list[dict[str, float]]:
+    rows = []
+    with Client(url, timeout=600) as c:
+        for mib in sizes_mib:
+            x = np.ones(mib * MiB // 4, np.float32)
+            pid = c.upload(export(lambda v: v + 1.0, x)).program_id
+            c.execute(pid, [x], wait=60)[0].result()  # compile and warm up
+            with PeakRss(pid_server) as rss:
+                t0 = time.perf_counter()
+                fut = c.execute(pid, [x])[0]
+                t1 = time.perf_counter()
+                c.future(fut.future_id, wait=60)
+                t2 = time.perf_counter()
+                out = c.result(fut.future_id)[0]
+                t3 = time.perf_counter()
+            assert out.shape == x.shape
+            c.delete(fut.future_id)
+            rows.append({"mib": mib, "upload_gb_s": x.nbytes / (t1 - t0) / 1e9,
+                         "download_gb_s": x.nbytes / (t3 - t2) / 1e9,
+                         "server_rss_growth_x_payload": (rss.peak - rss.start) / x.nbytes})
+    return rows
+
+
+def p5(url: str, steps: int = 10, mib: int = 64) -> dict[str, float]:
+    x = np.ones(mib * MiB // 4, np.float32)
+
+    def step(v):  # noqa: ANN001, ANN202
+        return v * 1.0001
+
+    with Client(url, timeout=600) as c:
+        remote = c.jit(step)
+        np.asarray(remote(x))  # compile
+        pid = c.upload(export(step, x)).program_id
+        t = time.perf_counter()
+        y = remote(x)
+        for _ in range(steps - 1):
+            y = remote(y)
+        chained = np.asarray(y)
+        chain_s = time.perf_counter() - t
+        t = time.perf_counter()
+        v = x
+        for _ in range(steps):
+            v = c.execute(pid, [v], wait=60)[0].result()
+        ship_s = time.perf_counter() - t
+    np.testing.assert_allclose(chained, v, rtol=1e-6)
+    return {"chain_s": chain_s, "ship_each_step_s": ship_s, "speedup": ship_s / chain_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer calls, no 256 MiB")
+    args = parser.parse_args()
+    n, total = (50, 256) if args.quick else (300, 2048)
+    sizes = [1, 16] if args.quick else [1, 16, 256]
+    results: dict[str, Any] = {"machine": {"cpus": len(__import__("os").sched_getaffinity(0))}}
+    with jitserve() as (url, proc), baseline() as base:
+        results["P1_round_trip"] = p1(url, base, n)
+        print("P1", json.dumps(results["P1_round_trip"], indent=1))
+        results["P2_throughput_64_in_flight"] = asyncio.run(p2(url, base, total))
+        print("P2", json.dumps(results["P2_throughput_64_in_flight"], indent=1))
+        results["P4_transfer"] = p4(url, proc.pid, sizes)
+        print("P4", json.dumps(results["P4_transfer"], indent=1))
+        results["P5_chain_64MiB"] = p5(url)
+        print("P5", json.dumps(results["P5_chain_64MiB"], indent=1))
+    out = Path(__file__).resolve().parent / "results" / "service.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
