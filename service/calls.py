@@ -57,7 +57,10 @@ class Calls:
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
                       static_key: str = "") -> Any:
         """The compiler's ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed)."""
-        lookup = await run_in_threadpool(self._compiler.lookup, program, in_avals, static_key)
+        # An L1 hit needs no thread: only a miss may block on disk, Redis or XLA.
+        lookup = self._compiler.cached(program, in_avals, static_key)
+        if lookup is None:
+            lookup = await run_in_threadpool(self._compiler.lookup, program, in_avals, static_key)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
 

@@ -56,6 +56,8 @@ class Metrics:
                                   "output bytes held by live futures", registry=r)
         self.transfer_bytes = Counter("jitserve_transfer_bytes", "array bytes moved over HTTP",
                                       ["direction"], registry=r)
+        # Errors talking to the shared Redis cache tier; 0 on the embedded default.
+        self.redis_errors = Counter("jitserve_redis_errors", "errors talking to Redis", registry=r)
         # Series present at 0 from the start, so rates and dashboards need no special case.
         for direction in ("in", "out"):
             self.transfer_bytes.labels(direction)
