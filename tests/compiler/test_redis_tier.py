@@ -1,0 +1,467 @@
+"""The Redis tier against a real ``redis-server``: storage, metadata, listing, the
+cross-process compile lock, corrupt entries, and Redis dying and coming back.
+
+Two ``Compiler`` instances with their own cache dirs stand for two processes
+that share one Redis; the lock-holder test uses a real second process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import pytest
+import redis
+
+from compiler import Compiler, Lookup, SharedTier
+from compiler.cache import Entry, encode_entry
+from compiler.redis_tier import RedisSettings, RedisTier, RedisUnavailable
+from redis_server import RedisServer, free_port, make_tls_certs
+
+pytestmark = pytest.mark.timeout(180)
+
+MakeTier = Callable[..., RedisTier]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def make_tier(redis_url: str, redis_prefix: str) -> Iterator[MakeTier]:
+    """RedisTiers on this test's prefix (``url`` and settings overridable), closed at teardown."""
+    made: list[RedisTier] = []
+
+    def make(url: str | None = None, **options: Any) -> RedisTier:
+        options.setdefault("prefix", redis_prefix)
+        made.append(RedisTier(RedisSettings.from_url(url or redis_url, **options)))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+@pytest.fixture
+def raw(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain client, for reading and damaging records by hand."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@functools.cache
+def program_bytes(scale: float = 2.0) -> bytes:
+    """A small exported program; ``scale`` makes distinct programs (and keys).
+
+    Cached: an export carries source locations of its call stack, so two exports
+    from different lines are different programs.
+    """
+    def f(x: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ y) * scale
+
+    spec = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    return jax.export.export(jax.jit(f))(spec, spec).serialize()
+
+
+ARGS = [np.eye(8, dtype=np.float32), np.full((8, 8), 0.5, np.float32)]
+EXPECTED = np.tanh(ARGS[0] @ ARGS[1]) * 2.0
+
+
+def run_program(c: Compiler, data: bytes, fmt: str,
+                args: list[np.ndarray]) -> tuple[Lookup, list[np.ndarray]]:
+    """Decode, look up and run ``data``; the lookup and the numpy outputs."""
+    lookup = c.lookup(c.decode(data, fmt))
+    outs = lookup.executable.run([jax.device_put(a, c.device) for a in args])
+    return lookup, [np.asarray(o) for o in outs]
+
+
+def fake_entry(key: str, device_kind: str = "cpu", size: int = 5000) -> bytes:
+    meta = {"key": key, "jaxlib_version": jaxlib.__version__, "platform": "cpu",
+            "device_kind": device_kind, "compile_seconds": 1.25, "created": 1000.0,
+            "program_id": "p" * 64}
+    return encode_entry(Entry(os.urandom(size // 2) + bytes(size // 2), meta))
+
+
+def a_key(n: int = 0) -> str:
+    return hashlib.sha256(f"key-{n}".encode()).hexdigest()
+
+
+# -- settings ---------------------------------------------------------------------------
+
+
+def test_settings_from_url() -> None:
+    s = RedisSettings.from_url("rediss://jitserve:s3cret@cache:6380/2", prefix="prod", ttl_s=60)
+    assert s.key_prefix == "jitserve:v1:prod:"
+    assert s.redacted_url == "rediss://jitserve:***@cache:6380/2"
+    assert "s3cret" not in repr(s.redacted_url)
+
+
+@pytest.mark.parametrize("url, options, message", [
+    ("http://cache:6379", {}, "scheme"),
+    ("redis://cache", {"prefix": "a*b"}, "prefix"),
+    ("redis://cache", {"prefix": ""}, "prefix"),
+    ("redis://cache", {"ttl_s": 0}, "ttl_s"),
+    ("redis://cache", {"lock_ttl_s": -1}, "lock_ttl_s"),
+])
+def test_settings_refuse(url: str, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RedisSettings.from_url(url, **options)
+
+
+def test_is_a_shared_tier(make_tier: MakeTier) -> None:
+    assert isinstance(make_tier(), SharedTier)
+
+
+def _exercise(tier: RedisTier) -> None:
+    """Every command the tier uses, with no error counted."""
+    key = a_key()
+    tier.put(key, fake_entry(key))
+    assert tier.get(key) is not None and tier.metadata(key) is not None
+    assert [e["executable_id"] for e in tier.list_entries().entries] == [key]
+    data = program_bytes()
+    tier.put_program(hashlib.sha256(data).hexdigest(), data, "jax_export")
+    assert tier.get_program(hashlib.sha256(data).hexdigest()) is not None
+    with tier.compile_lock(a_key(1)) as should_compile:
+        assert should_compile
+    assert tier.stats()["errors"] == 0 and tier.available
+
+
+def test_password_and_acl_user(redis_server: Callable[..., RedisServer],
+                               make_tier: MakeTier) -> None:
+    server = redis_server(password="admin-pw-0123")
+    admin = redis.Redis.from_url(server.url)
+    # The ACL docs/redis.md recommends: jitserve's keys and channels, nothing dangerous.
+    admin.execute_command("ACL", "SETUSER", "jitserve", "on", ">user-pw-4567", "resetkeys",
+                          "~jitserve:*", "resetchannels", "&jitserve:*", "+@all", "-@dangerous")
+    admin.close()
+    url = f"redis://jitserve:user-pw-4567@127.0.0.1:{server.port}/0"
+    _exercise(make_tier(url))
+    wrong = make_tier(f"redis://jitserve:wrong-password@127.0.0.1:{server.port}/0")
+    assert not wrong.available and wrong.stats()["errors"] >= 1
+    assert wrong.get(a_key()) is None
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl to make certificates")
+def test_tls(redis_server: Callable[..., RedisServer], make_tier: MakeTier,
+             tmp_path: Path) -> None:
+    server = redis_server(tls_dir=make_tls_certs(tmp_path / "tls"), password="tls-pw-0123")
+    assert server.url.startswith("rediss://")
+    _exercise(make_tier(server.url))
+
+
+# -- storage, metadata, TTL, listing ------------------------------------------------------
+
+
+def test_put_get_delete_with_metadata(make_tier: MakeTier) -> None:
+    tier, key = make_tier(), a_key()
+    data = fake_entry(key)
+    assert tier.get(key) is None and tier.metadata(key) is None
+    tier.put(key, data)
+    assert tier.get(key) == data
+    assert tier.get(key) == data
+    meta = tier.metadata(key)
+    assert meta is not None
+    assert meta["executable_id"] == key and meta["program_id"] == "p" * 64
+    assert meta["size"] == len(data) and meta["raw_size"] == 5000
+    assert meta["compile_seconds"] == 1.25 and meta["created"] == 1000.0
+    assert meta["hits"] == 2 and meta["last_hit"] is not None
+    assert meta["jax_version"] == jax.__version__
+    assert meta["jaxlib_version"] == jaxlib.__version__ and meta["device_kind"] == "cpu"
+    stats = tier.stats()
+    assert stats["state"] == "ok" and stats["errors"] == 0 and stats["hits"] == 2
+    assert stats["bytes_written"] == len(data) and stats["bytes_read"] == 2 * len(data)
+    tier.delete(key)
+    assert tier.get(key) is None and tier.metadata(key) is None
+
+
+def test_put_refuses_a_bad_entry(make_tier: MakeTier) -> None:
+    tier, key = make_tier(), a_key()
+    tier.put(key, b"not an entry")
+    tier.put(key, fake_entry(a_key(1)))  # an entry of another key
+    assert tier.get(key) is None
+
+
+def test_keys_are_under_the_versioned_prefix(make_tier: MakeTier, raw: redis.Redis,
+                                             redis_prefix: str) -> None:
+    tier, key = make_tier(), a_key()
+    tier.put(key, fake_entry(key))
+    keys = {k.decode() for k in raw.scan_iter(match=f"*{redis_prefix}*")}
+    assert keys == {f"jitserve:v1:{redis_prefix}:exe:{key}", f"jitserve:v1:{redis_prefix}:meta:{key}"}
+
+
+def test_ttl_expires_and_hits_refresh_it(make_tier: MakeTier, raw: redis.Redis,
+                                         redis_prefix: str) -> None:
+    tier, key = make_tier(ttl_s=0.6), a_key()
+    tier.put(key, fake_entry(key))
+    exe, meta = (f"jitserve:v1:{redis_prefix}:{kind}:{key}" for kind in ("exe", "meta"))
+    assert 0 < raw.pttl(exe) <= 600 and 0 < raw.pttl(meta) <= 600
+    time.sleep(0.4)
+    assert tier.get(key) is not None  # a hit pushes the expiry out again
+    assert raw.pttl(exe) > 400
+    time.sleep(0.8)
+    assert tier.get(key) is None and tier.metadata(key) is None
+
+
+def test_no_ttl_by_default(make_tier: MakeTier, raw: redis.Redis, redis_prefix: str) -> None:
+    tier, key = make_tier(), a_key()
+    tier.put(key, fake_entry(key))
+    assert raw.pttl(f"jitserve:v1:{redis_prefix}:exe:{key}") == -1
+
+
+def test_listing_pages_through_every_entry(make_tier: MakeTier, raw: redis.Redis,
+                                           redis_prefix: str) -> None:
+    tier, other = make_tier(), make_tier(prefix=f"{redis_prefix}-other")
+    keys = {a_key(i) for i in range(25)}
+    for key in keys:
+        tier.put(key, fake_entry(key, size=100))
+    other.put(a_key(99), fake_entry(a_key(99), size=100))  # another deployment's entry
+    orphan = a_key(7)
+    raw.delete(f"jitserve:v1:{redis_prefix}:exe:{orphan}")  # as if evicted by LRU
+    seen: list[str] = []
+    cursor: str | None = None
+    pages = 0
+    while True:
+        page = tier.list_entries(cursor, limit=10)
+        seen += [e["executable_id"] for e in page.entries]
+        pages += 1
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert set(seen) == keys - {orphan}
+    assert pages >= 2
+    assert not raw.exists(f"jitserve:v1:{redis_prefix}:meta:{orphan}")  # cleaned up
+    with pytest.raises(ValueError, match="cursor"):
+        tier.list_entries("not-a-cursor")
+
+
+def test_works_under_maxmemory_allkeys_lru(redis_server: Callable[..., RedisServer],
+                                           make_tier: MakeTier) -> None:
+    server = redis_server(maxmemory="4mb")
+    tier = make_tier(server.url)
+    keys = [a_key(i) for i in range(100)]
+    for key in keys:  # about 6 MB of entries into 4 MB
+        tier.put(key, fake_entry(key, size=128 << 10))
+    present = [key for key in keys if tier.get(key) is not None]
+    assert 0 < len(present) < len(keys)  # some were evicted, none refused
+    assert tier.stats()["errors"] == 0
+    listed = {e["executable_id"] for e in tier.list_entries(limit=1000).entries}
+    assert listed <= set(present)  # nothing listed whose entry is gone
+
+
+def test_program_store(make_tier: MakeTier, raw: redis.Redis, redis_prefix: str) -> None:
+    tier = make_tier()
+    data = program_bytes()
+    program_id = hashlib.sha256(data).hexdigest()
+    assert tier.get_program(program_id) is None
+    tier.put_program(program_id, data, "jax_export")
+    stored = tier.get_program(program_id)
+    assert stored is not None and stored.data == data and stored.format == "jax_export"
+    tier.put_program(program_id, data, None)
+    assert tier.get_program(program_id).format is None  # type: ignore[union-attr]
+    raw.hset(f"jitserve:v1:{redis_prefix}:prog:{program_id}", "data", data[:-1])
+    assert tier.get_program(program_id) is None  # does not match its hash: dropped
+    assert not raw.exists(f"jitserve:v1:{redis_prefix}:prog:{program_id}")
+
+
+# -- through the Compiler -------------------------------------------------------------------
+
+
+def test_second_process_is_a_redis_hit(make_compiler: Callable[..., Compiler],
+                                       make_tier: MakeTier,
+                                       tmp_path: Path) -> None:
+    a = make_compiler(tmp_path / "a", extra_tiers=(make_tier(),))
+    b = make_compiler(tmp_path / "b", extra_tiers=(make_tier(),))
+    first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
+    second, outs = run_program(b, program_bytes(), "jax_export", ARGS)
+    assert first.tier == "compiled" and second.tier == "redis"
+    assert second.executable_id == first.executable_id
+    assert b.stats()["compilations"] == 0
+    np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
+    # B filled its faster local tier: a restart of B hits its disk, not Redis.
+    assert (tmp_path / "b" / "executables" / first.executable_id[:2] / first.executable_id).exists()
+
+
+def _corrupt(raw: redis.Redis, name: str, kind: str) -> None:
+    data = raw.get(name)
+    assert data is not None
+    key = name.rsplit(":", 1)[1]
+    damaged = {"truncated": data[: len(data) // 2], "flipped": data[:-1] + bytes([data[-1] ^ 1]),
+               "garbage": b"\x00" * 100, "empty": b"",
+               "foreign_device": fake_entry(key, device_kind="TPU v9")}[kind]
+    raw.set(name, damaged)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped", "garbage", "empty", "foreign_device"])
+def test_corrupt_entry_is_dropped_and_recompiled(make_compiler: Callable[..., Compiler],
+                                                 make_tier: MakeTier,
+                                                 raw: redis.Redis, redis_prefix: str,
+                                                 kind: str) -> None:
+    tier = make_tier()
+    a = make_compiler(None, extra_tiers=(tier,))
+    first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
+    _corrupt(raw, f"jitserve:v1:{redis_prefix}:exe:{first.executable_id}", kind)
+    b = make_compiler(None, extra_tiers=(make_tier(),))
+    again, outs = run_program(b, program_bytes(), "jax_export", ARGS)
+    assert again.tier == "compiled"
+    np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
+    c = make_compiler(None, extra_tiers=(make_tier(),))
+    third, _ = run_program(c, program_bytes(), "jax_export", ARGS)
+    assert third.tier == "redis"  # the recompiled entry replaced the bad one
+
+
+def test_concurrent_first_calls_compile_once(make_compiler: Callable[..., Compiler],
+                                             make_tier: MakeTier) -> None:
+    compilers = [make_compiler(None, extra_tiers=(make_tier(),)) for _ in range(2)]
+    for c in compilers:
+        c.warm()
+    data = program_bytes(3.0)
+    barrier = threading.Barrier(8)
+    tiers: list[str] = []
+    errors: list[BaseException] = []
+
+    def call(c: Compiler) -> None:
+        try:
+            barrier.wait()
+            tiers.append(run_program(c, data, "jax_export", ARGS)[0].tier)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(compilers[i % 2],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sum(c.stats()["compilations"] for c in compilers) == 1
+    assert sorted(tiers).count("compiled") == 1 and "redis" in tiers
+
+
+_HOLDER = """
+import sys, time
+from compiler.redis_tier import RedisSettings, RedisTier
+url, prefix, key, lock_ttl = sys.argv[1:5]
+tier = RedisTier(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=float(lock_ttl)))
+lock = tier.compile_lock(key)  # kept referenced: collecting it would release the lock
+assert lock.__enter__() is True
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _hold_lock(url: str, prefix: str, key: str, lock_ttl_s: float) -> subprocess.Popen[str]:
+    """A second process that takes ``key``'s compile lock, keeps renewing it, and never ends."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, url, prefix, key, str(lock_ttl_s)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def _stop(holder: subprocess.Popen[str]) -> None:
+    holder.kill()
+    holder.wait()
+    if holder.stdout is not None:
+        holder.stdout.close()
+
+
+def test_killed_lock_holder_lock_expires(make_compiler: Callable[..., Compiler],
+                                         make_tier: MakeTier, redis_url: str,
+                                         redis_prefix: str) -> None:
+    c = make_compiler(None, extra_tiers=(make_tier(lock_ttl_s=1.5, wait_s=60),))
+    c.warm()
+    key = c.executable_id(c.decode(program_bytes(), "jax_export"))
+    holder = _hold_lock(redis_url, redis_prefix, key, lock_ttl_s=1.5)
+    try:
+        result: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: result.update(
+            lookup=run_program(c, program_bytes(), "jax_export", ARGS)[0]))
+        start = time.monotonic()
+        waiter.start()
+        time.sleep(3.0)  # longer than the lock's expiry: the holder is renewing it
+        assert waiter.is_alive(), "compiled while another live process held the lock"
+        holder.send_signal(signal.SIGKILL)
+        waiter.join(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        _stop(holder)
+    assert result["lookup"].tier == "compiled" and c.stats()["compilations"] == 1
+    assert elapsed < 20  # the lock expired; nobody waited out the 60 s limit
+
+
+def test_waiter_gives_up_after_wait_s(make_compiler: Callable[..., Compiler],
+                                      make_tier: MakeTier, redis_url: str,
+                                      redis_prefix: str) -> None:
+    c = make_compiler(None, extra_tiers=(make_tier(wait_s=1.0),))
+    key = c.executable_id(c.decode(program_bytes(), "jax_export"))
+    holder = _hold_lock(redis_url, redis_prefix, key, lock_ttl_s=30)
+    try:
+        start = time.monotonic()
+        lookup, outs = run_program(c, program_bytes(), "jax_export", ARGS)
+        assert time.monotonic() - start >= 1.0
+    finally:
+        _stop(holder)
+    assert lookup.tier == "compiled"
+    np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
+
+
+# -- Redis failures -------------------------------------------------------------------------
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_unreachable_at_start_then_comes_up(make_tier: MakeTier, tmp_path: Path) -> None:
+    port = free_port()
+    tier = make_tier(f"redis://127.0.0.1:{port}/0", max_backoff_s=0.5)
+    assert not tier.available and tier.stats()["state"] == "degraded"
+    assert tier.stats()["errors"] >= 1
+    start = time.monotonic()
+    assert tier.get(a_key()) is None
+    tier.put(a_key(), fake_entry(a_key()))
+    with tier.compile_lock(a_key()) as should_compile:
+        assert should_compile
+    assert time.monotonic() - start < 0.05  # a dead Redis costs nothing per request
+    with pytest.raises(RedisUnavailable):
+        tier.list_entries()
+    with RedisServer(tmp_path / "late", port=port):
+        _wait_until(lambda: tier.available)
+        tier.put(a_key(), fake_entry(a_key()))
+        assert tier.get(a_key()) is not None
+
+
+def test_redis_killed_mid_run_and_back(make_compiler: Callable[..., Compiler],
+                                       make_tier: MakeTier,
+                                       redis_server: Callable[[], RedisServer]) -> None:
+    server = redis_server()
+    tier = make_tier(server.url, max_backoff_s=0.5)
+    a = make_compiler(None, extra_tiers=(tier,))
+    assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "compiled"
+    server.kill()
+    # Calls keep succeeding: L1 hits, and a fresh process (empty L1) compiles.
+    assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "memory"
+    b = make_compiler(None, extra_tiers=(tier,))
+    for scale in (2.0, 4.0):
+        lookup, _ = run_program(b, program_bytes(scale), "jax_export", ARGS)
+        assert lookup.tier == "compiled"
+    assert not tier.available and tier.stats()["errors"] >= 1
+    server.start()  # same port, empty (no persistence)
+    _wait_until(lambda: tier.available)
+    c = make_compiler(None, extra_tiers=(tier,))
+    assert run_program(c, program_bytes(5.0), "jax_export", ARGS)[0].tier == "compiled"
+    assert run_program(b, program_bytes(5.0), "jax_export", ARGS)[0].tier == "redis"
+    assert tier.available
