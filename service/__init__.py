@@ -5,3 +5,8 @@
 """
 
 from __future__ import annotations
+
+from service.app import create_app
+from service.settings import Settings
+
+__all__ = ["Settings", "create_app"]

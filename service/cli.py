@@ -50,8 +50,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"jitserve: bad configuration:\n{e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace"
-                        else "DEBUG", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Our loggers at the chosen level; third parties (jax's backend probing) at warning.
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
+    logging.getLogger("jitserve").setLevel(level)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, timeout_graceful_shutdown=10)
     return 0

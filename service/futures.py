@@ -139,8 +139,9 @@ class FutureStore:
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0) -> Future:
         """A new pending future; ``TooManyRequests`` when a limit is reached."""
-        self.sweep()
         need = sum(a.nbytes for a in out_avals)
+        if not self._fits(need):
+            self.sweep()  # expired futures may make room; sweeping every call would cost O(n)
         self._check_limits(need)
         now = self._clock()
         fut = Future(secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
@@ -148,6 +149,10 @@ class FutureStore:
         self._futures[fut.future_id] = fut
         self.device_bytes += need
         return fut
+
+    def _fits(self, need: int) -> bool:
+        return (len(self._futures) < self.max_live
+                and self.device_bytes + need <= self.max_device_bytes)
 
     def _check_limits(self, need: int) -> None:
         if need > self.max_device_bytes:
