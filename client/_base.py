@@ -46,6 +46,10 @@ USER_AGENT = "jitserve-client/0.1.0"
 _MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
+# Request bodies of at least this many bytes are streamed (wire.PackedBody).
+_STREAM_BYTES = 1 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """One HTTP request an operation needs; ``wait`` is the server-side wait it asks for."""
@@ -53,7 +57,7 @@ class _Call:
     method: str
     path: str
     params: dict[str, str] | None = None
-    content: bytes | None = None
+    content: bytes | wire.PackedBody | None = None
     content_type: str | None = None
     wait: float = 0.0
 
@@ -149,15 +153,23 @@ class BaseClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return {**headers, **self._extra_headers}
 
-    def _encode(self, body: Any) -> tuple[bytes, str]:
+    def _encode(self, body: Any) -> tuple[bytes | wire.PackedBody, str]:
         if self.wire_format == "json":
             return wire.dumps_json(body), wire.JSON
-        return wire.packb(body), wire.MSGPACK
+        packed = wire.PackedBody(wire.pack_pieces(body))
+        # Big bodies go out as views of the arrays' own buffers: no copy into one
+        # message, which costs as much again as sending it.
+        return (packed if packed.nbytes >= _STREAM_BYTES else packed.join()), wire.MSGPACK
 
     def _build_request(self, http: httpx.Client | httpx.AsyncClient, call: _Call) -> httpx.Request:
-        headers = {"Content-Type": call.content_type} if call.content_type else None
+        headers = {"Content-Type": call.content_type} if call.content_type else {}
+        content: Any = call.content
+        if isinstance(content, wire.PackedBody):
+            # With a length the server reads into one buffer of the right size.
+            headers["Content-Length"] = str(content.nbytes)
+            content = aiter(content) if isinstance(http, httpx.AsyncClient) else iter(content)
         return http.build_request(call.method, call.path, params=call.params,
-                                  content=call.content, headers=headers,
+                                  content=content, headers=headers or None,
                                   timeout=self.timeout.to_httpx(call.wait))
 
     def _decode_body(self, response: httpx.Response) -> Any:

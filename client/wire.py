@@ -26,8 +26,9 @@ import base64
 import binascii
 import json
 import math
+import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_RANK",
     "MSGPACK",
+    "PackedBody",
     "WireError",
     "decode_array",
     "dtype_from_name",
@@ -50,6 +52,7 @@ __all__ = [
     "is_array",
     "is_future_ref",
     "loads_json",
+    "pack_pieces",
     "packb",
     "to_json_array",
     "unpackb",
@@ -265,6 +268,88 @@ def packb(obj: Any) -> bytes:
         raise
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot encode message: {e}") from e
+
+
+# Big buffers go out in slices of this size: HTTP servers and clients copy each
+# chunk they frame, so a slice bounds that copy.
+_SLICE = 4 << 20
+
+
+def pack_pieces(obj: Any) -> list[bytes | memoryview]:
+    """msgpack ``obj`` as a list of pieces whose concatenation is ``packb(obj)``.
+
+    Array data is not copied: each array is a ``bin`` header followed by a view
+    of the array's own buffer, so a body of hundreds of MiB is sent as it lies
+    in memory.
+    """
+    packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return list(_pack(packer, obj))
+
+
+def _pack(packer: msgpack.Packer, obj: Any) -> Iterator[bytes | memoryview]:
+    if isinstance(obj, np.ndarray):
+        obj = encode_array(obj)
+    if isinstance(obj, Mapping):
+        yield packer.pack_map_header(len(obj))
+        for key, value in obj.items():
+            yield packer.pack(key)
+            yield from _pack(packer, value)
+    elif isinstance(obj, (list, tuple)):
+        yield packer.pack_array_header(len(obj))
+        for value in obj:
+            yield from _pack(packer, value)
+    elif isinstance(obj, memoryview):
+        yield _bin_header(obj.nbytes)
+        yield obj
+    else:
+        yield packer.pack(obj)
+
+
+def _bin_header(n: int) -> bytes:
+    """The msgpack ``bin 8/16/32`` header for ``n`` bytes (msgpack.Packer has no such call)."""
+    if n < 1 << 8:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 1 << 16:
+        return struct.pack(">BH", 0xC5, n)
+    if n < 1 << 32:
+        return struct.pack(">BI", 0xC6, n)
+    raise WireError(f"an array of {n:,} bytes is too large for msgpack (at most 4 GiB)")
+
+
+class PackedBody:
+    """A msgpack message as pieces: iterate it (sync or async) to send it in slices.
+
+    Re-iterable, so a request can be sent again; ``nbytes`` is its Content-Length.
+    """
+
+    def __init__(self, pieces: list[bytes | memoryview]) -> None:
+        self.pieces = pieces
+        self.nbytes = sum(memoryview(p).nbytes for p in pieces)
+
+    def __iter__(self) -> Iterator[bytes | memoryview]:
+        small = bytearray()
+        for piece in self.pieces:
+            view = memoryview(piece).cast("B")
+            if view.nbytes < _SLICE:  # join small pieces: few chunks
+                small += view
+                if len(small) >= _SLICE:
+                    yield bytes(small)
+                    small.clear()
+                continue
+            if small:
+                yield bytes(small)
+                small.clear()
+            for start in range(0, view.nbytes, _SLICE):  # cut big ones
+                yield view[start:start + _SLICE]
+        if small:
+            yield bytes(small)
+
+    async def __aiter__(self) -> AsyncIterator[bytes | memoryview]:
+        for chunk in self:
+            yield chunk
+
+    def join(self) -> bytes:
+        return b"".join(self.pieces)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:

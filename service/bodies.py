@@ -13,11 +13,9 @@ copied into one big byte string.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import msgpack
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -31,8 +29,6 @@ from service.metrics import Metrics
 
 __all__ = ["BodyReader", "array_response", "outputs_response", "wants_json"]
 
-# Big buffers go out in slices of this size: uvicorn copies each chunk it frames.
-_SLICE = 1 << 20
 _MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
@@ -116,10 +112,9 @@ def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200
     """An answer holding numpy arrays: JSON (nested lists) or streamed msgpack."""
     if as_json:
         return Response(wire.dumps_json(doc), status_code, media_type=wire.JSON)
-    pieces = list(_msgpack_pieces(doc))
-    length = sum(memoryview(p).nbytes for p in pieces)
-    return StreamingResponse(_sliced(pieces), status_code, media_type=wire.MSGPACK,
-                             headers={"Content-Length": str(length)})
+    body = wire.PackedBody(wire.pack_pieces(doc))
+    return StreamingResponse(iter(body), status_code, media_type=wire.MSGPACK,
+                             headers={"Content-Length": str(body.nbytes)})
 
 
 async def outputs_response(fut: Future, metrics: Metrics, as_json: bool) -> Response:
@@ -136,59 +131,3 @@ async def outputs_response(fut: Future, metrics: Metrics, as_json: bool) -> Resp
 def _to_host(outputs: list[Any]) -> list[np.ndarray]:
     # On CPU a view of the device buffer; on an accelerator a copy to the host.
     return [np.asarray(x) for x in outputs]
-
-
-def _msgpack_pieces(obj: Any) -> Iterator[bytes | memoryview]:
-    """msgpack ``obj`` as pieces; array data is yielded as views of the arrays."""
-    packer = msgpack.Packer(use_bin_type=True, autoreset=True)
-    yield from _pack(packer, obj)
-
-
-def _pack(packer: msgpack.Packer, obj: Any) -> Iterator[bytes | memoryview]:
-    if isinstance(obj, np.ndarray):
-        obj = wire.encode_array(obj)
-    if isinstance(obj, Mapping):
-        yield packer.pack_map_header(len(obj))
-        for key, value in obj.items():
-            yield packer.pack(key)
-            yield from _pack(packer, value)
-    elif isinstance(obj, (list, tuple)):
-        yield packer.pack_array_header(len(obj))
-        for value in obj:
-            yield from _pack(packer, value)
-    elif isinstance(obj, memoryview):
-        yield _bin_header(obj.nbytes)
-        yield obj
-    else:
-        yield packer.pack(obj)
-
-
-def _bin_header(n: int) -> bytes:
-    """The msgpack ``bin 8/16/32`` header for ``n`` bytes (msgpack.Packer has no such call)."""
-    if n < 1 << 8:
-        return struct.pack(">BB", 0xC4, n)
-    if n < 1 << 16:
-        return struct.pack(">BH", 0xC5, n)
-    if n < 1 << 32:
-        return struct.pack(">BI", 0xC6, n)
-    raise BadRequest(f"an array of {n:,} bytes is too large for msgpack (max 4 GiB)")
-
-
-def _sliced(pieces: list[bytes | memoryview]) -> Iterator[bytes | memoryview]:
-    """Join small pieces, cut big ones: few chunks, none bigger than ``_SLICE``."""
-    small = bytearray()
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        if view.nbytes < _SLICE:
-            small += view
-            if len(small) >= _SLICE:
-                yield bytes(small)
-                small.clear()
-            continue
-        if small:
-            yield bytes(small)
-            small.clear()
-        for start in range(0, view.nbytes, _SLICE):
-            yield view[start:start + _SLICE]
-    if small:
-        yield bytes(small)

@@ -1,0 +1,59 @@
+"""Big request bodies are streamed from the arrays' buffers, with a Content-Length."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from client import AsyncClient, Client, wire
+
+PROGRAM = "a" * 64
+
+
+def _capture(seen: list[httpx.Request]) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        request.read()
+        seen.append(request)
+        return httpx.Response(202, json={"future_id": "f" * 32, "out_avals": [], "out_tree": None})
+
+    return httpx.MockTransport(handler)
+
+
+def _check(request: httpx.Request, x: np.ndarray) -> None:
+    assert request.headers["content-length"] == str(len(request.content))
+    assert "transfer-encoding" not in request.headers
+    assert request.content == wire.packb({"args": [x]})
+
+
+@pytest.mark.parametrize("nbytes", [1 << 10, 3 << 20])
+def test_sync_body_bytes_and_length(nbytes: int) -> None:
+    x = np.arange(nbytes // 4, dtype=np.float32)
+    seen: list[httpx.Request] = []
+    with Client("http://test", transport=_capture(seen)) as c:
+        c.execute(PROGRAM, [x])
+    _check(seen[-1], x)
+
+
+async def test_async_body_streams_too() -> None:
+    x = np.arange(3 << 18, dtype=np.float32)
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(202, json={"future_id": "f" * 32, "out_avals": [], "out_tree": None})
+
+    async def ahandler(request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        return handler(request)
+
+    async with AsyncClient("http://test", transport=httpx.MockTransport(ahandler)) as c:
+        await c.execute(PROGRAM, [x])
+    _check(seen[-1], x)
+
+
+def test_packed_body_is_packb() -> None:
+    doc = {"outputs": [np.ones((1000, 1000)), np.zeros(3, np.int8)], "out_tree": None}
+    body = wire.PackedBody(wire.pack_pieces(doc))
+    assert b"".join(bytes(c) for c in body) == wire.packb(doc) == body.join()
+    assert body.nbytes == len(body.join())
