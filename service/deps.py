@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Query, Request
 
 from compiler import Compiler
+from compiler.redis_tier import RedisTier
 from service.auth import authenticate
 from service.bodies import BodyReader, wants_json
 from service.calls import Calls
@@ -33,6 +34,7 @@ __all__ = [
     "Owner",
     "ProgramBody",
     "ProgramStoreDep",
+    "RedisDep",
     "SettingsDep",
     "WaitSeconds",
 ]
@@ -42,27 +44,32 @@ def _state(request: Request) -> Any:
     return request.app.state
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return _state(request).settings
 
 
-def get_compiler(request: Request) -> Compiler:
+async def get_compiler(request: Request) -> Compiler:
     return _state(request).compiler
 
 
-def get_programs(request: Request) -> ProgramStore:
+async def get_programs(request: Request) -> ProgramStore:
     return _state(request).programs
 
 
-def get_futures(request: Request) -> FutureStore:
+async def get_redis(request: Request) -> RedisTier | None:
+    """The Redis tier, or ``None`` when no Redis is configured."""
+    return getattr(_state(request), "redis", None)
+
+
+async def get_futures(request: Request) -> FutureStore:
     return _state(request).futures
 
 
-def get_calls(request: Request) -> Calls:
+async def get_calls(request: Request) -> Calls:
     return _state(request).calls
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return _state(request).metrics
 
 
@@ -71,16 +78,17 @@ CompilerDep = Annotated[Compiler, Depends(get_compiler)]
 ProgramStoreDep = Annotated[ProgramStore, Depends(get_programs)]
 FutureStoreDep = Annotated[FutureStore, Depends(get_futures)]
 CallsDep = Annotated[Calls, Depends(get_calls)]
+RedisDep = Annotated[RedisTier | None, Depends(get_redis)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 
-def get_owner(settings: SettingsDep,
+async def get_owner(settings: SettingsDep,
               authorization: Annotated[str | None, Header()] = None) -> str | None:
     """The caller's owner id (API-key digest), or ``None`` when auth is off."""
     return authenticate(authorization, settings)
 
 
-def get_body(request: Request, settings: SettingsDep) -> BodyReader:
+async def get_body(request: Request, settings: SettingsDep) -> BodyReader:
     """A reader for the request body, bounded by ``max_body_bytes``.
 
     A reader rather than the bytes, so a handler can drop a big body as soon
@@ -89,18 +97,18 @@ def get_body(request: Request, settings: SettingsDep) -> BodyReader:
     return BodyReader(request, settings.max_body_bytes)
 
 
-def get_program_body(request: Request, settings: SettingsDep) -> BodyReader:
+async def get_program_body(request: Request, settings: SettingsDep) -> BodyReader:
     """A body reader for program uploads, bounded by ``max_program_bytes`` too."""
     if settings.max_program_bytes < settings.max_body_bytes:
         return BodyReader(request, settings.max_program_bytes, "JITSERVE_MAX_PROGRAM_BYTES")
     return BodyReader(request, settings.max_body_bytes)
 
 
-def get_as_json(request: Request) -> bool:
+async def get_as_json(request: Request) -> bool:
     return wants_json(request)
 
 
-def get_wait_s(
+async def get_wait_s(
     settings: SettingsDep,
     wait: Annotated[int | None, Query(ge=0, description="milliseconds to wait for the result")]
     = None,
