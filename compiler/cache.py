@@ -205,6 +205,11 @@ class MemoryCache(Generic[V]):
                 _, (_, evicted) = self._items.popitem(last=False)
                 self._bytes -= evicted
 
+    def values(self) -> list[V]:
+        """A snapshot of the values, least recently used first (not touching the order)."""
+        with self._lock:
+            return [value for value, _ in self._items.values()]
+
     def __len__(self) -> int:
         return len(self._items)
 

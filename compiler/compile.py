@@ -198,6 +198,10 @@ class Compiler:
         hit = self._l1.get(key)
         return None if hit is None else Lookup(hit, key, "memory", 0.0)
 
+    def loaded(self) -> list[Executable]:
+        """The executables loaded in this process (L1), least recently used first."""
+        return self._l1.values()
+
     def stats(self) -> dict[str, int]:
         return {"compilations": self._compilations, "l1_entries": len(self._l1),
                 "l1_bytes": self._l1.nbytes}

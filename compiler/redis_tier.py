@@ -402,6 +402,11 @@ class RedisTier:
 
         self._run("put_program", op, None)
 
+    def has_program(self, program_id: str) -> bool | None:
+        """Whether Redis keeps ``program_id``; ``None`` when Redis cannot say."""
+        exists = self._run("has_program", lambda r: r.exists(self._k("prog", program_id)), None)
+        return None if exists is None else bool(exists)
+
     def get_program(self, program_id: str) -> StoredProgram | None:
         """The program stored under ``program_id``; ``None`` if absent, damaged, or Redis is down.
 

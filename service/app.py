@@ -5,7 +5,8 @@
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
 The lifespan builds the shared objects (compiler, program store, future store,
-executor) on ``app.state``; route handlers reach them through ``service.deps``.
+executor, and the Redis tier when ``REDIS_URL`` is set) on ``app.state``; route
+handlers reach them through ``service.deps``.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import jax
 from fastapi import FastAPI
 
 from compiler import Compiler, CompilerConfig, Limits
+from compiler.redis_tier import RedisTier
 from service.calls import Calls
 from service.errors import install_error_handlers
 from service.executor import Executor
 from service.futures import FutureStore
 from service.metrics import Metrics, RequestMetricsMiddleware
 from service.programs import ProgramStore
+from service.routes import executables as executables_routes
 from service.routes import futures as futures_routes
 from service.routes import health as health_routes
 from service.routes import programs as programs_routes
 from service.settings import Settings
 
-__all__ = ["create_app", "make_compiler"]
+__all__ = ["create_app", "make_compiler", "redis_tier_of"]
 
 log = logging.getLogger("jitserve")
 
@@ -40,14 +43,23 @@ jax.config.update("jax_enable_x64", True)
 
 
 def make_compiler(settings: Settings) -> Compiler:
-    """A ``Compiler`` configured from ``settings``."""
+    """A ``Compiler`` configured from ``settings``: L1, disk (unless off), Redis (if set)."""
     limits = Limits(max_program_bytes=settings.max_program_bytes, max_ops=settings.max_ops,
                     max_nesting=settings.max_nesting, max_tensor_bytes=settings.max_tensor_bytes,
                     max_inputs=settings.max_inputs)
+    redis = settings.redis_settings()
+    # An unreachable Redis does not stop the start: the tier begins degraded and retries.
+    tiers = (RedisTier(redis),) if redis else ()
     return Compiler(CompilerConfig(
-        cache_dir=settings.cache_dir, l1_max_entries=settings.l1_max_entries,
+        cache_dir=settings.cache_dir if settings.disk_cache else None,
+        l1_max_entries=settings.l1_max_entries,
         l1_max_bytes=settings.l1_max_bytes, compile_timeout_s=settings.compile_timeout_s,
-        compile_workers=settings.compile_workers, limits=limits))
+        compile_workers=settings.compile_workers, limits=limits, extra_tiers=tiers))
+
+
+def redis_tier_of(compiler: Compiler) -> RedisTier | None:
+    """The compiler's Redis tier, if it has one."""
+    return next((t for t in compiler.tiers if isinstance(t, RedisTier)), None)
 
 
 def create_app(settings: Settings | None = None, *, compiler: Compiler | None = None) -> FastAPI:
@@ -70,6 +82,7 @@ def create_app(settings: Settings | None = None, *, compiler: Compiler | None = 
     app.include_router(health_routes.router)
     app.include_router(health_routes.devices_router)
     app.include_router(programs_routes.router)
+    app.include_router(executables_routes.router)
     app.include_router(futures_routes.router)
     return app
 
@@ -85,6 +98,9 @@ def _lifespan_for(shared: Compiler | None):  # noqa: ANN202 - FastAPI's lifespan
         finally:
             if shared is None:
                 await asyncio.to_thread(compiler.close)
+                redis = redis_tier_of(compiler)
+                if redis is not None:
+                    await asyncio.to_thread(redis.close)
 
     return lifespan
 
@@ -99,13 +115,17 @@ async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> Asyn
     executor = Executor(compiler.device, futures, metrics, settings.executor_threads)
     state = app.state
     state.compiler = compiler
-    state.programs = ProgramStore(settings.cache_dir / "programs", compiler)
+    state.redis = redis = redis_tier_of(compiler)
+    state.programs = ProgramStore(settings.cache_dir / "programs" if settings.disk_cache else None,
+                                  compiler, shared=redis)
     state.futures = futures
     state.executor = executor
     state.calls = Calls(compiler, futures, executor, metrics)
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
-    log.info("jitserve ready on %s (%s), cache %s", compiler.device,
-             compiler.platform, settings.cache_dir)
+    log.info("jitserve ready on %s (%s), cache %s%s", compiler.device, compiler.platform,
+             settings.cache_dir if settings.disk_cache else "memory only",
+             "" if redis is None else f", Redis {redis.settings.redacted_url} "
+             f"({'ok' if redis.available else 'degraded'})")
     try:
         yield
     finally:

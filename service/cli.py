@@ -3,7 +3,7 @@
     jitserve serve --host 0.0.0.0 --port 8000 --cache-dir /var/cache/jitserve
 
 Flags override the ``JITSERVE_*`` environment; everything else (limits, API keys)
-comes from the environment. One process; no Redis needed.
+comes from the environment. One process; Redis is optional (``--redis-url``, docs/redis.md).
 """
 
 from __future__ import annotations
@@ -43,21 +43,30 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app
+    from service.memory import retain_freed_memory
     from service.settings import Settings
 
     try:
         settings = Settings(**_overrides(args))
     except ValidationError as e:
-        print(f"jitserve: bad configuration:\n{e}", file=sys.stderr)
+        print(f"jitserve: bad configuration:\n{_describe(e)}", file=sys.stderr)
         return 2
     # Our loggers at the chosen level; third parties (jax's backend probing) at warning.
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.getLogger("jitserve").setLevel(level)
+    if settings.retain_freed_memory:
+        retain_freed_memory()
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, timeout_graceful_shutdown=10)
     return 0
+
+
+def _describe(error: ValidationError) -> str:
+    # Without the input values: they may hold API keys or a Redis password.
+    return "\n".join(f"  {'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+                     for e in error.errors(include_input=False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

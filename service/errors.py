@@ -12,7 +12,8 @@ Every error body is ``{"error": {"code": str, "message": str, ...}}``::
     ├── FutureCancelled        future_cancelled     409
     ├── FutureExpired          future_expired       410
     ├── PayloadTooLarge        payload_too_large    413
-    └── TooManyRequests        too_many_requests    429 (+ Retry-After)
+    ├── TooManyRequests        too_many_requests    429 (+ Retry-After)
+    └── Unavailable            unavailable          503 (+ Retry-After)
 
 Compiler errors keep their own codes (400 for a bad program or signature, 422 for
 one that is understood but refused); the wire codec's ``WireError`` is a 400
@@ -43,6 +44,7 @@ __all__ = [
     "ServiceError",
     "TooManyRequests",
     "Unauthorized",
+    "Unavailable",
     "UnsupportedMediaType",
     "error_body",
     "install_error_handlers",
@@ -111,6 +113,15 @@ class TooManyRequests(ServiceError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class Unavailable(ServiceError):
+    """A dependency that has no local stand-in (the shared Redis, for its listings) is down."""
+
+    code, status = "unavailable", 503
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "5"}
 
 
 # Compiler errors that mean "this is not a valid request" rather than "refused".

@@ -13,11 +13,15 @@ Names (the Grafana dashboard and the acceptance tests read these)::
     jitserve_device_bytes_in_use              output bytes held by live futures
     jitserve_transfer_bytes_total{direction}  array bytes decoded from requests (in)
                                               and encoded into responses (out)
+    jitserve_redis_errors_total               failed Redis commands and probes
+    jitserve_redis_bytes_total{direction}     entry and program bytes read from and
+                                              written to Redis (read | written)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -58,9 +62,14 @@ class Metrics:
                                       ["direction"], registry=r)
         # Errors talking to the shared Redis cache tier; 0 on the embedded default.
         self.redis_errors = Counter("jitserve_redis_errors", "errors talking to Redis", registry=r)
+        self.redis_bytes = Counter("jitserve_redis_bytes", "bytes moved to and from Redis",
+                                   ["direction"], registry=r)
+        self._redis_seen = {"errors": 0, "bytes_read": 0, "bytes_written": 0}
         # Series present at 0 from the start, so rates and dashboards need no special case.
         for direction in ("in", "out"):
             self.transfer_bytes.labels(direction)
+        for direction in ("read", "written"):
+            self.redis_bytes.labels(direction)
         for tier in ("memory", "disk", "redis"):
             self.cache_hits.labels(tier)
         for status in ("done", "failed", "cancelled"):
@@ -81,6 +90,15 @@ class Metrics:
 
     def execution_finished(self, status: str) -> None:
         self.executions.labels(status).inc()
+
+    def redis(self, stats: Mapping[str, Any]) -> None:
+        """Bring the Redis series up to ``RedisTier.stats()`` (its counters are monotonic)."""
+        seen = self._redis_seen
+        self.redis_errors.inc(max(0, stats["errors"] - seen["errors"]))
+        self.redis_bytes.labels("read").inc(max(0, stats["bytes_read"] - seen["bytes_read"]))
+        self.redis_bytes.labels("written").inc(
+            max(0, stats["bytes_written"] - seen["bytes_written"]))
+        self._redis_seen = {k: max(seen[k], stats[k]) for k in seen}
 
     def render(self, futures_by_state: Mapping[str, int], device_bytes: int) -> bytes:
         """The Prometheus text exposition, with the gauges brought up to date."""

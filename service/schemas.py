@@ -20,6 +20,8 @@ __all__ = [
     "DeleteResult",
     "ExecuteAccepted",
     "ExecuteRequest",
+    "ExecutableInfo",
+    "ExecutablePage",
     "FutureView",
     "ProgramInfo",
     "TimingsView",
@@ -44,6 +46,36 @@ class ProgramInfo(BaseModel):
     in_tree: Any = None
     out_tree: Any = None
     platforms: list[str]
+
+
+class ExecutableInfo(BaseModel):
+    """A cached executable, as ``GET /v1/executables`` lists it.
+
+    ``source`` says where the record comes from: ``redis`` (shared by every
+    process; sizes, hits and last hit are kept there) or ``memory`` (this
+    process's L1, when no Redis is configured; no hit counts).
+    """
+
+    executable_id: str
+    program_id: str | None = None
+    size: int | None = Field(None, description="stored bytes (compressed) in Redis")
+    raw_size: int | None = Field(None, description="bytes of the serialized executable")
+    compile_seconds: float | None = None
+    created: float | None = Field(None, description="Unix seconds")
+    last_hit: float | None = Field(None, description="Unix seconds; null before the first hit")
+    hits: int | None = None
+    jax_version: str | None = None
+    jaxlib_version: str | None = None
+    platform: str | None = None
+    device_kind: str | None = None
+    source: str
+
+
+class ExecutablePage(BaseModel):
+    """Answer of ``GET /v1/executables``: follow ``next_cursor`` until it is null."""
+
+    executables: list[ExecutableInfo]
+    next_cursor: str | None
 
 
 class CompileRequest(_Strict):

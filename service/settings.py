@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from compiler.redis_tier import RedisSettings
+
 __all__ = ["PLACEHOLDER_SECRETS", "Settings"]
 
 MiB = 1 << 20
@@ -39,11 +41,22 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     cache_dir: Path = Path("~/.cache/jitserve")
-    # Read but unused until shared state moves to Redis; REDIS_URL is the common name.
+    # The shared L2 cache of programs and executables (docs/redis.md); REDIS_URL is
+    # the common name. Unset: everything stays on this host.
     redis_url: str | None = Field(
         None, validation_alias=AliasChoices("redis_url", "JITSERVE_REDIS_URL", "REDIS_URL")
     )
+    redis_prefix: str = "default"
+    redis_ttl_s: float | None = Field(None, gt=0)
+    redis_lock_ttl_s: float = Field(10.0, gt=0)
+    redis_wait_s: float = Field(60.0, ge=0)
+    # The disk tier (executables and programs under cache_dir); off for pods whose disk
+    # dies with them, where Redis is the shared tier.
+    disk_cache: bool = True
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    # Keep freed big blocks for reuse (service/memory.py): big requests skip fresh
+    # page faults, at the price of an RSS that does not shrink after them.
+    retain_freed_memory: bool = True
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
 
     # Request limits.
@@ -92,6 +105,22 @@ class Settings(BaseSettings):
                 "set real keys, or JITSERVE_ENV=development to allow them"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> Settings:
+        self.redis_settings()  # a bad URL or prefix fails at start, naming the setting
+        return self
+
+    def redis_settings(self) -> RedisSettings | None:
+        """The Redis tier's settings, or ``None`` when no Redis is configured."""
+        if not self.redis_url:
+            return None
+        try:
+            return RedisSettings.from_url(
+                self.redis_url, prefix=self.redis_prefix, ttl_s=self.redis_ttl_s,
+                lock_ttl_s=self.redis_lock_ttl_s, wait_s=self.redis_wait_s)
+        except ValueError as e:
+            raise ValueError(f"REDIS_URL / JITSERVE_REDIS_*: {e}") from e
 
     @property
     def auth_enabled(self) -> bool:

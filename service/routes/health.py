@@ -10,7 +10,14 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import CompilerDep, FutureStoreDep, MetricsDep, SettingsDep, get_owner
+from service.deps import (
+    CompilerDep,
+    FutureStoreDep,
+    MetricsDep,
+    RedisDep,
+    SettingsDep,
+    get_owner,
+)
 from service.errors import error_body
 from service.metrics import CONTENT_TYPE_LATEST
 
@@ -27,22 +34,31 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses={503: {"description": "not ready, with the failed checks"}})
-async def readyz(request: Request, settings: SettingsDep) -> Response:
-    """Ready for work: the backend is up and the cache directory is writable."""
-    checks = {
-        "backend": getattr(request.app.state, "compiler", None) is not None,
-        "cache_dir": await run_in_threadpool(_writable, settings.cache_dir),
-    }
+async def readyz(request: Request, settings: SettingsDep, redis: RedisDep) -> Response:
+    """Ready for work: the backend is up and the cache directory (if used) is writable.
+
+    ``cache`` is ``ok`` (the shared Redis is in use), ``degraded`` (configured but
+    unreachable: serving from local tiers, retrying) or ``local`` (no Redis). A
+    degraded cache is still ready (200): every request is served, only slower for
+    executables this host has not seen, so dropping the pod would only lose capacity.
+    """
+    checks = {"backend": getattr(request.app.state, "compiler", None) is not None}
+    if settings.disk_cache:
+        checks["cache_dir"] = await run_in_threadpool(_writable, settings.cache_dir)
+    cache = "local" if redis is None else "ok" if redis.available else "degraded"
     if all(checks.values()):
-        return JSONResponse({"status": "ready", "checks": checks})
+        return JSONResponse({"status": "ready", "checks": checks, "cache": cache})
     failed = ", ".join(k for k, ok in checks.items() if not ok)
-    return JSONResponse(error_body("not_ready", f"not ready: {failed}", checks=checks), 503)
+    return JSONResponse(error_body("not_ready", f"not ready: {failed}", checks=checks,
+                                   cache=cache), 503)
 
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-async def metrics(metrics: MetricsDep, futures: FutureStoreDep) -> Response:
+async def metrics(metrics: MetricsDep, futures: FutureStoreDep, redis: RedisDep) -> Response:
     """Prometheus metrics of this process."""
+    if redis is not None:
+        metrics.redis(redis.stats())
     body = metrics.render(futures.counts(), futures.device_bytes)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -264,8 +264,9 @@ def test_program_store(make_tier: MakeTier, raw: redis.Redis, redis_prefix: str)
     tier = make_tier()
     data = program_bytes()
     program_id = hashlib.sha256(data).hexdigest()
-    assert tier.get_program(program_id) is None
+    assert tier.get_program(program_id) is None and tier.has_program(program_id) is False
     tier.put_program(program_id, data, "jax_export")
+    assert tier.has_program(program_id) is True
     stored = tier.get_program(program_id)
     assert stored is not None and stored.data == data and stored.format == "jax_export"
     tier.put_program(program_id, data, None)

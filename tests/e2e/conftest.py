@@ -1,18 +1,20 @@
 """End-to-end fixtures: real ``jitserve serve`` processes on free local ports.
 
 ``server_url`` is one server for the whole session; ``auth_server_url`` a second
-one started only if a test asks for it, with API keys configured. Each runs with
+one started only if a test asks for it, with API keys configured; ``start_server``
+starts more for one test (e.g. several processes sharing one Redis). Each runs with
 its own cache directory and logs to a file that is printed if it fails to start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -82,6 +84,21 @@ def auth_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of a real jitserve process that requires one of ``AUTH_KEYS``."""
     yield from _serve(tmp_path_factory.mktemp("jitserve-auth"),
                       {"JITSERVE_API_KEYS": ",".join(AUTH_KEYS)})
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """A factory of extra jitserve processes for one test: ``start(env, name)`` -> base URL.
+
+    Each has its own cache directory under ``tmp_path / name``; all are stopped
+    at the end of the test.
+    """
+    with contextlib.ExitStack() as stack:
+        def start(env: dict[str, str], name: str = "server") -> str:
+            (tmp_path / name).mkdir()
+            return stack.enter_context(contextlib.contextmanager(_serve)(tmp_path / name, env))
+
+        yield start
 
 
 @pytest.fixture
