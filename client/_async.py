@@ -10,11 +10,21 @@ from typing import Any, TypeVar, overload
 import httpx
 import numpy as np
 
-from client._base import DEFAULT_URL, BaseClient, Op, WireFormat, _Call, _Reply, drive_step, transport_error
-from client._jit import AsyncRemoteFunction
+from client._base import (
+    DEFAULT_URL,
+    BaseClient,
+    Op,
+    WireFormat,
+    _Call,
+    _Reply,
+    drive_step,
+    fill,
+    transport_error,
+)
+from client._jit import AsyncRemoteFunction, check_jit_format
 from client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
 from client._remote import AsyncRemoteArray
-from client.errors import JitserveError
+from client.errors import JitserveError, ProtocolError
 
 __all__ = ["AsyncClient"]
 
@@ -57,10 +67,26 @@ class AsyncClient(BaseClient):
     async def _send(self, call: _Call) -> _Reply:
         request = self._build_request(self._http, call)
         try:
-            response = await self._http.send(request)
+            response = await self._http.send(request, stream=True)
+            try:
+                data = await self._read(response)
+            finally:
+                await response.aclose()
         except httpx.TransportError as e:
             raise transport_error(e, request) from e
-        return self._reply(response)
+        return self._reply(response, data)
+
+    async def _read(self, response: httpx.Response) -> bytearray | None:
+        buf = self._body_buffer(response)
+        if buf is None or response.is_stream_consumed:  # consumed: already in memory
+            await response.aread()
+            return None
+        pos = 0
+        async for chunk in response.aiter_raw():
+            pos = fill(buf, pos, chunk)
+        if pos != len(buf):
+            raise ProtocolError(f"answer ended after {pos} of {len(buf)} bytes")
+        return buf
 
     async def _drive(self, op: Op[T]) -> T:
         value: Any = None
@@ -136,18 +162,20 @@ class AsyncClient(BaseClient):
 
     @overload
     def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = ()) -> AsyncRemoteFunction: ...
+            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
+            ) -> AsyncRemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = ()
+            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
             ) -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = ()) -> Any:
+            static_argnames: str | Iterable[str] = (), format: str = "jax_export") -> Any:
         """See ``Client.jit``; calls of the result are awaitable."""
         def make(f: Callable[..., Any]) -> AsyncRemoteFunction:
             return AsyncRemoteFunction(self, f, static_argnums=static_argnums,
-                                       static_argnames=static_argnames)
+                                       static_argnames=static_argnames, format=format)
+        check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

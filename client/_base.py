@@ -46,8 +46,18 @@ USER_AGENT = "jitserve-client/0.1.0"
 _MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
-# Request bodies of at least this many bytes are streamed (wire.PackedBody).
+# Bodies of at least this many bytes are streamed: requests from the arrays'
+# buffers (wire.PackedBody), answers into one buffer of their Content-Length.
 _STREAM_BYTES = 1 << 20
+
+
+def fill(buf: bytearray, pos: int, chunk: bytes) -> int:
+    """Copy ``chunk`` into ``buf`` at ``pos``; the new position."""
+    end = pos + len(chunk)
+    if end > len(buf):
+        raise ProtocolError(f"answer is longer than its Content-Length of {len(buf)}")
+    buf[pos:end] = chunk
+    return end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +182,22 @@ class BaseClient:
                                   content=content, headers=headers or None,
                                   timeout=self.timeout.to_httpx(call.wait))
 
-    def _decode_body(self, response: httpx.Response) -> Any:
+    def _body_buffer(self, response: httpx.Response) -> bytearray | None:
+        """One buffer of the declared length for a big answer; ``None``: read it as usual.
+
+        Reading a big answer chunk by chunk and joining the chunks copies it once
+        more than filling a buffer of the right size.
+        """
+        declared = response.headers.get("content-length", "")
+        if (not declared.isdigit() or int(declared) < _STREAM_BYTES
+                or response.headers.get("content-encoding")
+                or (self.max_response_bytes and int(declared) > self.max_response_bytes)):
+            return None
+        return bytearray(int(declared))
+
+    def _decode_body(self, response: httpx.Response, data: Any = None) -> Any:
         ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()
-        data = response.content
+        data = response.content if data is None else data
         if not data:
             return None
         if ctype in _MSGPACK_TYPES:
@@ -183,10 +206,10 @@ class BaseClient:
             return wire.loads_json(data, max_bytes=self.max_response_bytes)
         return response.text
 
-    def _reply(self, response: httpx.Response) -> _Reply:
+    def _reply(self, response: httpx.Response, data: Any = None) -> _Reply:
         """Decode a 2xx answer, or raise the ``APIError`` of a 4xx/5xx one."""
         try:
-            body = self._decode_body(response)
+            body = self._decode_body(response, data)
         except wire.WireError as e:
             if response.is_success:
                 raise ProtocolError(f"undecodable answer to {response.request.method} "

@@ -1,5 +1,8 @@
 """``client.jit``: trace and export locally, compile and run on the server.
 
+A traced signature travels as a ``jax.export`` artifact (``format="jax_export"``,
+the default) or as a jaxpr document (``format="jaxpr"``, ``docs/jaxpr-format.md``).
+
 jax is imported here lazily, on the first call, so the client installs and imports
 without it (``pip install jitserve[jit]`` brings it for ``jit``).
 """
@@ -25,7 +28,10 @@ from client.errors import NotFound
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["AsyncRemoteFunction", "RemoteFunction"]
+__all__ = ["JIT_FORMATS", "AsyncRemoteFunction", "RemoteFunction"]
+
+#: The program formats ``Client.jit(fn, format=...)`` can send.
+JIT_FORMATS = ("jax_export", "jaxpr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +40,8 @@ class Compiled:
 
     Attributes:
       program_id: sha256 hex of ``program`` (the server's id for it too).
-      program: the ``jax.export`` serialized bytes, kept to upload again if the
-        server has lost them.
+      program: the program bytes (``Exported.serialize()``, or a msgpack jaxpr
+        document), kept to upload again if the server has lost them.
       out_tree: the jax ``PyTreeDef`` of the outputs.
       out_avals: the outputs' avals, known without asking the server.
     """
@@ -58,6 +64,13 @@ class _Split:
 
 def _as_tuple(x: Any, kind: type) -> tuple[Any, ...]:
     return (x,) if isinstance(x, kind) else tuple(x)
+
+
+def check_jit_format(format: str) -> str:
+    """``format`` if ``Client.jit`` can send it; otherwise a ``ValueError`` naming those it can."""
+    if format not in JIT_FORMATS:
+        raise ValueError(f"jit format must be one of {JIT_FORMATS}, got {format!r:.100}")
+    return format
 
 
 def _resolve_statics(fn: Callable[..., Any], nums: tuple[int, ...],
@@ -95,11 +108,13 @@ class _RemoteFunctionBase:
 
     def __init__(self, client: BaseClient, fn: Callable[..., Any], *,
                  static_argnums: int | Sequence[int] = (),
-                 static_argnames: str | Iterable[str] = ()) -> None:
+                 static_argnames: str | Iterable[str] = (),
+                 format: str = "jax_export") -> None:
         if not callable(fn):
             raise TypeError(f"jit needs a callable, got {fn!r:.100}")
         self._client = client
         self._fn = fn
+        self._format = check_jit_format(format)
         self._static_argnums, self._static_argnames = _resolve_statics(
             fn, _as_tuple(static_argnums, int), _as_tuple(static_argnames, str))
         self._cache: dict[Hashable, Compiled] = {}
@@ -167,6 +182,18 @@ class _RemoteFunctionBase:
                platforms: tuple[str, ...] | None) -> Compiled:
         import jax
 
+        bound = self._bound(split)
+        spec_args, spec_kw = jax.tree_util.tree_unflatten(split.treedef, specs)
+        if self._format == "jaxpr":
+            return _trace_jaxpr(bound, spec_args, spec_kw)
+        with _no_source_locations():
+            exported = jax.export.export(jax.jit(bound), platforms=platforms)(*spec_args, **spec_kw)
+        program = bytes(exported.serialize())
+        out_avals = tuple(_aval(a) for a in exported.out_avals)
+        return Compiled(hashlib.sha256(program).hexdigest(), program, exported.out_tree, out_avals)
+
+    def _bound(self, split: _Split) -> Callable[..., Any]:
+        """``fn`` of the dynamic arguments alone, the statics put back in their places."""
         fn, static_pos, static_kw = self._fn, split.static_pos, dict(split.static_kw)
 
         def bound(*dyn_args: Any, **dyn_kw: Any) -> Any:
@@ -177,13 +204,7 @@ class _RemoteFunctionBase:
 
         bound.__name__ = getattr(fn, "__name__", "fn")
         bound.__qualname__ = getattr(fn, "__qualname__", bound.__name__)
-        spec_args, spec_kw = jax.tree_util.tree_unflatten(split.treedef, specs)
-        with _no_source_locations():
-            exported = jax.export.export(jax.jit(bound), platforms=platforms)(*spec_args, **spec_kw)
-        program = bytes(exported.serialize())
-        out_avals = tuple(Aval(tuple(int(d) for d in a.shape), wire.dtype_name(a.dtype),
-                               bool(a.weak_type)) for a in exported.out_avals)
-        return Compiled(hashlib.sha256(program).hexdigest(), program, exported.out_tree, out_avals)
+        return bound
 
     # ------------------------------------------------------------------ the call
 
@@ -192,7 +213,8 @@ class _RemoteFunctionBase:
 
         split = self._split(args, kwargs)
         values, specs = zip(*map(self._leaf, split.leaves)) if split.leaves else ((), ())
-        platforms = yield from self._client._op_platforms()
+        # A jaxpr names no platform; an export is made for the server's.
+        platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
         key = self._key(split, list(specs), platforms)
         compiled = self._cache.get(key)
         if compiled is None:
@@ -207,7 +229,7 @@ class _RemoteFunctionBase:
         if compiled.program_id in self._known:
             return
         if not check or (yield from self._client._op_get_program(compiled.program_id)) is None:
-            yield from self._client._op_upload(compiled.program, "jax_export")
+            yield from self._client._op_upload(compiled.program, self._format)
         self._known.add(compiled.program_id)
 
     def _op_execute(self, compiled: Compiled, values: list[Any]) -> Op[Any]:
@@ -224,11 +246,31 @@ class _RemoteFunctionBase:
         return (yield from op(compiled.program_id, values, None, ""))
 
 
+def _aval(aval: Any) -> Aval:
+    return Aval(tuple(int(d) for d in aval.shape), wire.dtype_name(aval.dtype), bool(aval.weak_type))
+
+
+def _trace_jaxpr(bound: Callable[..., Any], spec_args: Any, spec_kw: Any) -> Compiled:
+    """Trace to a jaxpr on the flat leaves and encode it (msgpack: the smaller encoding).
+
+    ``trace_flat`` flattens ``(args, kwargs)`` exactly as ``_split`` did, so the
+    document's inputs are the call's dynamic leaves in order; the pytree
+    structure of the outputs stays here, as with ``jax.export``.
+    """
+    from client.jaxpr import encode_jaxpr, trace_flat
+
+    closed, _, out_tree = trace_flat(bound, *spec_args, **spec_kw)
+    program = encode_jaxpr(closed, format="msgpack")
+    out_avals = tuple(_aval(a) for a in closed.out_avals)
+    return Compiled(hashlib.sha256(program).hexdigest(), program, out_tree, out_avals)
+
+
 class RemoteFunction(_RemoteFunctionBase):
     """A function jitted on the server, made by ``Client.jit``; call it like ``jax.jit(fn)``.
 
     A call splits static from dynamic arguments, traces and exports ``fn`` once per
-    signature (static values, pytree structure, shapes, dtypes, weak types), uploads
+    signature (static values, pytree structure, shapes, dtypes, weak types) as a
+    ``jax.export`` artifact or, with ``format="jaxpr"``, a jaxpr document, uploads
     the program if the server lacks it, and runs it. It returns at once: the outputs'
     pytree with a ``RemoteArray`` per leaf, shapes and dtypes already known.
 

@@ -10,11 +10,21 @@ from typing import Any, TypeVar, overload
 import httpx
 import numpy as np
 
-from client._base import DEFAULT_URL, BaseClient, Op, WireFormat, _Call, _Reply, drive_step, transport_error
-from client._jit import RemoteFunction
+from client._base import (
+    DEFAULT_URL,
+    BaseClient,
+    Op,
+    WireFormat,
+    _Call,
+    _Reply,
+    drive_step,
+    fill,
+    transport_error,
+)
+from client._jit import RemoteFunction, check_jit_format
 from client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
 from client._remote import RemoteArray
-from client.errors import JitserveError
+from client.errors import JitserveError, ProtocolError
 
 __all__ = ["Client"]
 
@@ -65,10 +75,26 @@ class Client(BaseClient):
     def _send(self, call: _Call) -> _Reply:
         request = self._build_request(self._http, call)
         try:
-            response = self._http.send(request)
+            response = self._http.send(request, stream=True)
+            try:
+                data = self._read(response)
+            finally:
+                response.close()
         except httpx.TransportError as e:
             raise transport_error(e, request) from e
-        return self._reply(response)
+        return self._reply(response, data)
+
+    def _read(self, response: httpx.Response) -> bytearray | None:
+        buf = self._body_buffer(response)
+        if buf is None or response.is_stream_consumed:  # consumed: already in memory
+            response.read()
+            return None
+        pos = 0
+        for chunk in response.iter_raw():
+            pos = fill(buf, pos, chunk)
+        if pos != len(buf):
+            raise ProtocolError(f"answer ended after {pos} of {len(buf)} bytes")
+        return buf
 
     def _drive(self, op: Op[T]) -> T:
         value: Any = None
@@ -153,19 +179,25 @@ class Client(BaseClient):
 
     @overload
     def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = ()) -> RemoteFunction: ...
+            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
+            ) -> RemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = ()
+            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
             ) -> Callable[[Callable[..., Any]], RemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = ()) -> Any:
+            static_argnames: str | Iterable[str] = (), format: str = "jax_export") -> Any:
         """Like ``jax.jit``, but the function runs on the server; see ``RemoteFunction``.
 
         Also a decorator: ``@c.jit`` or ``@c.jit(static_argnums=1)``.
+
+        ``format`` is what each traced signature is sent as: ``"jax_export"`` (the
+        default, a ``jax.export`` artifact) or ``"jaxpr"`` (a jaxpr document,
+        ``docs/jaxpr-format.md``, which the server decodes against an allowlist).
+        Any other value raises ``ValueError``.
 
         >>> f = c.jit(lambda x, n: x ** n, static_argnums=1)   # doctest: +SKIP
         >>> f(np.arange(3.0), 2).result()                       # doctest: +SKIP
@@ -173,5 +205,6 @@ class Client(BaseClient):
         """
         def make(f: Callable[..., Any]) -> RemoteFunction:
             return RemoteFunction(self, f, static_argnums=static_argnums,
-                                  static_argnames=static_argnames)
+                                  static_argnames=static_argnames, format=format)
+        check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

@@ -57,3 +57,27 @@ def test_packed_body_is_packb() -> None:
     body = wire.PackedBody(wire.pack_pieces(doc))
     assert b"".join(bytes(c) for c in body) == wire.packb(doc) == body.join()
     assert body.nbytes == len(body.join())
+
+
+def _result_transport(doc: dict) -> httpx.MockTransport:
+    body = wire.packb(doc)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": wire.MSGPACK})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 10, 3 << 20])
+def test_big_answer_is_read_into_one_buffer(nbytes: int) -> None:
+    x = np.arange(nbytes // 8, dtype=np.float64)
+    with Client("http://test", transport=_result_transport({"outputs": [x]})) as c:
+        (got,) = c.result("f" * 32)
+    np.testing.assert_array_equal(got, x)
+
+
+async def test_big_answer_async() -> None:
+    x = np.arange(3 << 17, dtype=np.float64)
+    async with AsyncClient("http://test", transport=_result_transport({"outputs": [x]})) as c:
+        (got,) = await c.result("f" * 32)
+    np.testing.assert_array_equal(got, x)

@@ -93,3 +93,17 @@ async def test_async_client_jit_and_chain(server_url: str) -> None:
         y = await f(x)
         z = await f(y)
         np.testing.assert_allclose(await z.result(), (x @ x.T) @ (x @ x.T).T, rtol=1e-12)
+
+
+def test_big_answer_from_a_small_call(client: Client) -> None:
+    # 4 MiB back for 4 KiB sent: the answer is read into one buffer of its length.
+    x = np.arange(512.0)
+    got = np.asarray(client.jit(lambda v: jnp.broadcast_to(v, (1024, 512)) * 2)(x))
+    np.testing.assert_array_equal(got, np.broadcast_to(x * 2, (1024, 512)))
+
+
+async def test_big_answer_async(server_url: str) -> None:
+    async with AsyncClient(server_url, timeout=120) as ac:
+        x = np.arange(512.0)
+        got = await (await ac.jit(lambda v: jnp.broadcast_to(v, (1024, 512)) + 1)(x)).result()
+    np.testing.assert_array_equal(got, np.broadcast_to(x + 1, (1024, 512)))
