@@ -31,6 +31,11 @@ from service.metrics import Metrics
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
 
 
+# Inputs of at least this many host bytes are freed before the program runs; for
+# smaller ones the wait and the collection would cost more than they save.
+_FREE_INPUTS_EARLY_BYTES = 16 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class FutureRef:
     """Argument: output ``index`` of another ``future``, resolved when it is done."""
@@ -141,16 +146,18 @@ class Executor:
         queued_s = max(time.time() - fut.created, 0.0)
         loop.call_soon_threadsafe(self._futures.mark_running, fut, queued_s)
         assert args is not None
+        host_bytes = sum(a.nbytes for a in args if not isinstance(a, jax.Array))
         on_device = [a if isinstance(a, jax.Array) else jax.device_put(a, self.device) for a in args]
-        # Transfers are asynchronous: wait for them so the host copies are freed
-        # before the outputs are allocated (peak memory 2x, not 3x, of a big input).
-        jax.block_until_ready(on_device)
         del args
-        # jax lets go of the host buffers from a runtime thread, which takes effect
-        # at the next garbage collection (jax-ml/jax#14882). A young-generation
-        # collection runs that hook cheaply, so big inputs are freed before the
-        # outputs are allocated.
-        gc.collect(0)
+        if host_bytes >= _FREE_INPUTS_EARLY_BYTES:
+            # Transfers are asynchronous: wait for them so the host copies are freed
+            # before the outputs are allocated (peak memory 2x, not 3x, of a big input).
+            jax.block_until_ready(on_device)
+            # jax lets go of the host buffers from a runtime thread, which takes effect
+            # at the next garbage collection (jax-ml/jax#14882). A young-generation
+            # collection runs that hook cheaply, so big inputs are freed before the
+            # outputs are allocated.
+            gc.collect(0)
         t0 = time.perf_counter()
         outputs = job.executable.run(on_device)
         jax.block_until_ready(outputs)
