@@ -11,8 +11,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+
+from client import wire
 
 from compiler.errors import SignatureMismatch
 
@@ -20,26 +21,9 @@ __all__ = ["Aval", "DTYPES", "dtype_of", "dtype_name"]
 
 Dim = int | str | None
 
-# Every dtype jitserve moves, by its numpy name. ml_dtypes supplies the ones
-# numpy lacks (bfloat16, the float8 kinds, int4).
-DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name)
-    for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-        "uint64", "float16", "float32", "float64", "complex64", "complex128",
-    )
-}
-DTYPES.update(
-    {
-        name: np.dtype(getattr(ml_dtypes, name))
-        for name in (
-            "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
-            "float8_e5m2", "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4",
-            "float8_e8m0fnu", "int4", "uint4",
-        )
-        if hasattr(ml_dtypes, name)
-    }
-)
+# Every dtype jitserve moves, by its numpy name: the wire codec's table, so the
+# compiler and the wire can never disagree on what an array may be.
+DTYPES: dict[str, np.dtype] = wire.DTYPES
 
 
 def dtype_of(name: str) -> np.dtype:
