@@ -43,12 +43,6 @@ WireFormat = Literal["msgpack", "json"]
 API_KEY_ENV = "JITSERVE_API_KEY"
 DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "jitserve-client/0.1.0"
-_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-
-
-# Bodies of at least this many bytes are streamed: requests from the arrays'
-# buffers (wire.PackedBody), answers into one buffer of their Content-Length.
-_STREAM_BYTES = 1 << 20
 
 
 def fill(buf: bytearray, pos: int, chunk: bytes) -> int:
@@ -169,7 +163,7 @@ class BaseClient:
         packed = wire.PackedBody(wire.pack_pieces(body))
         # Big bodies go out as views of the arrays' own buffers: no copy into one
         # message, which costs as much again as sending it.
-        return (packed if packed.nbytes >= _STREAM_BYTES else packed.join()), wire.MSGPACK
+        return (packed if packed.nbytes >= wire.STREAM_BYTES else packed.join()), wire.MSGPACK
 
     def _build_request(self, http: httpx.Client | httpx.AsyncClient, call: _Call) -> httpx.Request:
         headers = {"Content-Type": call.content_type} if call.content_type else {}
@@ -189,7 +183,7 @@ class BaseClient:
         more than filling a buffer of the right size.
         """
         declared = response.headers.get("content-length", "")
-        if (not declared.isdigit() or int(declared) < _STREAM_BYTES
+        if (not declared.isdigit() or int(declared) < wire.STREAM_BYTES
                 or response.headers.get("content-encoding")
                 or (self.max_response_bytes and int(declared) > self.max_response_bytes)):
             return None
@@ -200,7 +194,7 @@ class BaseClient:
         data = response.content if data is None else data
         if not data:
             return None
-        if ctype in _MSGPACK_TYPES:
+        if ctype in wire.MSGPACK_TYPES:
             return wire.unpackb(data, max_bytes=self.max_response_bytes)
         if ctype == wire.JSON or ctype.endswith("+json"):
             return wire.loads_json(data, max_bytes=self.max_response_bytes)

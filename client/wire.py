@@ -41,7 +41,9 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_RANK",
     "MSGPACK",
+    "MSGPACK_TYPES",
     "PackedBody",
+    "STREAM_BYTES",
     "WireError",
     "decode_array",
     "dtype_from_name",
@@ -60,6 +62,8 @@ __all__ = [
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
+#: Content types read as msgpack (the registered name and the common variants).
+MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 
 #: Most axes an array may have (XLA's own limit is far lower in practice).
 MAX_RANK = 64
@@ -273,6 +277,9 @@ def packb(obj: Any) -> bytes:
 # Big buffers go out in slices of this size: HTTP servers and clients copy each
 # chunk they frame, so a slice bounds that copy.
 _SLICE = 4 << 20
+#: Bodies of at least this many bytes are streamed (requests and answers alike);
+#: smaller ones are sent as one ``bytes``, which costs less than streaming.
+STREAM_BYTES = 1 << 20
 
 
 def pack_pieces(obj: Any) -> list[bytes | memoryview]:

@@ -81,10 +81,6 @@ class _Worker:
         self.conn = _Pipe(from_child_r, to_child_w)
         self.ready = False
 
-    @property
-    def exitcode(self) -> int | None:
-        return self.process.poll()
-
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(5)

@@ -29,9 +29,6 @@ from service.metrics import Metrics
 
 __all__ = ["BodyReader", "array_response", "outputs_response", "wants_json"]
 
-# Answers of at least this many bytes are streamed from the arrays' buffers.
-_STREAM_BYTES = 1 << 20
-_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
 class BodyReader:
@@ -93,7 +90,7 @@ class BodyReader:
         ctype = self.request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "application/json" or ctype.endswith("+json"):
             return "json"
-        if ctype in ("", "application/octet-stream", *_MSGPACK_TYPES):
+        if ctype in ("", "application/octet-stream", *wire.MSGPACK_TYPES):
             return "msgpack"
         raise UnsupportedMediaType(
             f"unsupported Content-Type {ctype!r}; send application/msgpack or application/json")
@@ -107,7 +104,7 @@ class BodyReader:
 def wants_json(request: Request) -> bool:
     """Whether the caller asked for JSON answers (``Accept: application/json``)."""
     accept = request.headers.get("accept", "").lower()
-    return "application/json" in accept and not any(t in accept for t in _MSGPACK_TYPES)
+    return "application/json" in accept and not any(t in accept for t in wire.MSGPACK_TYPES)
 
 
 def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200) -> Response:
@@ -115,7 +112,7 @@ def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200
     if as_json:
         return Response(wire.dumps_json(doc), status_code, media_type=wire.JSON)
     body = wire.PackedBody(wire.pack_pieces(doc))
-    if body.nbytes < _STREAM_BYTES:
+    if body.nbytes < wire.STREAM_BYTES:
         return Response(body.join(), status_code, media_type=wire.MSGPACK)
     # An async iterator: slicing views never blocks, so no thread hop per chunk.
     return StreamingResponse(aiter(body), status_code, media_type=wire.MSGPACK,
@@ -127,7 +124,7 @@ async def outputs_response(fut: Future, metrics: Metrics, as_json: bool) -> Resp
     outputs = fut.outputs
     if outputs is None:
         raise BadRequest(f"future {fut.future_id} has no outputs")
-    small = sum(x.nbytes for x in outputs) < _STREAM_BYTES
+    small = sum(x.nbytes for x in outputs) < wire.STREAM_BYTES
     # Small outputs come to the host in microseconds: a thread hop would cost more.
     host = _to_host(outputs) if small else await run_in_threadpool(_to_host, outputs)
     metrics.transferred("out", sum(a.nbytes for a in host))
