@@ -56,7 +56,7 @@ def jitserve(**env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as cache:
-        argv = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "jitserve.service", "serve", "--host", "127.0.0.1",
                 "--port", str(port), "--cache-dir", cache, "--log-level", "warning"]
         with process(argv, url, env) as proc:
             yield url, proc

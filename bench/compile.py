@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiler import Compiler, CompilerConfig, Lookup  # noqa: E402
+from jitserve.compiler import Compiler, CompilerConfig, Lookup  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

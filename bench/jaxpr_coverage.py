@@ -50,10 +50,10 @@ def _run_case(case: Any) -> tuple[set[str], str | None]:
     """The primitives a case uses, and why its round trip failed (None if it did not)."""
     import jax
     import numpy as np
-
-    from client.jaxpr import encode_jaxpr, trace_flat
-    from compiler.jaxpr_format import decode_document
     from jaxpr_cases import case_args
+
+    from jitserve.client.jaxpr import encode_jaxpr, trace_flat
+    from jitserve.compiler.jaxpr_format import decode_document
 
     args = case_args(case)
     closed, _, _ = trace_flat(case.fn, *args)
@@ -73,7 +73,6 @@ def _run_case(case: Any) -> tuple[set[str], str | None]:
 def measure() -> dict[str, Usage]:
     """Runs the corpus; returns the usage of each primitive."""
     import jax
-
     from jaxpr_cases import all_cases
 
     jax.config.update("jax_enable_x64", True)
@@ -89,7 +88,7 @@ def measure() -> dict[str, Usage]:
 
 def table(usage: dict[str, Usage]) -> list[tuple[str, str, str]]:
     """``(primitive, status, detail)`` rows: public primitives, then the extra allowed ones."""
-    from compiler._jaxpr_prims import REFUSED, SPECS, public_primitives
+    from jitserve.compiler._jaxpr_prims import REFUSED, SPECS, public_primitives
 
     public = sorted(public_primitives())
     extra = sorted(set(SPECS) - set(public))
@@ -111,7 +110,7 @@ def table(usage: dict[str, Usage]) -> list[tuple[str, str, str]]:
 
 
 def summary(rows: list[tuple[str, str, str]]) -> str:
-    from compiler._jaxpr_prims import public_primitives
+    from jitserve.compiler._jaxpr_prims import public_primitives
 
     public = set(public_primitives())
     count = collections.Counter(status for name, status, _ in rows if name in public)

@@ -50,8 +50,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compiler import Compiler, CompilerConfig  # noqa: E402
-from compiler.redis_tier import RedisSettings, RedisTier  # noqa: E402
+from jitserve.compiler import Compiler, CompilerConfig  # noqa: E402
+from jitserve.compiler.redis_tier import RedisSettings, RedisTier  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

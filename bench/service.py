@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _servers import baseline, jitserve, rss_bytes  # noqa: E402
 
-from client import AsyncClient, Client  # noqa: E402
+from jitserve.client import AsyncClient, Client  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 MiB = 1 << 20

@@ -3,7 +3,7 @@
 Example::
 
     import numpy as np
-    from client import Client
+    from jitserve.client import Client
 
     with Client("http://127.0.0.1:8000") as c:
         f = c.jit(lambda x, n: x * n, static_argnums=(1,))
@@ -17,13 +17,14 @@ imported on the first ``jit`` call.
 
 from __future__ import annotations
 
-from client import errors, wire
-from client._async import AsyncClient
-from client._jit import AsyncRemoteFunction, RemoteFunction
-from client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
-from client._remote import AsyncRemoteArray, RemoteArray
-from client._sync import Client
-from client.errors import (
+from jitserve import wire
+from jitserve.client import errors
+from jitserve.client._async import AsyncClient
+from jitserve.client._jit import AsyncRemoteFunction, RemoteFunction
+from jitserve.client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from jitserve.client._remote import AsyncRemoteArray, RemoteArray
+from jitserve.client._sync import Client
+from jitserve.client.errors import (
     APIError,
     BadRequest,
     ConnectError,
@@ -44,7 +45,7 @@ from client.errors import (
     TransportError,
     Unauthorized,
 )
-from client.wire import WireError
+from jitserve.wire import WireError
 
 __version__ = "0.1.0"
 

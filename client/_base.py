@@ -19,10 +19,10 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from client import wire
-from client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
-from client._remote import _FutureState, _RemoteBase
-from client.errors import (
+from jitserve import wire
+from jitserve.client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from jitserve.client._remote import _FutureState, _RemoteBase
+from jitserve.client.errors import (
     ConnectError,
     FuturePending,
     JitserveError,
@@ -240,7 +240,7 @@ class BaseClient:
 
     def _op_upload(self, program: bytes, format: str | None) -> Op[ProgramInfo]:
         params = {"format": format} if format else None
-        reply = yield _Call("POST", "/v1/programs", params, bytes(program), "application/octet-stream")
+        reply = yield _Call("POST", "/v1/programs", params, bytes(program), wire.OCTET_STREAM)
         return reply.parse(ProgramInfo.from_json)
 
     def _op_get_program(self, program_id: str) -> Op[ProgramInfo | None]:

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from client import wire
-from client._base import BaseClient, Op
-from client._models import Aval
-from client._remote import _RemoteBase
-from client.errors import NotFound
+from jitserve import wire
+from jitserve.client._base import BaseClient, Op
+from jitserve.client._models import Aval
+from jitserve.client._remote import _RemoteBase
+from jitserve.client.errors import NotFound
 
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["JIT_FORMATS", "AsyncRemoteFunction", "RemoteFunction"]
+__all__ = ["AsyncRemoteFunction", "JIT_FORMATS", "RemoteFunction"]
 
 #: The program formats ``Client.jit(fn, format=...)`` can send.
 JIT_FORMATS = ("jax_export", "jaxpr")
@@ -257,7 +257,7 @@ def _trace_jaxpr(bound: Callable[..., Any], spec_args: Any, spec_kw: Any) -> Com
     document's inputs are the call's dynamic leaves in order; the pytree
     structure of the outputs stays here, as with ``jax.export``.
     """
-    from client.jaxpr import encode_jaxpr, trace_flat
+    from jitserve.client.jaxpr import encode_jaxpr, trace_flat
 
     closed, _, out_tree = trace_flat(bound, *spec_args, **spec_kw)
     program = encode_jaxpr(closed, format="msgpack")

@@ -9,21 +9,21 @@ from typing import Any, Final
 
 import httpx
 
-from client import wire
-from client.errors import ProtocolError
+from jitserve import wire
+from jitserve.client.errors import ProtocolError
+from jitserve.wire import Aval, FutureStatus
 
 __all__ = [
-    "NOT_GIVEN",
-    "Aval",
     "CompileInfo",
     "FutureInfo",
+    "NOT_GIVEN",
     "NotGiven",
     "ProgramInfo",
     "Timeout",
 ]
 
-Dim = int | str | None
-TERMINAL: Final = frozenset({"done", "failed", "cancelled"})
+
+_FINAL = frozenset(s.value for s in FutureStatus if s.is_final)
 
 
 class NotGiven(enum.Enum):
@@ -77,49 +77,6 @@ class Timeout:
         return httpx.Timeout(read, connect=connect)
 
 
-@dataclasses.dataclass(frozen=True)
-class Aval:
-    """The shape and dtype of an array, without its data.
-
-    A dimension is an ``int``, or ``None``/a ``str`` (``"b"``) when it is dynamic.
-    """
-
-    shape: tuple[Dim, ...]
-    dtype: str
-    weak_type: bool = False
-
-    @classmethod
-    def from_json(cls, obj: Any) -> Aval:
-        """Parse ``{"shape": [...], "dtype": str, "weak_type"?: bool}`` from the server."""
-        if not isinstance(obj, Mapping) or not isinstance(obj.get("shape"), list) \
-                or not isinstance(obj.get("dtype"), str):
-            raise ProtocolError(f"an aval is {{'shape': [...], 'dtype': str}}, got {obj!r:.200}")
-        return cls(tuple(obj["shape"]), obj["dtype"], bool(obj.get("weak_type", False)))
-
-    @classmethod
-    def of(cls, x: Any) -> Aval:
-        """The aval of an ``Aval``, a mapping, or anything with ``shape`` and ``dtype``."""
-        if isinstance(x, Aval):
-            return x
-        if isinstance(x, Mapping):
-            return cls(tuple(x["shape"]), str(x["dtype"]), bool(x.get("weak_type", False)))
-        return cls(tuple(x.shape), wire.dtype_name(x.dtype), bool(getattr(x, "weak_type", False)))
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
-        if self.weak_type:
-            out["weak_type"] = True
-        return out
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __str__(self) -> str:
-        dims = ",".join("?" if d is None else str(d) for d in self.shape)
-        return f"{self.dtype}[{dims}]"
-
-
 def _field(doc: Any, key: str, types: type | tuple[type, ...], what: str) -> Any:
     if not isinstance(doc, Mapping):
         raise ProtocolError(f"{what}: expected a JSON object, got {type(doc).__name__}")
@@ -133,7 +90,10 @@ def _avals(obj: Any) -> tuple[Aval, ...] | None:
         return None
     if not isinstance(obj, Sequence) or isinstance(obj, (str, bytes)):
         raise ProtocolError(f"avals must be a list, got {obj!r:.200}")
-    return tuple(Aval.from_json(a) for a in obj)
+    try:
+        return tuple(Aval.from_json(a) for a in obj)
+    except wire.WireError as e:
+        raise ProtocolError(f"bad aval from the server: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +172,9 @@ class FutureInfo:
     @property
     def done(self) -> bool:
         """Whether the future finished: ``done``, ``failed`` or ``cancelled``."""
-        return self.status in TERMINAL
+        return self.status in _FINAL
+
+
 
     @classmethod
     def from_json(cls, doc: Any) -> FutureInfo:

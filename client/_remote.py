@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from client import wire
-from client._models import Aval
-from client.errors import JitserveTimeout, ProtocolError
+from jitserve import wire
+from jitserve.client._models import Aval
+from jitserve.client.errors import JitserveTimeout, ProtocolError
 
 if TYPE_CHECKING:
-    from client._async import AsyncClient
-    from client._sync import Client
+    from jitserve.client._async import AsyncClient
+    from jitserve.client._sync import Client
 
 __all__ = ["AsyncRemoteArray", "RemoteArray"]
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, overload
 import httpx
 import numpy as np
 
-from client._base import (
+from jitserve.client._base import (
     DEFAULT_URL,
     BaseClient,
     Op,
@@ -21,10 +21,10 @@ from client._base import (
     fill,
     transport_error,
 )
-from client._jit import RemoteFunction, check_jit_format
-from client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
-from client._remote import RemoteArray
-from client.errors import JitserveError, ProtocolError
+from jitserve.client._jit import RemoteFunction, check_jit_format
+from jitserve.client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from jitserve.client._remote import RemoteArray
+from jitserve.client.errors import JitserveError, ProtocolError
 
 __all__ = ["Client"]
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from jitserve.wire import PROGRAM_ERRORS, ErrorCode
+
 __all__ = [
     "APIError",
     "BadRequest",
@@ -172,17 +174,14 @@ class ServerError(APIError):
     """The server failed (5xx)."""
 
 
-PROGRAM_CODES = frozenset({
-    "invalid_program", "unsafe_program", "limit_exceeded", "platform_mismatch",
-    "signature_mismatch", "compile_failed", "compile_timeout",
-})
-
-_BY_CODE: dict[str, type[APIError]] = {
-    "bad_request": BadRequest, "unauthorized": Unauthorized, "not_found": NotFound,
-    "payload_too_large": PayloadTooLarge, "too_many_requests": TooManyRequests,
-    "future_pending": FuturePending, "future_failed": FutureFailed,
-    "future_cancelled": FutureCancelled, "future_expired": FutureExpired,
-    **{code: ProgramError for code in PROGRAM_CODES},
+# By code first (the shared table of codes, jitserve.wire.ErrorCode), then by status.
+_BY_CODE: dict[str, type[APIError]] = {  # ErrorCode is a str enum: plain strings look up
+    ErrorCode.BAD_REQUEST: BadRequest, ErrorCode.UNAUTHORIZED: Unauthorized,
+    ErrorCode.NOT_FOUND: NotFound, ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLarge,
+    ErrorCode.TOO_MANY_REQUESTS: TooManyRequests, ErrorCode.FUTURE_PENDING: FuturePending,
+    ErrorCode.FUTURE_FAILED: FutureFailed, ErrorCode.FUTURE_CANCELLED: FutureCancelled,
+    ErrorCode.FUTURE_EXPIRED: FutureExpired,
+    **{code: ProgramError for code in PROGRAM_ERRORS},
 }
 
 _BY_STATUS: dict[int, type[APIError]] = {

@@ -9,7 +9,7 @@ Python.
 
 Examples::
 
-    from client.jaxpr import encode_function
+    from jitserve.client.jaxpr import encode_function
     body = encode_function(lambda x, y: jnp.sin(x) @ y, x, y)            # JSON bytes
     body = encode_function(f, x, format="msgpack")                      # smaller
 
@@ -32,11 +32,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from client import wire
+from jitserve import wire
 
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "JaxprEncodeError",
     "encode_document",
     "encode_function",
@@ -44,10 +42,6 @@ __all__ = [
     "jaxpr_to_document",
     "trace_flat",
 ]
-
-# Must match compiler.jaxpr_format; a test checks that they agree.
-FORMAT_NAME = "jitserve.jaxpr"
-FORMAT_VERSION = 1
 
 _FORMATS = ("json", "msgpack")
 
@@ -110,7 +104,7 @@ def jaxpr_to_document(closed_jaxpr: Any, *, binary: bool = False) -> dict[str, A
     for i, atom in enumerate(closed_jaxpr.jaxpr.outvars):
         _check_top_dtype(atom.aval, f"output {i}")
     body = _Encoder(binary=binary).jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, "")
-    return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+    return {"format": wire.JAXPR_FORMAT_NAME, "version": wire.JAXPR_FORMAT_VERSION,
             "producer": f"jax {jax.__version__}", "jaxpr": body}
 
 

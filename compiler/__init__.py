@@ -5,10 +5,9 @@ validate it (``safety``), key it (``keys``), compile it with XLA in a worker
 process, and keep the executable in tiered caches (``cache``).
 """
 
-from compiler.avals import DTYPES, Aval
-from compiler.cache import DiskTier, Entry, MemoryCache, SharedTier, Tier
-from compiler.compile import Compiler, CompilerConfig, Executable, Lookup
-from compiler.errors import (
+from jitserve.compiler.cache import DiskTier, Entry, MemoryCache, SharedTier, Tier
+from jitserve.compiler.compile import Compiler, CompilerConfig, Executable, Lookup
+from jitserve.compiler.errors import (
     CompileFailed,
     CompilerError,
     CompileTimeout,
@@ -18,8 +17,9 @@ from compiler.errors import (
     SignatureMismatch,
     UnsafeProgram,
 )
-from compiler.programs import Program, ProgramFormat
-from compiler.safety import ALLOWED_CUSTOM_CALLS, Limits
+from jitserve.compiler.programs import Program, ProgramFormat
+from jitserve.compiler.safety import ALLOWED_CUSTOM_CALLS, Limits
+from jitserve.wire import DTYPES, Aval
 
 __all__ = [
     "ALLOWED_CUSTOM_CALLS",
@@ -35,6 +35,7 @@ __all__ = [
     "Executable",
     "InvalidProgram",
     "LimitExceeded",
+    "Limits",
     "Lookup",
     "MemoryCache",
     "PlatformMismatch",

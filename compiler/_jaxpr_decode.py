@@ -24,14 +24,19 @@ from jax._src.linear_util import DebugInfo
 from jax._src.literals import TypedNdArray
 from jax._src.random import prng
 
-from compiler._jaxpr_params import REQUIRED, BadParam
-from compiler._jaxpr_prims import INLINED, OMIT, REFUSED, SPECS, PrimSpec
-from compiler._jaxpr_wire import (
-    check_keys, decode_array, decode_scalar, decode_shape, parse_document_bytes, require,
+from jitserve.compiler._jaxpr_params import REQUIRED, BadParam
+from jitserve.compiler._jaxpr_prims import INLINED, OMIT, REFUSED, SPECS, PrimSpec
+from jitserve.compiler._jaxpr_wire import (
+    check_keys,
+    decode_array,
+    decode_scalar,
+    decode_shape,
+    parse_document_bytes,
+    require,
     wire_dtype,
 )
-from compiler.avals import DTYPES
-from compiler.errors import CompilerError, InvalidProgram, LimitExceeded, UnsafeProgram
+from jitserve.compiler.errors import CompilerError, InvalidProgram, LimitExceeded, UnsafeProgram
+from jitserve.wire import DTYPES
 
 __all__ = ["Decoder", "Limits", "check_header", "lookup_dtype", "parse", "rebuild"]
 

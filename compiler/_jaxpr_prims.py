@@ -28,10 +28,31 @@ from jax._src.named_sharding import UNSPECIFIED
 from jax._src.random import core as random_core
 from jax._src.random import prng
 
-from compiler._jaxpr_params import (
-    AXES, BOOL, DTYPE, FLOAT, INT, NAT, NONE, NUMBER, PAIRS, REQUIRED, SHAPE, STR, TRIPLES,
-    BadParam, Codec, DecodeCtx, Param, closed_jaxpr, closed_jaxprs, enum_of, one_of, opt,
-    record, tuple_of,
+from jitserve.compiler._jaxpr_params import (
+    AXES,
+    BOOL,
+    DTYPE,
+    FLOAT,
+    INT,
+    NAT,
+    NONE,
+    NUMBER,
+    PAIRS,
+    REQUIRED,
+    SHAPE,
+    STR,
+    TRIPLES,
+    BadParam,
+    Codec,
+    DecodeCtx,
+    Param,
+    closed_jaxpr,
+    closed_jaxprs,
+    enum_of,
+    one_of,
+    opt,
+    record,
+    tuple_of,
 )
 
 __all__ = ["INLINED", "OMIT", "PrimSpec", "REFUSED", "SPECS", "public_primitives"]

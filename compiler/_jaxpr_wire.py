@@ -20,9 +20,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from client import wire
-from compiler.avals import DTYPES
-from compiler.errors import InvalidProgram, LimitExceeded
+from jitserve import wire
+from jitserve.compiler.errors import InvalidProgram, LimitExceeded
+from jitserve.wire import DTYPES
 
 __all__ = [
     "ARRAY_KEYS",

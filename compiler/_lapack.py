@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from jax._src.lib.mlir import ir
 
-from compiler.errors import UnsafeProgram
+from jitserve.compiler.errors import UnsafeProgram
 
 __all__ = ["check_lapack_call", "is_lapack_target"]
 

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from compiler.errors import CompileFailed, CompileTimeout
+from jitserve.compiler.errors import CompileFailed, CompileTimeout
 
 __all__ = ["CompilePool", "compile_options"]
 
@@ -73,7 +73,7 @@ class _Worker:
         package_root = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "compiler._compile_worker", str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", "jitserve.compiler._compile_worker", str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
             env={**os.environ, **env, "PYTHONPATH": path})
         os.close(to_child_r)

@@ -26,10 +26,12 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import zstandard
 
+from jitserve.wire import TierName
+
 __all__ = [
-    "ENTRY_VERSION",
     "CorruptEntry",
     "DiskTier",
+    "ENTRY_VERSION",
     "Entry",
     "MemoryCache",
     "SharedTier",
@@ -129,7 +131,7 @@ class DiskTier:
     a reader sees a whole entry or none, even if the writer dies.
     """
 
-    name = "disk"
+    name = TierName.DISK
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root) / "executables"

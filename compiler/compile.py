@@ -27,9 +27,9 @@ import jaxlib
 from jax._src.lib import xla_client as xc
 from jax.extend import backend as xb
 
-from compiler import stablehlo
-from compiler.avals import Aval
-from compiler.cache import (
+from jitserve.compiler import stablehlo
+from jitserve.compiler._worker import CompilePool, compile_options
+from jitserve.compiler.cache import (
     CorruptEntry,
     DiskTier,
     Entry,
@@ -39,11 +39,11 @@ from compiler.cache import (
     decode_entry,
     encode_entry,
 )
-from compiler.errors import LimitExceeded, SignatureMismatch
-from compiler.keys import cache_key, key_parts
-from compiler.programs import Program, decode_program, lower
-from compiler.safety import Limits, check_module
-from compiler._worker import CompilePool, compile_options
+from jitserve.compiler.errors import LimitExceeded, SignatureMismatch
+from jitserve.compiler.keys import cache_key, key_parts
+from jitserve.compiler.programs import Program, decode_program, lower
+from jitserve.compiler.safety import Limits, check_module
+from jitserve.wire import Aval, TierName
 
 __all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup"]
 
@@ -171,10 +171,10 @@ class Compiler:
         key = self._key(program, concrete, static_key)
         hit = self._l1.get(key)
         if hit is not None:
-            return Lookup(hit, key, "memory", 0.0)
+            return Lookup(hit, key, TierName.MEMORY, 0.0)
         future, leader = self._join_flight(key)
         if not leader:
-            return Lookup(future.result(), key, "memory", 0.0)
+            return Lookup(future.result(), key, TierName.MEMORY, 0.0)
         try:
             lookup = self._resolve(program, concrete, static_key, key)
         except BaseException as e:
@@ -196,7 +196,7 @@ class Compiler:
         """``lookup`` from L1 alone, or ``None``: never blocks, so an event loop may call it."""
         key = self._key(program, self._concrete_avals(program, in_avals), static_key)
         hit = self._l1.get(key)
-        return None if hit is None else Lookup(hit, key, "memory", 0.0)
+        return None if hit is None else Lookup(hit, key, TierName.MEMORY, 0.0)
 
     def loaded(self) -> list[Executable]:
         """The executables loaded in this process (L1), least recently used first."""
@@ -283,7 +283,7 @@ class Compiler:
         # executable: on CPU (jaxlib 0.10.2) serializing a deserialized executable
         # drops its object code, and loading that fails at run time.
         self._put(key, encode_entry(Entry(serialized, executable.meta)), self.tiers)
-        return Lookup(executable, key, "compiled", seconds)
+        return Lookup(executable, key, TierName.COMPILED, seconds)
 
     def _compile(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
                  key: str) -> tuple[Executable, bytes]:

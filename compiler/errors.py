@@ -1,7 +1,8 @@
 """The compiler's exceptions.
 
 Every error a program can provoke is a ``CompilerError`` with a stable ``code``
-that the service turns into a 4xx answer; the message names what is wrong::
+(``jitserve.wire.ErrorCode``, which also gives its HTTP status) that the service
+turns into a 4xx answer; the message names what is wrong::
 
     CompilerError
     ├── InvalidProgram      the bytes are not a program of the stated format
@@ -14,6 +15,8 @@ that the service turns into a 4xx answer; the message names what is wrong::
 """
 
 from __future__ import annotations
+
+from jitserve.wire import ErrorCode
 
 __all__ = [
     "CompileFailed",
@@ -30,32 +33,32 @@ __all__ = [
 class CompilerError(Exception):
     """Base class: a program (or its inputs) that the compiler will not run."""
 
-    code = "compiler_error"
+    code = ErrorCode.COMPILER_ERROR
 
 
 class InvalidProgram(CompilerError):
-    code = "invalid_program"
+    code = ErrorCode.INVALID_PROGRAM
 
 
 class UnsafeProgram(CompilerError):
-    code = "unsafe_program"
+    code = ErrorCode.UNSAFE_PROGRAM
 
 
 class LimitExceeded(CompilerError):
-    code = "limit_exceeded"
+    code = ErrorCode.LIMIT_EXCEEDED
 
 
 class PlatformMismatch(CompilerError):
-    code = "platform_mismatch"
+    code = ErrorCode.PLATFORM_MISMATCH
 
 
 class SignatureMismatch(CompilerError):
-    code = "signature_mismatch"
+    code = ErrorCode.SIGNATURE_MISMATCH
 
 
 class CompileFailed(CompilerError):
-    code = "compile_failed"
+    code = ErrorCode.COMPILE_FAILED
 
 
 class CompileTimeout(CompilerError):
-    code = "compile_timeout"
+    code = ErrorCode.COMPILE_TIMEOUT

@@ -10,12 +10,12 @@ the compile path still applies its own limits.
 
 Example::
 
-    from compiler.avals import dtype_of
-    from compiler.jaxpr_format import decode_document
+    from jitserve.wire import dtype_from_name
+    from jitserve.compiler.jaxpr_format import decode_document
 
     decoded = decode_document(request_body)           # bytes or a parsed dict
     lowered = jax.jit(decoded.as_function(), keep_unused=True).lower(
-        *[jax.ShapeDtypeStruct(a.shape, dtype_of(a.dtype)) for a in decoded.in_avals])
+        *[jax.ShapeDtypeStruct(a.shape, dtype_from_name(a.dtype)) for a in decoded.in_avals])
 
 The client side (``client.jaxpr``) writes documents from a ``ClosedJaxpr`` or
 from a function and example arguments; a caller without JAX can write one by
@@ -28,13 +28,16 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from compiler.avals import DTYPES, Aval
-from compiler.errors import InvalidProgram
+from jitserve.compiler.errors import InvalidProgram
+from jitserve.wire import (
+    DTYPES,
+    JAXPR_FORMAT_NAME,
+    JAXPR_FORMAT_VERSION,
+    JAXPR_MIN_SUPPORTED_VERSION,
+    Aval,
+)
 
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "MIN_SUPPORTED_VERSION",
     "DecodedJaxpr",
     "JaxprLimits",
     "decode_document",
@@ -42,22 +45,8 @@ __all__ = [
     "supported_primitives",
 ]
 
-#: The value of a document's ``"format"`` field.
-FORMAT_NAME = "jitserve.jaxpr"
-
-# The document version. Bump it on any change an older decoder would misread:
-# a field renamed, removed or reinterpreted, a param's spelling changed, or a
-# JAX upgrade that changes a primitive's params. Adding an optional field, a
-# primitive, or a param with a default does not bump it.
-#
-# Compatibility window: a server decodes every version from
-# MIN_SUPPORTED_VERSION to FORMAT_VERSION. After a bump, the previous version
-# stays readable for at least six months (MIN_SUPPORTED_VERSION trails by one)
-# so that clients can upgrade on their own schedule.
-#
-# 1 (2026-11-21): the first version, written against jax 0.10.2.
-FORMAT_VERSION = 1
-MIN_SUPPORTED_VERSION = 1
+# The document's name and version (and the versioning rule) are the wire
+# contract's: jitserve.wire.JAXPR_FORMAT_NAME and JAXPR_FORMAT_VERSION.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +92,7 @@ class DecodedJaxpr:
     closed_jaxpr: Any
     in_avals: tuple[Aval, ...]
     out_avals: tuple[Aval, ...]
-    version: int = FORMAT_VERSION
+    version: int = JAXPR_FORMAT_VERSION
 
     def as_function(self) -> Callable[..., list]:
         """A function of the flat inputs returning the list of flat outputs.
@@ -139,11 +128,12 @@ def decode_document(data: bytes | bytearray | memoryview | Mapping[str, Any], *,
 
     Every message names where the problem is (``eqn 3 > while body > eqn 1 (add): ...``).
     """
-    from compiler import _jaxpr_decode
+    from jitserve.compiler import _jaxpr_decode
 
     limits = limits or JaxprLimits()
     tree = _jaxpr_decode.parse(data, limits)
-    version = _jaxpr_decode.check_header(tree, FORMAT_NAME, MIN_SUPPORTED_VERSION, FORMAT_VERSION)
+    version = _jaxpr_decode.check_header(tree, JAXPR_FORMAT_NAME, JAXPR_MIN_SUPPORTED_VERSION,
+                                            JAXPR_FORMAT_VERSION)
     closed = _jaxpr_decode.rebuild(tree["jaxpr"], limits)
     return DecodedJaxpr(closed, _top_avals(closed.in_avals, "input"),
                         _top_avals(closed.out_avals, "output"), version)
@@ -162,14 +152,14 @@ def _top_avals(avals: list, what: str) -> tuple[Aval, ...]:
 
 def supported_primitives() -> dict[str, tuple[str, ...]]:
     """Every primitive the decoder accepts, with the params it takes (sorted)."""
-    from compiler._jaxpr_prims import SPECS
+    from jitserve.compiler._jaxpr_prims import SPECS
 
     return {name: tuple(sorted(spec.params)) for name, spec in sorted(SPECS.items())}
 
 
 def refused_primitives() -> dict[str, str]:
     """Primitives JAX exports that the decoder refuses, each with the reason."""
-    from compiler._jaxpr_prims import REFUSED
+    from jitserve.compiler._jaxpr_prims import REFUSED
 
     return dict(sorted(REFUSED.items()))
 

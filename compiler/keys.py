@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax
 import jaxlib
 
-from compiler.avals import Aval
+from jitserve.wire import Aval
 
 __all__ = ["KEY_SCHEMA_VERSION", "cache_key", "key_parts"]
 

@@ -14,7 +14,6 @@ against a primitive allowlist.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,9 +22,8 @@ import jax
 from jax import tree_util
 from jax._src.lib.mlir import ir
 
-from compiler import stablehlo
-from compiler.avals import DTYPES, Aval
-from compiler.errors import (
+from jitserve.compiler import stablehlo
+from jitserve.compiler.errors import (
     CompilerError,
     InvalidProgram,
     LimitExceeded,
@@ -33,18 +31,11 @@ from compiler.errors import (
     SignatureMismatch,
     UnsafeProgram,
 )
-from compiler.safety import Limits, check_module
-from compiler.trees import treedef_to_json
+from jitserve.compiler.safety import Limits, check_module
+from jitserve.compiler.trees import treedef_to_json
+from jitserve.wire import DTYPES, Aval, ProgramFormat, WireError
 
 __all__ = ["Program", "ProgramFormat", "decode_program", "lower"]
-
-
-class ProgramFormat(str, enum.Enum):
-    """The ``format`` of an upload (docs/api.md)."""
-
-    JAX_EXPORT = "jax_export"
-    STABLEHLO = "stablehlo"
-    JAXPR = "jaxpr"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +186,7 @@ def _decode_jaxpr(data: bytes, platform: str, limits: Limits) -> Program:
 
 
 def _jaxpr_document(data: bytes) -> Any:
-    from compiler import jaxpr_format  # imported late: only jaxpr programs need it
+    from jitserve.compiler import jaxpr_format  # imported late: only jaxpr programs need it
 
     return jaxpr_format.decode_document(data)
 
@@ -218,7 +209,10 @@ def _export_as_flat_function(exp: Any) -> Callable[..., list[Any]]:
 
 def _export_aval(aval: Any) -> Aval:
     shape = tuple(d if isinstance(d, int) else str(d) for d in aval.shape)
-    return Aval(shape, aval.dtype.name, bool(getattr(aval, "weak_type", False)))
+    try:
+        return Aval(shape, str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+    except WireError as e:
+        raise InvalidProgram(f"export input or output {aval}: {e}") from None
 
 
 def _check_inputs(in_avals: Sequence[Aval], limits: Limits) -> None:

@@ -46,11 +46,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from compiler.cache import CorruptEntry, decode_entry
+from jitserve.compiler.cache import CorruptEntry, decode_entry
+from jitserve.wire import TierName
 
 __all__ = [
-    "LAYOUT_VERSION",
     "EntryPage",
+    "LAYOUT_VERSION",
     "RedisSettings",
     "RedisTier",
     "RedisUnavailable",
@@ -280,7 +281,7 @@ class RedisTier:
       client: a ``redis.Redis`` to use instead of one built from the URL (tests).
     """
 
-    name = "redis"
+    name = TierName.REDIS
 
     def __init__(self, settings: RedisSettings, *, client: redis.Redis | None = None) -> None:
         settings.check()

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from jax._src.export import _export as jax_export_internals
 from jax._src.lib.mlir import ir
 
-from compiler._lapack import check_lapack_call, is_lapack_target
-from compiler.errors import LimitExceeded, UnsafeProgram
+from jitserve.compiler._lapack import check_lapack_call, is_lapack_target
+from jitserve.compiler.errors import LimitExceeded, UnsafeProgram
 
 __all__ = ["ALLOWED_CUSTOM_CALLS", "Limits", "ModuleStats", "check_module", "check_text_nesting"]
 

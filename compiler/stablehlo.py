@@ -20,9 +20,9 @@ from jax._src.lib.mlir import ir
 from jaxlib.mlir.dialects import func as func_d
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from compiler.avals import DTYPES, Aval
-from compiler.errors import CompilerError, InvalidProgram, LimitExceeded, SignatureMismatch
-from compiler.safety import Limits, check_text_nesting
+from jitserve.compiler.errors import CompilerError, InvalidProgram, LimitExceeded, SignatureMismatch
+from jitserve.compiler.safety import Limits, check_text_nesting
+from jitserve.wire import DTYPES, Aval
 
 __all__ = [
     "MLIR_BYTECODE_MAGIC",

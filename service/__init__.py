@@ -1,12 +1,28 @@
 """jitserve's server: the FastAPI app, its settings, and the ``jitserve`` CLI.
 
-    from service import Settings, create_app
+    from jitserve.service import Settings, create_app
     app = create_app(Settings(cache_dir="/tmp/jitserve"))
+
+``Settings`` and ``create_app`` load on first use, so ``jitserve.service.cli``
+(the ``jitserve`` command) imports on a client-only install.
 """
 
 from __future__ import annotations
 
-from service.app import create_app
-from service.settings import Settings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jitserve.service.app import create_app
+    from jitserve.service.settings import Settings
 
 __all__ = ["Settings", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":
+        from jitserve.service.app import create_app
+        return create_app
+    if name == "Settings":
+        from jitserve.service.settings import Settings
+        return Settings
+    raise AttributeError(f"module 'jitserve.service' has no attribute {name!r}")

@@ -1,8 +1,8 @@
-"""``python -m service`` is the ``jitserve`` command."""
+"""``python -m jitserve.service`` is the ``jitserve`` command."""
 
 from __future__ import annotations
 
-from service.cli import main
+from jitserve.service.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The FastAPI application.
 
-    from service.app import create_app
+    from jitserve.service.app import create_app
     app = create_app()              # settings from the JITSERVE_* environment
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
@@ -19,19 +19,19 @@ from collections.abc import AsyncIterator
 import jax
 from fastapi import FastAPI
 
-from compiler import Compiler, CompilerConfig, Limits
-from compiler.redis_tier import RedisTier
-from service.calls import Calls
-from service.errors import install_error_handlers
-from service.executor import Executor
-from service.futures import FutureStore
-from service.metrics import Metrics, RequestMetricsMiddleware
-from service.programs import ProgramStore
-from service.routes import executables as executables_routes
-from service.routes import futures as futures_routes
-from service.routes import health as health_routes
-from service.routes import programs as programs_routes
-from service.settings import Settings
+from jitserve.compiler import Compiler, CompilerConfig, Limits
+from jitserve.compiler.redis_tier import RedisTier
+from jitserve.service.calls import Calls
+from jitserve.service.errors import install_error_handlers
+from jitserve.service.executor import Executor
+from jitserve.service.futures import FutureStore
+from jitserve.service.metrics import Metrics, RequestMetricsMiddleware
+from jitserve.service.programs import ProgramStore
+from jitserve.service.routes import executables as executables_routes
+from jitserve.service.routes import futures as futures_routes
+from jitserve.service.routes import health as health_routes
+from jitserve.service.routes import programs as programs_routes
+from jitserve.service.settings import Settings
 
 __all__ = ["create_app", "make_compiler", "redis_tier_of"]
 

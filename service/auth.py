@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from service.errors import Unauthorized
-from service.settings import Settings
+from jitserve.service.errors import Unauthorized
+from jitserve.service.settings import Settings
 
 __all__ = ["authenticate", "owner_of"]
 

@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-
 from starlette.concurrency import run_in_threadpool
 
-from client import wire
-from service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-from service.futures import Future
-from service.metrics import Metrics
+from jitserve import wire
+from jitserve.service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from jitserve.service.futures import Future
+from jitserve.service.metrics import Metrics
 
 __all__ = ["BodyReader", "array_response", "outputs_response", "wants_json"]
 
@@ -88,9 +87,9 @@ class BodyReader:
 
     def _content_kind(self) -> str:
         ctype = self.request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype == "application/json" or ctype.endswith("+json"):
+        if ctype == wire.JSON or ctype.endswith("+json"):
             return "json"
-        if ctype in ("", "application/octet-stream", *wire.MSGPACK_TYPES):
+        if ctype in ("", wire.OCTET_STREAM, *wire.MSGPACK_TYPES):
             return "msgpack"
         raise UnsupportedMediaType(
             f"unsupported Content-Type {ctype!r}; send application/msgpack or application/json")
@@ -104,7 +103,7 @@ class BodyReader:
 def wants_json(request: Request) -> bool:
     """Whether the caller asked for JSON answers (``Accept: application/json``)."""
     accept = request.headers.get("accept", "").lower()
-    return "application/json" in accept and not any(t in accept for t in wire.MSGPACK_TYPES)
+    return wire.JSON in accept and not any(t in accept for t in wire.MSGPACK_TYPES)
 
 
 def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200) -> Response:

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from client import wire
-from compiler.avals import Aval
-from compiler.programs import Program
-from service.errors import BadRequest, FutureCancelled, FutureFailed
-from service.executor import Arg, Executor, FutureRef
-from service.futures import Future, FutureStatus, FutureStore
-from service.metrics import Metrics
+from jitserve import wire
+from jitserve.compiler.programs import Program
+from jitserve.service.errors import BadRequest, FutureCancelled, FutureFailed
+from jitserve.service.executor import Arg, Executor, FutureRef
+from jitserve.service.futures import Future, FutureStore
+from jitserve.service.metrics import Metrics
+from jitserve.wire import Aval, FutureStatus
 
 if TYPE_CHECKING:
-    from compiler import Compiler
+    from jitserve.compiler import Compiler
 
 __all__ = ["Call", "Calls"]
 

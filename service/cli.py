@@ -1,26 +1,47 @@
 """The ``jitserve`` command.
 
+    jitserve --version
     jitserve serve --host 0.0.0.0 --port 8000 --cache-dir /var/cache/jitserve
 
 Flags override the ``JITSERVE_*`` environment; everything else (limits, API keys)
 comes from the environment. One process; Redis is optional (``--redis-url``, docs/redis.md).
+
+This module imports nothing beyond the standard library until a subcommand needs
+it: a client-only install (``pip install jitserve``) still answers ``--version``,
+and ``serve`` says which extra it lacks instead of failing on an import.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 __all__ = ["main"]
+
+# What `serve` needs beyond the base install; all come with the `server` extra.
+_SERVER_MODULES = ("fastapi", "uvicorn", "pydantic_settings", "jax", "jaxlib", "zstandard",
+                   "prometheus_client")
+
+
+def version() -> str:
+    """The installed distribution's version (``0+unknown`` when run from a bare tree)."""
+    try:
+        return importlib.metadata.version("jitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jitserve", description="JIT-as-a-service for JAX/XLA")
+    parser.add_argument("--version", action="version", version=f"jitserve {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the HTTP server")
     serve.add_argument("--host", help="interface to bind (JITSERVE_HOST, default 127.0.0.1)")
@@ -38,13 +59,31 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def _missing_server_modules() -> list[str]:
+    missing = []
+    for name in _SERVER_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run uvicorn with the app until interrupted."""
+    missing = _missing_server_modules()
+    if missing:
+        print(f"jitserve serve needs the server extra: pip install 'jitserve[server]' "
+              f"(missing: {', '.join(missing)})", file=sys.stderr)
+        return 2
     import uvicorn
+    from pydantic import ValidationError
 
-    from service.app import create_app
-    from service.memory import retain_freed_memory
-    from service.settings import Settings
+    from jitserve.service.app import create_app
+    from jitserve.service.memory import retain_freed_memory
+    from jitserve.service.settings import Settings
 
     try:
         settings = Settings(**_overrides(args))
@@ -70,8 +109,11 @@ def _describe(error: ValidationError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jitserve`` console script."""
-    args = _parser().parse_args(argv)
+    """Entry point of the ``jitserve`` console script; the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error
+        return e.code if isinstance(e.code, int) else 2
     if args.command == "serve":
         return serve(args)
     return 2

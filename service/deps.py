@@ -13,16 +13,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Query, Request
 
-from compiler import Compiler
-from compiler.redis_tier import RedisTier
-from service.auth import authenticate
-from service.bodies import BodyReader, wants_json
-from service.calls import Calls
-from service.futures import FutureStore
-from service.metrics import Metrics
-from service.programs import ProgramStore
-from service.settings import Settings
-
+from jitserve.compiler import Compiler
+from jitserve.compiler.redis_tier import RedisTier
+from jitserve.service.auth import authenticate
+from jitserve.service.bodies import BodyReader, wants_json
+from jitserve.service.calls import Calls
+from jitserve.service.futures import FutureStore
+from jitserve.service.metrics import Metrics
+from jitserve.service.programs import ProgramStore
+from jitserve.service.settings import Settings
 
 __all__ = [
     "AsJSON",

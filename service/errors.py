@@ -1,10 +1,11 @@
 """The service's exceptions and the one place that turns them into HTTP answers.
 
-Every error body is ``{"error": {"code": str, "message": str, ...}}``::
+Every error body is ``{"error": {"code": str, "message": str, ...}}``; each
+code's HTTP status is the wire contract's (``jitserve.wire.ERROR_STATUS``)::
 
-    ServiceError               code                 status
+    ServiceError               code
     ├── BadRequest             bad_request          400
-    │   └── UnsupportedMediaType                     415
+    │   └── UnsupportedMediaType  unsupported_media_type  415
     ├── Unauthorized           unauthorized         401
     ├── NotFound               not_found            404
     ├── FuturePending          future_pending       409
@@ -30,8 +31,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from client.wire import WireError
-from compiler.errors import CompilerError, InvalidProgram, SignatureMismatch
+from jitserve.compiler.errors import CompilerError
+from jitserve.wire import ErrorCode, WireError
 
 __all__ = [
     "BadRequest",
@@ -51,10 +52,9 @@ __all__ = [
 ]
 
 class ServiceError(Exception):
-    """A request the service refuses; ``code`` and ``status`` shape the answer."""
+    """A request the service refuses; ``code`` (and its status) shape the answer."""
 
-    code = "internal"
-    status = 500
+    code = ErrorCode.INTERNAL
 
     def __init__(self, message: str, **extra: Any) -> None:
         super().__init__(message)
@@ -66,46 +66,46 @@ class ServiceError(Exception):
 
 
 class BadRequest(ServiceError):
-    code, status = "bad_request", 400
+    code = ErrorCode.BAD_REQUEST
 
 
 class UnsupportedMediaType(BadRequest):
-    status = 415
+    code = ErrorCode.UNSUPPORTED_MEDIA_TYPE
 
 
 class Unauthorized(ServiceError):
-    code, status = "unauthorized", 401
+    code = ErrorCode.UNAUTHORIZED
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
 
 
 class NotFound(ServiceError):
-    code, status = "not_found", 404
+    code = ErrorCode.NOT_FOUND
 
 
 class FuturePending(ServiceError):
-    code, status = "future_pending", 409
+    code = ErrorCode.FUTURE_PENDING
 
 
 class FutureFailed(ServiceError):
-    code, status = "future_failed", 422
+    code = ErrorCode.FUTURE_FAILED
 
 
 class FutureCancelled(ServiceError):
-    code, status = "future_cancelled", 409
+    code = ErrorCode.FUTURE_CANCELLED
 
 
 class FutureExpired(ServiceError):
-    code, status = "future_expired", 410
+    code = ErrorCode.FUTURE_EXPIRED
 
 
 class PayloadTooLarge(ServiceError):
-    code, status = "payload_too_large", 413
+    code = ErrorCode.PAYLOAD_TOO_LARGE
 
 
 class TooManyRequests(ServiceError):
-    code, status = "too_many_requests", 429
+    code = ErrorCode.TOO_MANY_REQUESTS
 
     def __init__(self, message: str, retry_after_s: float = 1.0, **extra: Any) -> None:
         super().__init__(message, **extra)
@@ -118,17 +118,16 @@ class TooManyRequests(ServiceError):
 class Unavailable(ServiceError):
     """A dependency that has no local stand-in (the shared Redis, for its listings) is down."""
 
-    code, status = "unavailable", 503
+    code = ErrorCode.UNAVAILABLE
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "5"}
 
 
-# Compiler errors that mean "this is not a valid request" rather than "refused".
-_COMPILER_400 = (InvalidProgram, SignatureMismatch)
-
-_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found",
-               405: "method_not_allowed", 413: "payload_too_large", 429: "too_many_requests"}
+# Starlette's own HTTP errors (unknown route, wrong method) by status.
+_HTTP_CODES = {e.status: e for e in (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED,
+                                     ErrorCode.NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED,
+                                     ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.TOO_MANY_REQUESTS)}
 
 
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -136,42 +135,45 @@ def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, **extra}}
 
 
-def _response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
-              **extra: Any) -> JSONResponse:
-    return JSONResponse(error_body(code, message, **extra), status_code=status, headers=headers)
+def _response(code: ErrorCode, message: str, headers: dict[str, str] | None = None,
+              status: int | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(error_body(code.value, message, **extra),
+                        status_code=status or code.status, headers=headers)
 
 
 async def _service_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
-    return _response(exc.status, exc.code, exc.message, exc.headers(), **exc.extra)
+    return _response(exc.code, exc.message, exc.headers(), **exc.extra)
 
 
 async def _compiler_error(request: Request, exc: Exception) -> JSONResponse:
-    status = 400 if isinstance(exc, _COMPILER_400) else 422
-    return _response(status, getattr(exc, "code", "compiler_error"), str(exc))
+    assert isinstance(exc, CompilerError)
+    return _response(ErrorCode(exc.code), str(exc))
 
 
 async def _wire_error(request: Request, exc: Exception) -> JSONResponse:
-    return _response(400, "bad_request", f"bad request body: {exc}")
+    return _response(ErrorCode.BAD_REQUEST, f"bad request body: {exc}")
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
     where = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details)
-    return _response(400, "bad_request", f"invalid request: {where}", details=details)
+    return _response(ErrorCode.BAD_REQUEST, f"invalid request: {where}", details=details)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal")
-    return _response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}) or None)
+    fallback = ErrorCode.BAD_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
+    code = _HTTP_CODES.get(exc.status_code, fallback)
+    return _response(code, str(exc.detail), dict(exc.headers or {}) or None,
+                     status=exc.status_code)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # The details stay out of the answer; Starlette re-raises after this response,
     # so the server logs the traceback once.
-    return _response(500, "internal", "internal server error")
+    return _response(ErrorCode.INTERNAL, "internal server error")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -25,8 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from service.futures import Future, FutureStatus, FutureStore
-from service.metrics import Metrics
+from jitserve.service.futures import Future, FutureStore
+from jitserve.service.metrics import Metrics
+from jitserve.wire import FutureStatus
 
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
 

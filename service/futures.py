@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import hmac
 import logging
 import secrets
@@ -24,27 +23,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from compiler.avals import Aval
-from compiler.errors import LimitExceeded
-from service.errors import NotFound, TooManyRequests
+from jitserve.compiler.errors import LimitExceeded
+from jitserve.service.errors import NotFound, TooManyRequests
+from jitserve.wire import Aval, FutureStatus
 
-__all__ = ["Future", "FutureStatus", "FutureStore", "Job", "Timings"]
+__all__ = ["Future", "FutureStore", "Job", "Timings"]
 
 log = logging.getLogger("jitserve.futures")
-
-
-class FutureStatus(str, enum.Enum):
-    """Where an execution stands."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def is_final(self) -> bool:
-        return self in (FutureStatus.DONE, FutureStatus.FAILED, FutureStatus.CANCELLED)
 
 
 class Job(Protocol):

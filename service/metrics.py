@@ -33,6 +33,8 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jitserve.wire import FutureStatus, TierName
+
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "RequestMetricsMiddleware"]
 
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -70,14 +72,15 @@ class Metrics:
             self.transfer_bytes.labels(direction)
         for direction in ("read", "written"):
             self.redis_bytes.labels(direction)
-        for tier in ("memory", "disk", "redis"):
+        for tier in (TierName.MEMORY, TierName.DISK, TierName.REDIS):
             self.cache_hits.labels(tier)
-        for status in ("done", "failed", "cancelled"):
-            self.executions.labels(status)
+        for status in FutureStatus:
+            if status.is_final:
+                self.executions.labels(status)
 
     def lookup(self, tier: str, compile_seconds: float) -> None:
         """Count one executable lookup that ended in ``tier``."""
-        if tier == "compiled":
+        if tier == TierName.COMPILED:
             self.cache_misses.inc()
             self.compilations.inc()
             self.compile_seconds.observe(compile_seconds)

@@ -22,10 +22,10 @@ from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 
-from compiler.errors import CompilerError
-from compiler.programs import Program
-from compiler.redis_tier import StoredProgram
-from service.errors import NotFound
+from jitserve.compiler.errors import CompilerError
+from jitserve.compiler.programs import Program
+from jitserve.compiler.redis_tier import StoredProgram
+from jitserve.service.errors import NotFound
 
 __all__ = ["ProgramDecoder", "ProgramStore", "SharedPrograms"]
 

@@ -11,17 +11,17 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.errors import BadRequest
-from service.futures import Future
+from jitserve.service.errors import BadRequest
+from jitserve.service.futures import Future
 
 __all__ = [
     "CompileRequest",
     "CompileResult",
     "DeleteResult",
-    "ExecuteAccepted",
-    "ExecuteRequest",
     "ExecutableInfo",
     "ExecutablePage",
+    "ExecuteAccepted",
+    "ExecuteRequest",
     "FutureView",
     "ProgramInfo",
     "TimingsView",

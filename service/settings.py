@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from compiler.redis_tier import RedisSettings
+from jitserve.compiler.redis_tier import RedisSettings
 
 __all__ = ["PLACEHOLDER_SECRETS", "Settings"]
 

@@ -10,7 +10,6 @@ Redis on purpose start their own with ``redis_server``.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,15 +19,6 @@ import jax
 import pytest
 
 jax.config.update("jax_enable_x64", True)
-
-# tests/ holds helper modules (corpus, redis_server); import them whatever the import
-# mode. The repository root goes first, or tests/compiler/ would shadow the real
-# `compiler` package as a namespace package.
-_ROOT, _TESTS_DIR = (str(p) for p in Path(__file__).resolve().parents[1::-1])
-for _path in (_TESTS_DIR, _ROOT):
-    if _path in sys.path:
-        sys.path.remove(_path)
-    sys.path.insert(0, _path)
 
 if TYPE_CHECKING:
     from redis_server import RedisServer

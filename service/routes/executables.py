@@ -13,11 +13,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from starlette.concurrency import run_in_threadpool
 
-from compiler import Compiler, Executable
-from compiler.redis_tier import RedisUnavailable
-from service.deps import CompilerDep, RedisDep, get_owner
-from service.errors import BadRequest, NotFound, Unavailable
-from service.schemas import ExecutableInfo, ExecutablePage
+from jitserve.compiler import Compiler, Executable
+from jitserve.compiler.redis_tier import RedisUnavailable
+from jitserve.service.deps import CompilerDep, RedisDep, get_owner
+from jitserve.service.errors import BadRequest, NotFound, Unavailable
+from jitserve.service.schemas import ExecutableInfo, ExecutablePage
 
 __all__ = ["router"]
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
-from service.bodies import outputs_response
-from service.deps import AsJSON, FutureStoreDep, MetricsDep, Owner, WaitSeconds, get_owner
-from service.errors import FutureCancelled, FutureFailed, FuturePending, NotFound
-from service.futures import Future, FutureStatus
-from service.schemas import DeleteResult, FutureView
+from jitserve.service.bodies import outputs_response
+from jitserve.service.deps import AsJSON, FutureStoreDep, MetricsDep, Owner, WaitSeconds, get_owner
+from jitserve.service.errors import FutureCancelled, FutureFailed, FuturePending, NotFound
+from jitserve.service.futures import Future
+from jitserve.service.schemas import DeleteResult, FutureView
+from jitserve.wire import FutureStatus
 
 __all__ = ["router"]
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import (
+from jitserve.service.deps import (
     CompilerDep,
     FutureStoreDep,
     MetricsDep,
@@ -18,8 +18,8 @@ from service.deps import (
     SettingsDep,
     get_owner,
 )
-from service.errors import error_body
-from service.metrics import CONTENT_TYPE_LATEST
+from jitserve.service.errors import error_body
+from jitserve.service.metrics import CONTENT_TYPE_LATEST
 
 __all__ = ["router"]
 

@@ -7,10 +7,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 
-from compiler.avals import Aval
-from compiler.programs import ProgramFormat
-from service.bodies import outputs_response
-from service.deps import (
+from jitserve import wire
+from jitserve.compiler.programs import ProgramFormat
+from jitserve.service.bodies import outputs_response
+from jitserve.service.deps import (
     AsJSON,
     Body,
     CallsDep,
@@ -21,8 +21,8 @@ from service.deps import (
     WaitSeconds,
     get_owner,
 )
-from service.errors import BadRequest
-from service.schemas import (
+from jitserve.service.errors import BadRequest
+from jitserve.service.schemas import (
     CompileRequest,
     CompileResult,
     ExecuteAccepted,
@@ -30,16 +30,17 @@ from service.schemas import (
     ProgramInfo,
     parse,
 )
+from jitserve.wire import Aval
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/programs", tags=["programs"], dependencies=[Depends(get_owner)])
 
 _RAW_BODY = {"requestBody": {"required": True, "content": {
-    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+    wire.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}}
 _MESSAGE_BODY = {"requestBody": {"content": {
-    "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
-    "application/json": {"schema": {"type": "object"}}}}}
+    wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}},
+    wire.JSON: {"schema": {"type": "object"}}}}}
 
 
 @router.post("", status_code=201, response_model=ProgramInfo, openapi_extra=_RAW_BODY,

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from client import Timeout, wire
+from jitserve import wire
+from jitserve.client import Timeout
 
 
 def error(status: int, code: str, message: str, headers: dict[str, str] | None = None,

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from client_fakes import FakeServer
 
-from client import AsyncClient, AsyncRemoteArray, Client, RemoteArray, RemoteFunction, wire
-from client._jit import JIT_FORMATS
-from client.jaxpr import JaxprEncodeError
-from compiler.jaxpr_format import FORMAT_NAME, FORMAT_VERSION, decode_document
+from jitserve import wire
+from jitserve.client import AsyncClient, AsyncRemoteArray, Client, RemoteArray, RemoteFunction
+from jitserve.client._jit import JIT_FORMATS
+from jitserve.client.jaxpr import JaxprEncodeError
+from jitserve.compiler.jaxpr_format import decode_document
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +123,7 @@ def test_requests_and_document(client: Client, server: JaxprFakeServer) -> None:
     assert upload.url.params["format"] == "jaxpr"
     assert pid == hashlib.sha256(blob).hexdigest()
     doc = msgpack.unpackb(blob)  # the smaller encoding
-    assert (doc["format"], doc["version"]) == (FORMAT_NAME, FORMAT_VERSION)
+    assert (doc["format"], doc["version"]) == (wire.JAXPR_FORMAT_NAME, wire.JAXPR_FORMAT_VERSION)
     assert [v["aval"] for v in doc["jaxpr"]["invars"]] == [
         {"shape": [2, 3], "dtype": "float32"}, {"shape": [3, 2], "dtype": "float32"}]
     server.requests.clear()

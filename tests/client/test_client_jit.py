@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from client_fakes import FAST, FakeServer
 
-from client import (
+from jitserve.client import (
     AsyncClient,
     AsyncRemoteArray,
     AsyncRemoteFunction,
@@ -244,7 +244,7 @@ def test_exports_for_the_server_platform(client: Client, server: FakeServer,
 
 
 def test_failed_execution_surfaces_on_result(client: Client, server: FakeServer) -> None:
-    from client import FutureFailed
+    from jitserve.client import FutureFailed
 
     server.fail_with = {"code": "internal", "message": "out of device memory"}
     y = client.jit(jnp.sin)(X)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from client_fakes import FakeServer
 
-from client import (
+from jitserve.client import (
     AsyncClient,
     AsyncRemoteArray,
     Aval,
@@ -19,7 +19,7 @@ from client import (
     NotFound,
     RemoteArray,
 )
-from client._base import _Execution
+from jitserve.client._base import _Execution
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -127,15 +127,16 @@ def test_fetched_values_survive_delete(server: FakeServer, client: Client) -> No
     assert b.result() == 7
 
 
-def test_unknown_dtype_from_server_is_a_protocol_error(server: FakeServer, client: Client) -> None:
-    from client import ProtocolError
+def test_unknown_dtype_from_server_is_a_protocol_error() -> None:
+    from jitserve.client import FutureInfo, ProtocolError
 
+    doc = {"future_id": "f", "status": "done", "out_avals": [{"shape": [1], "dtype": "float128"}]}
     with pytest.raises(ProtocolError, match="unsupported dtype"):
-        client._wrap(_Execution("f", (Aval((1,), "float128"),), None, None))
+        FutureInfo.from_json(doc)
 
 
 def test_missing_output_is_a_protocol_error(server: FakeServer, client: Client) -> None:
-    from client import ProtocolError
+    from jitserve.client import ProtocolError
 
     a, b = future(server, client)
     server.futures["f0"]["outputs"] = OUTS[:1]

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-import client
-from client import (
+from jitserve import client
+from jitserve.client import (
     NOT_GIVEN,
     APIError,
     AsyncClient,
@@ -37,7 +37,7 @@ from client import (
     Unauthorized,
     wire,
 )
-from client._base import platforms_of
+from jitserve.client._base import platforms_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -521,7 +521,7 @@ def test_package_exports_are_sorted_and_complete() -> None:
 
 
 def test_error_tree_docstring_names_every_error() -> None:
-    from client import errors
+    from jitserve.client import errors
 
     for name in errors.__all__:
         obj = getattr(errors, name)
@@ -542,7 +542,8 @@ def test_json_error_body_is_plain_json() -> None:
             c.health()
 
 
-@pytest.mark.parametrize("module", ["client.wire", "client._models"])
+@pytest.mark.parametrize("module", ["jitserve.wire", "jitserve.wire._codec", "jitserve.wire._aval",
+                                    "jitserve.client._models"])
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib

@@ -6,7 +6,8 @@ import httpx
 import numpy as np
 import pytest
 
-from client import AsyncClient, Client, wire
+from jitserve import wire
+from jitserve.client import AsyncClient, Client
 
 PROGRAM = "a" * 64
 

@@ -7,27 +7,13 @@ cache directory of their own; tests that do use ``make_compiler``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
+import pytest
 
-jax.config.update("jax_enable_x64", True)
-
-# The corpus lives in tests/; make it importable whatever pytest's import mode. The
-# repository root goes first: with tests/ alone on sys.path (plain `pytest`, prepend
-# mode), tests/compiler/ would shadow the real `compiler` package as a namespace package.
-_ROOT, _TESTS_DIR = (str(p) for p in Path(__file__).resolve().parents[2:0:-1])
-for _path in (_TESTS_DIR, _ROOT):
-    if _path in sys.path:
-        sys.path.remove(_path)
-    sys.path.insert(0, _path)
-
-import pytest  # noqa: E402
-
-from compiler import Compiler, CompilerConfig, Limits  # noqa: E402
+from jitserve.compiler import Compiler, CompilerConfig, Limits
 
 MakeCompiler = Callable[..., Compiler]
 

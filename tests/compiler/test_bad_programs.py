@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compiler import (
+from jitserve.compiler import (
     Aval,
     Compiler,
     CompilerError,
@@ -259,8 +259,8 @@ def test_limits_leave_normal_programs_alone(make_compiler: Callable[..., Compile
 # crash shows as that child's signal and the other bombs still get their turn.
 _BOMB_SCRIPT = """
 import os, sys
-from compiler import CompilerError, Limits
-from compiler.programs import decode_program
+from jitserve.compiler import CompilerError, Limits
+from jitserve.compiler.programs import decode_program
 n = 200_000
 bombs = {
     "braces": "module {" * n,

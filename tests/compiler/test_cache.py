@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compiler import Aval, CompileFailed, Compiler, CompilerConfig, CompileTimeout, Lookup, Program
-from compiler.cache import Entry, decode_entry, encode_entry
+from jitserve.compiler import Aval, CompileFailed, Compiler, CompilerConfig, CompileTimeout, Lookup, Program
+from jitserve.compiler.cache import Entry, decode_entry, encode_entry
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from corpus import (
     specs,
 )
 
-from compiler import Aval, Compiler, Program
+from jitserve.compiler import Aval, Compiler, Program
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from compiler import Limits, UnsafeProgram
-from compiler.programs import decode_program
+from jitserve.compiler import Limits, UnsafeProgram
+from jitserve.compiler.programs import decode_program
 
 jax.config.update("jax_enable_x64", True)
 

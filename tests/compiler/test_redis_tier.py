@@ -26,11 +26,11 @@ import jaxlib
 import numpy as np
 import pytest
 import redis
-
-from compiler import Compiler, Lookup, SharedTier
-from compiler.cache import Entry, encode_entry
-from compiler.redis_tier import RedisSettings, RedisTier, RedisUnavailable
 from redis_server import RedisServer, free_port, make_tls_certs
+
+from jitserve.compiler import Compiler, Lookup, SharedTier
+from jitserve.compiler.cache import Entry, encode_entry
+from jitserve.compiler.redis_tier import RedisSettings, RedisTier, RedisUnavailable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -351,7 +351,7 @@ def test_concurrent_first_calls_compile_once(make_compiler: Callable[..., Compil
 
 _HOLDER = """
 import sys, time
-from compiler.redis_tier import RedisSettings, RedisTier
+from jitserve.compiler.redis_tier import RedisSettings, RedisTier
 url, prefix, key, lock_ttl = sys.argv[1:5]
 tier = RedisTier(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=float(lock_ttl)))
 lock = tier.compile_lock(key)  # kept referenced: collecting it would release the lock

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compiler import Aval, Compiler, CompilerError, Program, SignatureMismatch
+from jitserve.compiler import Aval, Compiler, CompilerError, Program, SignatureMismatch
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -128,7 +128,9 @@ def test_dockerfile_installs_the_package_pinned(kind: str) -> None:
     df = Dockerfile(DOCKERFILES[kind])
     builder = df.stages[0]
     copied = {src.rstrip("/") for c in builder.all("COPY") for src in parse_copy(c).sources}
-    packages = {p.split(".")[0] for p in _pyproject()["tool"]["setuptools"]["packages"]}
+    # The folders the packages are mapped from (client/, compiler/, service/).
+    package_dirs = _pyproject()["tool"]["setuptools"]["package-dir"].values()
+    packages = {d.split("/")[0] for d in package_dirs}
     needed = packages | {"pyproject.toml", "README.md", CONSTRAINTS[kind]}
     assert needed <= copied, f"the builder does not COPY {sorted(needed - copied)}"
 

@@ -56,7 +56,7 @@ def _serve(tmp: Path, extra_env: dict[str, str]) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("JITSERVE_") and k != "REDIS_URL"}
     env.update(E2E_ENV, **extra_env)
-    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "jitserve.service", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--cache-dir", str(tmp / "cache")]
     log = tmp / "server.log"
     with log.open("wb") as out:

@@ -31,8 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from client import AsyncClient, Client, RemoteArray, wire
-from client.jaxpr import encode_function
+from jitserve import wire
+from jitserve.client import AsyncClient, Client, RemoteArray
+from jitserve.client.jaxpr import encode_function
 
 jax.config.update("jax_enable_x64", True)
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import redis
 from jax import export
-
-from client import wire
 from redis_server import RedisServer, free_port
+
+from jitserve import wire
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -204,8 +204,8 @@ def test_corrupt_entry_is_recompiled(start_server: StartServer, redis_url: str,
 
 _HOLDER = """
 import sys, time
-from compiler import Compiler, CompilerConfig
-from compiler.redis_tier import RedisSettings, RedisTier
+from jitserve.compiler import Compiler, CompilerConfig
+from jitserve.compiler.redis_tier import RedisSettings, RedisTier
 url, prefix, path = sys.argv[1:4]
 compiler = Compiler(CompilerConfig())
 key = compiler.executable_id(compiler.decode(open(path, "rb").read()))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from client import wire
+from jitserve import wire
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -203,10 +203,10 @@ def test_api_keys_guard_v1_and_futures(auth_server_url: str, auth_keys: tuple[st
 
 
 def test_cli_help_and_bad_config() -> None:
-    out = subprocess.run([sys.executable, "-m", "service", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-m", "jitserve.service", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--cache-dir" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "service", "serve"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "jitserve.service", "serve"], capture_output=True,
                          text=True, timeout=60,
                          env={"JITSERVE_API_KEYS": "changeme", "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "placeholder" in bad.stderr

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from corpus import CASES, Case, assert_outputs_match, expected
 
-from client import AsyncClient, Client, RemoteArray
+from jitserve.client import AsyncClient, Client, RemoteArray
 
 jax.config.update("jax_enable_x64", True)
 

@@ -21,10 +21,10 @@ import pytest
 from fastapi import FastAPI
 from jax import export
 
-from client import wire
-from compiler import Compiler
-from service.app import create_app, make_compiler
-from service.settings import Settings
+from jitserve import wire
+from jitserve.compiler import Compiler
+from jitserve.service.app import create_app, make_compiler
+from jitserve.service.settings import Settings
 
 F32 = np.float32
 

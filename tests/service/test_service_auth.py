@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from service.settings import Settings
+from jitserve.service.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 

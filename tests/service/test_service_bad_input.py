@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from client import wire
+from jitserve import wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,7 @@ CASES = [
     ("ragged json lists", b'{"args": [{"dtype": "float32", "shape": [2, 3], "data": [[1]]}]}',
      "application/json", 400, "bad_request", "shape"),
     ("unsupported content type", b"args=1", "application/x-www-form-urlencoded", 415,
-     "bad_request", "Content-Type"),
+     "unsupported_media_type", "Content-Type"),
 ]
 
 

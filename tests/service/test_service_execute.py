@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from client import wire
+from jitserve import wire
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from client import wire
-from service.futures import FutureStatus, FutureStore
+from jitserve import wire
+from jitserve.service.futures import FutureStore
+from jitserve.wire import FutureStatus
 
 pytestmark = pytest.mark.timeout(60)
 

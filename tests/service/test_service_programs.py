@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from client import wire
+from jitserve import wire
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from compiler import Compiler
-from compiler.redis_tier import RedisSettings, RedisTier
-from service.errors import NotFound
-from service.programs import ProgramStore
+from jitserve.compiler import Compiler
+from jitserve.compiler.redis_tier import RedisSettings, RedisTier
+from jitserve.service.errors import NotFound
+from jitserve.service.programs import ProgramStore
 
 pytestmark = pytest.mark.timeout(60)
 

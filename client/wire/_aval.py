@@ -1,57 +1,33 @@
-"""Abstract values: the shape and dtype of an array, without its data.
-
-A dimension is an ``int`` when known; ``None`` (a raw StableHLO ``?``) or a
-``str`` (a jax.export symbolic dimension such as ``"b"`` or ``"2*b"``) when it is
-only known once concrete inputs arrive.
-"""
+"""``Aval``: the shape and dtype of an array, without its data."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
+from jitserve.wire._dtypes import DTYPES, WireError, dtype_from_name, dtype_name
 
-from client import wire
+__all__ = ["Aval", "Dim"]
 
-from compiler.errors import SignatureMismatch
-
-__all__ = ["Aval", "DTYPES", "dtype_of", "dtype_name"]
-
+#: One axis: an ``int`` when known; ``None`` (a raw StableHLO ``?``) or a ``str``
+#: (a jax.export symbolic dimension such as ``"b"`` or ``"2*b"``) when it is only
+#: known once concrete inputs arrive.
 Dim = int | str | None
-
-# Every dtype jitserve moves, by its numpy name: the wire codec's table, so the
-# compiler and the wire can never disagree on what an array may be.
-DTYPES: dict[str, np.dtype] = wire.DTYPES
-
-
-def dtype_of(name: str) -> np.dtype:
-    """The numpy dtype called ``name``; a ``SignatureMismatch`` naming it if unknown."""
-    try:
-        return DTYPES[name]
-    except (KeyError, TypeError):
-        raise SignatureMismatch(
-            f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}"
-        ) from None
-
-
-def dtype_name(dtype: Any) -> str:
-    """The jitserve name of a numpy (or jax) dtype."""
-    name = np.dtype(dtype).name
-    if name not in DTYPES:
-        raise SignatureMismatch(f"unsupported dtype {name!r}")
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
 class Aval:
-    """The abstract value of one array.
+    """The abstract value of one array; construction checks it (``WireError``).
 
     Attributes:
       shape: one entry per axis: an ``int`` size, or ``None``/``str`` when dynamic.
       dtype: the numpy name of the element type (``"float32"``, ``"bfloat16"``).
       weak_type: jax's weak-typing bit; part of the cache key, not of the data.
+
+    >>> str(Aval((2, None), "float32"))
+    'float32[2,?]'
     """
 
     shape: tuple[Dim, ...]
@@ -59,12 +35,17 @@ class Aval:
     weak_type: bool = False
 
     def __post_init__(self) -> None:
-        dtype_of(self.dtype)
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise WireError(f"unsupported dtype {self.dtype!r:.100}; expected one of {sorted(DTYPES)}")
         for d in self.shape:
             if isinstance(d, bool) or not (d is None or isinstance(d, (int, str))):
-                raise SignatureMismatch(f"bad dimension {d!r} in shape {self.shape}")
+                raise WireError(f"bad dimension {d!r:.100} in shape {self.shape!r:.200}")
             if isinstance(d, int) and d < 0:
-                raise SignatureMismatch(f"negative dimension {d} in shape {self.shape}")
+                raise WireError(f"negative dimension {d} in shape {self.shape!r:.200}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     @property
     def is_static(self) -> bool:
@@ -72,12 +53,13 @@ class Aval:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=object)) if self.is_static else -1
+        """Elements of a static aval; -1 when a dimension is dynamic."""
+        return math.prod(self.shape) if self.is_static else -1  # type: ignore[arg-type]
 
     @property
     def nbytes(self) -> int:
         """Bytes of a static aval; packed sub-byte types round up per element."""
-        return self.size * dtype_of(self.dtype).itemsize
+        return self.size * dtype_from_name(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype}
@@ -86,20 +68,24 @@ class Aval:
         return out
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Aval:
+    def from_json(cls, obj: Any) -> Aval:
         """Parse ``{"shape": [...], "dtype": str, "weak_type"?: bool}``; untrusted input."""
         if not isinstance(obj, Mapping) or "shape" not in obj or "dtype" not in obj:
-            raise SignatureMismatch(f"an aval is {{'shape': [...], 'dtype': str}}, got {obj!r:.200}")
+            raise WireError(f"an aval is {{'shape': [...], 'dtype': str}}, got {obj!r:.200}")
         shape = obj["shape"]
         if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)):
-            raise SignatureMismatch(f"shape must be a list, got {shape!r:.200}")
+            raise WireError(f"shape must be a list, got {shape!r:.200}")
         return cls(tuple(shape), obj["dtype"], bool(obj.get("weak_type", False)))
 
     @classmethod
     def of(cls, x: Any) -> Aval:
-        """The aval of a concrete array (numpy or jax)."""
-        return cls(tuple(int(d) for d in x.shape), dtype_name(x.dtype),
-                   bool(getattr(getattr(x, "aval", None), "weak_type", False)))
+        """The aval of an ``Aval``, a mapping, or anything with ``shape`` and ``dtype``."""
+        if isinstance(x, Aval):
+            return x
+        if isinstance(x, Mapping):
+            return cls.from_json(x)
+        weak = getattr(x, "weak_type", getattr(getattr(x, "aval", None), "weak_type", False))
+        return cls(tuple(int(d) for d in x.shape), dtype_name(x.dtype), bool(weak))
 
     def matches(self, concrete: Aval) -> bool:
         """Whether ``concrete`` (static) fits this (possibly dynamic) aval."""

@@ -35,19 +35,14 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+from jitserve.wire._dtypes import DTYPES, WireError, dtype_from_name, dtype_name
+
 __all__ = [
-    "DTYPES",
-    "JSON",
     "MAX_DEPTH",
     "MAX_RANK",
-    "MSGPACK",
-    "MSGPACK_TYPES",
     "PackedBody",
     "STREAM_BYTES",
-    "WireError",
     "decode_array",
-    "dtype_from_name",
-    "dtype_name",
     "dumps_json",
     "encode_array",
     "from_json_array",
@@ -60,11 +55,6 @@ __all__ = [
     "unpackb",
 ]
 
-MSGPACK = "application/msgpack"
-JSON = "application/json"
-#: Content types read as msgpack (the registered name and the common variants).
-MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
-
 #: Most axes an array may have (XLA's own limit is far lower in practice).
 MAX_RANK = 64
 #: Deepest nesting of lists/maps a decoded message may have.
@@ -74,58 +64,7 @@ MAX_STR_LEN = 16 * 1024 * 1024
 
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 _LITTLE = sys.byteorder == "little"
-
-# Same names as ``compiler.avals.DTYPES`` (the client may not import compiler/).
-# ml_dtypes supplies the kinds numpy lacks.
-DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name)
-    for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-        "uint64", "float16", "float32", "float64", "complex64", "complex128",
-    )
-}
-DTYPES.update(
-    {
-        name: np.dtype(getattr(ml_dtypes, name))
-        for name in (
-            "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
-            "float8_e5m2", "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4",
-            "float8_e8m0fnu", "int4", "uint4",
-        )
-        if hasattr(ml_dtypes, name)
-    }
-)
 _INT4 = {n: ml_dtypes.iinfo(DTYPES[n]) for n in ("int4", "uint4") if n in DTYPES}
-
-
-class WireError(ValueError):
-    """A message or array that does not follow the wire format; the text says why."""
-
-
-# --------------------------------------------------------------------------- dtypes
-
-
-def dtype_from_name(name: Any) -> np.dtype:
-    """The numpy dtype called ``name`` (``"bfloat16"`` -> ``ml_dtypes.bfloat16``)."""
-    if not isinstance(name, str):
-        raise WireError(f"dtype must be a string naming one of {sorted(DTYPES)}, got {name!r:.100}")
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise WireError(f"unsupported dtype {name!r:.100}; expected one of {sorted(DTYPES)}") from None
-
-
-def dtype_name(dtype: Any) -> str:
-    """The wire name of a numpy, ml_dtypes or jax dtype (byte order is ignored)."""
-    if dtype is None:  # np.dtype(None) would quietly mean float64
-        raise WireError("not a dtype: None")
-    try:
-        name = np.dtype(dtype).name
-    except (TypeError, ValueError) as e:
-        raise WireError(f"not a dtype: {dtype!r:.100}") from e
-    if name not in DTYPES:
-        raise WireError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return name
 
 
 # --------------------------------------------------------------------------- arrays

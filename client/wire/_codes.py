@@ -1,0 +1,96 @@
+"""Error codes with their HTTP statuses, and the statuses of a future.
+
+Every 4xx/5xx answer is ``{"error": {"code": str, "message": str, ...}}``
+(docs/api.md, "Errors"). The service answers each code with the status below;
+the client picks its exception by the code first and the status second, so a code
+added here later still lands on the right branch of an older client.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+__all__ = ["ERROR_STATUS", "ErrorCode", "FutureStatus", "PROGRAM_ERRORS"]
+
+
+class ErrorCode(enum.StrEnum):
+    """The ``code`` of an error document; ``status`` is its HTTP status."""
+
+    # the request itself
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    TOO_MANY_REQUESTS = "too_many_requests"
+    # a program, or its inputs (the compiler's codes)
+    INVALID_PROGRAM = "invalid_program"
+    SIGNATURE_MISMATCH = "signature_mismatch"
+    UNSAFE_PROGRAM = "unsafe_program"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    PLATFORM_MISMATCH = "platform_mismatch"
+    COMPILE_FAILED = "compile_failed"
+    COMPILE_TIMEOUT = "compile_timeout"
+    COMPILER_ERROR = "compiler_error"
+    # a future
+    FUTURE_PENDING = "future_pending"
+    FUTURE_FAILED = "future_failed"
+    FUTURE_CANCELLED = "future_cancelled"
+    FUTURE_EXPIRED = "future_expired"
+    # the server
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS[self]
+
+
+ERROR_STATUS: Final[dict[ErrorCode, int]] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.TOO_MANY_REQUESTS: 429,
+    # Not a valid request: the bytes are no program, or the inputs do not fit it.
+    ErrorCode.INVALID_PROGRAM: 400,
+    ErrorCode.SIGNATURE_MISMATCH: 400,
+    # Understood, but refused.
+    ErrorCode.UNSAFE_PROGRAM: 422,
+    ErrorCode.LIMIT_EXCEEDED: 422,
+    ErrorCode.PLATFORM_MISMATCH: 422,
+    ErrorCode.COMPILE_FAILED: 422,
+    ErrorCode.COMPILE_TIMEOUT: 422,
+    ErrorCode.COMPILER_ERROR: 422,
+    ErrorCode.FUTURE_PENDING: 409,
+    ErrorCode.FUTURE_FAILED: 422,
+    ErrorCode.FUTURE_CANCELLED: 409,
+    ErrorCode.FUTURE_EXPIRED: 410,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.INTERNAL: 500,
+}
+
+#: The codes that say a program (or its inputs) cannot be compiled or run.
+PROGRAM_ERRORS: Final = frozenset({
+    ErrorCode.INVALID_PROGRAM, ErrorCode.SIGNATURE_MISMATCH, ErrorCode.UNSAFE_PROGRAM,
+    ErrorCode.LIMIT_EXCEEDED, ErrorCode.PLATFORM_MISMATCH, ErrorCode.COMPILE_FAILED,
+    ErrorCode.COMPILE_TIMEOUT, ErrorCode.COMPILER_ERROR,
+})
+
+
+class FutureStatus(enum.StrEnum):
+    """Where an execution stands (the ``status`` of a future)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (FutureStatus.DONE, FutureStatus.FAILED, FutureStatus.CANCELLED)
