@@ -53,7 +53,7 @@ def _run_case(case: Any) -> tuple[set[str], str | None]:
     from jaxpr_cases import case_args
 
     from jitserve.client.jaxpr import encode_jaxpr, trace_flat
-    from jitserve.compiler.jaxpr_format import decode_document
+    from jitserve.compiler.jaxpr import decode_document
 
     args = case_args(case)
     closed, _, _ = trace_flat(case.fn, *args)
@@ -88,7 +88,7 @@ def measure() -> dict[str, Usage]:
 
 def table(usage: dict[str, Usage]) -> list[tuple[str, str, str]]:
     """``(primitive, status, detail)`` rows: public primitives, then the extra allowed ones."""
-    from jitserve.compiler._jaxpr_prims import REFUSED, SPECS, public_primitives
+    from jitserve.compiler.jaxpr._prims import REFUSED, SPECS, public_primitives
 
     public = sorted(public_primitives())
     extra = sorted(set(SPECS) - set(public))
@@ -110,7 +110,7 @@ def table(usage: dict[str, Usage]) -> list[tuple[str, str, str]]:
 
 
 def summary(rows: list[tuple[str, str, str]]) -> str:
-    from jitserve.compiler._jaxpr_prims import public_primitives
+    from jitserve.compiler.jaxpr._prims import public_primitives
 
     public = set(public_primitives())
     count = collections.Counter(status for name, status, _ in rows if name in public)

@@ -30,7 +30,9 @@ from jitserve.compiler.errors import (
     PlatformMismatch,
     SignatureMismatch,
     UnsafeProgram,
+    message_of,
 )
+from jitserve.compiler.jaxpr import DecodedJaxpr, decode_document
 from jitserve.compiler.safety import Limits, check_module
 from jitserve.compiler.trees import treedef_to_json
 from jitserve.wire import DTYPES, Aval, ProgramFormat, WireError
@@ -107,7 +109,7 @@ def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: L
     if program.format is ProgramFormat.JAX_EXPORT:
         fn = _export_as_flat_function(_deserialize_export(program.payload))
     else:
-        fn = _jaxpr_document(program.payload).as_function()
+        fn = _jaxpr_document(program.payload, limits).as_function()
     structs = [jax.ShapeDtypeStruct(a.shape, DTYPES[a.dtype], weak_type=p.weak_type)
                for a, p in zip(in_avals, program.in_avals)]
     try:
@@ -115,7 +117,7 @@ def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: L
     except CompilerError:
         raise
     except Exception as e:  # jax says why the inputs do not fit (symbolic dims, dtypes)
-        raise SignatureMismatch(f"the inputs do not fit the program: {_first_line(e)}") from None
+        raise SignatureMismatch(f"the inputs do not fit the program: {message_of(e)}") from None
     return stablehlo.parse_module(stablehlo.to_bytecode(module), ctx, limits)
 
 
@@ -179,16 +181,14 @@ def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
 
 
 def _decode_jaxpr(data: bytes, platform: str, limits: Limits) -> Program:
-    decoded = _jaxpr_document(data)
+    decoded = _jaxpr_document(data, limits)
     _check_inputs(decoded.in_avals, limits)
     return _program(data, ProgramFormat.JAXPR, in_avals=tuple(decoded.in_avals),
                     out_avals=tuple(decoded.out_avals))
 
 
-def _jaxpr_document(data: bytes) -> Any:
-    from jitserve.compiler import jaxpr_format  # imported late: only jaxpr programs need it
-
-    return jaxpr_format.decode_document(data)
+def _jaxpr_document(data: bytes, limits: Limits) -> DecodedJaxpr:
+    return decode_document(data, limits=limits.jaxpr)
 
 
 def _deserialize_export(data: bytes) -> Any:
@@ -196,7 +196,7 @@ def _deserialize_export(data: bytes) -> Any:
         return jax.export.deserialize(bytearray(data))
     except Exception as e:  # a flatbuffer reader on hostile bytes fails in many ways
         raise InvalidProgram(
-            f"not a jax.export artifact (Exported.serialize() bytes): {_first_line(e)}") from None
+            f"not a jax.export artifact (Exported.serialize() bytes): {message_of(e)}") from None
 
 
 def _export_as_flat_function(exp: Any) -> Callable[..., list[Any]]:
@@ -218,8 +218,3 @@ def _export_aval(aval: Any) -> Aval:
 def _check_inputs(in_avals: Sequence[Aval], limits: Limits) -> None:
     if len(in_avals) > limits.max_inputs:
         raise LimitExceeded(f"program takes {len(in_avals)} inputs, over {limits.max_inputs}")
-
-
-def _first_line(e: BaseException, limit: int = 1500) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text[:limit]

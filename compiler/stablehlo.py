@@ -20,7 +20,13 @@ from jax._src.lib.mlir import ir
 from jaxlib.mlir.dialects import func as func_d
 from jaxlib.mlir.dialects import stablehlo as hlo
 
-from jitserve.compiler.errors import CompilerError, InvalidProgram, LimitExceeded, SignatureMismatch
+from jitserve.compiler.errors import (
+    CompilerError,
+    InvalidProgram,
+    LimitExceeded,
+    SignatureMismatch,
+    message_of,
+)
 from jitserve.compiler.safety import Limits, check_text_nesting
 from jitserve.wire import DTYPES, Aval
 
@@ -59,7 +65,7 @@ def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
     except CompilerError:
         raise
     except Exception as e:  # the MLIR bindings raise several types; all mean "not MLIR"
-        raise InvalidProgram(f"cannot parse the program as StableHLO: {_short(e)}") from None
+        raise InvalidProgram(f"cannot parse the program as StableHLO: {message_of(e)}") from None
 
 
 def main_signature(module: ir.Module) -> tuple[tuple[Aval, ...], tuple[Aval, ...]]:
@@ -111,7 +117,7 @@ def _refine(module: ir.Module) -> ir.Module:
         return mlir.refine_polymorphic_shapes(module)
     except Exception as e:
         cause = e.__cause__ or e
-        raise SignatureMismatch(f"the inputs do not fit the program's shapes: {_short(cause)}") from None
+        raise SignatureMismatch(f"the inputs do not fit the program's shapes: {message_of(cause)}") from None
 
 
 def _main(module: ir.Module) -> ir.Operation:
@@ -152,8 +158,3 @@ def _compatible(want: ir.Type, got: ir.Type) -> bool:
     if want.rank != got.rank:
         return False
     return all(want.is_dynamic_dim(i) or w == g for i, (w, g) in enumerate(zip(want.shape, got.shape)))
-
-
-def _short(e: BaseException, limit: int = 2000) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text if len(text) <= limit else text[:limit] + " ..."

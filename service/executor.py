@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jitserve.compiler.errors import first_line
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.wire import FutureStatus
@@ -126,7 +127,7 @@ class Executor:
         except _DependencyFailed as e:
             self._futures.fail(fut, e.code, str(e))
         except Exception as e:  # the program failed on the device; the future says why
-            self._futures.fail(fut, "future_failed", f"execution failed: {_first_line(e)}")
+            self._futures.fail(fut, "future_failed", f"execution failed: {first_line(e)}")
         else:
             self._metrics.execute_seconds.observe(run_s)
             self._futures.complete(fut, outputs, run_s)
@@ -184,8 +185,3 @@ def _output_of(ref: FutureRef, position: int) -> Any:
     if dep.status is FutureStatus.CANCELLED:
         raise _DependencyFailed("future_cancelled", f"{where}, which was cancelled")
     raise _DependencyFailed("future_expired", f"{where}, which was {dep.removed or 'removed'}")
-
-
-def _first_line(e: BaseException, limit: int = 1000) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:limit]

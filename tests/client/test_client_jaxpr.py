@@ -2,7 +2,7 @@
 
 The fake (``JaxprFakeServer``) is ``FakeServer`` plus the compiler's own jaxpr
 decoder: a program uploaded with ``?format=jaxpr`` is decoded with
-``compiler.jaxpr_format.decode_document`` and run with ``jax.jit`` of its flat
+``compiler.jaxpr.decode_document`` and run with ``jax.jit`` of its flat
 function, as the real compiler does. The real server is exercised in
 ``tests/e2e/test_jaxpr_e2e.py``.
 """
@@ -24,7 +24,7 @@ from jitserve import wire
 from jitserve.client import AsyncClient, AsyncRemoteArray, Client, RemoteArray, RemoteFunction
 from jitserve.client._jit import JIT_FORMATS
 from jitserve.client.jaxpr import JaxprEncodeError
-from jitserve.compiler.jaxpr_format import decode_document
+from jitserve.compiler.jaxpr import decode_document
 
 pytestmark = pytest.mark.timeout(120)
 

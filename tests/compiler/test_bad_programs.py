@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jitserve.client.jaxpr import encode_function
 from jitserve.compiler import (
     Aval,
     Compiler,
@@ -30,6 +31,7 @@ from jitserve.compiler import (
     PlatformMismatch,
     UnsafeProgram,
 )
+from jitserve.compiler.jaxpr import JaxprLimits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,6 +238,8 @@ LIMITED: dict[str, tuple[Limits, Callable[[], bytes], tuple[str, ...]]] = {
                      ("16x16", "bytes")),
     "program_bytes": (Limits(max_program_bytes=100), lambda: _text(jnp.sin, F32_4), ("100",)),
     "inputs": (Limits(max_inputs=3), lambda: _text(lambda *xs: sum(xs), *[F32_4] * 5), ("inputs", "3")),
+    "jaxpr_eqns": (Limits(jaxpr=JaxprLimits(max_eqns=2)), lambda: encode_function(_mlp, MAT, MAT),
+                   ("eqn 2", "more than 2 equations")),
 }
 
 
@@ -244,6 +248,14 @@ def test_limits(make_compiler: Callable[..., Compiler], name: str) -> None:
     limits, make, words = LIMITED[name]
     c = make_compiler(limits=limits)
     _assert_refused(_refused(c, make(), None), LimitExceeded, *words)
+
+
+def test_jaxpr_limits_come_from_the_compiler_limits(make_compiler: Callable[..., Compiler]) -> None:
+    """The decoder runs with ``Limits.jaxpr``, not with defaults of its own."""
+    doc = encode_function(_mlp, MAT, MAT)
+    error = _refused(make_compiler(limits=Limits(jaxpr=JaxprLimits(max_eqns=2))), doc, "jaxpr")
+    assert isinstance(error, LimitExceeded) and error.code == "limit_exceeded", error
+    make_compiler().decode(doc, "jaxpr")  # the default limits take it
 
 
 def test_limits_leave_normal_programs_alone(make_compiler: Callable[..., Compiler]) -> None:

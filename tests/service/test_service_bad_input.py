@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import msgpack
 import numpy as np
 import pytest
 
 from jitserve import wire
+from jitserve.service.app import create_app
+from jitserve.service.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,3 +157,39 @@ async def test_unexpected_errors_are_500_json(api, monkeypatch) -> None:
     assert r.status_code == 500
     assert r.json() == {"error": {"code": "internal", "message": "internal server error"}}
     assert (await api.http.get("/healthz")).status_code == 200
+
+
+# -- configured limits ---------------------------------------------------------------------
+
+
+def _jaxpr_chain(n: int) -> bytes:
+    """A JSON jaxpr document of ``n`` negations in a row."""
+    eqns = [{"primitive": "neg", "invars": [f"v{i}"], "outvars": [f"v{i + 1}"]} for i in range(n)]
+    return json.dumps({"format": wire.JAXPR_FORMAT_NAME, "version": wire.JAXPR_FORMAT_VERSION,
+                       "jaxpr": {"invars": [{"var": "v0", "aval": {"shape": [2], "dtype": "float32"}}],
+                                 "eqns": eqns, "outvars": [f"v{n}"]}}).encode()
+
+
+def test_jaxpr_limits_are_read_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("JITSERVE_JAXPR_MAX_EQNS", "7")
+    monkeypatch.setenv("JITSERVE_MAX_PROGRAM_BYTES", "12345")
+    limits = Settings(env="test").compiler_limits()
+    assert limits.jaxpr.max_eqns == 7
+    assert limits.jaxpr.max_document_bytes == limits.max_program_bytes == 12345
+    assert limits.jaxpr.max_depth == Settings.model_fields["jaxpr_max_depth"].default
+
+
+async def test_a_jaxpr_over_the_configured_equation_limit_is_refused(tmp_path: Path) -> None:
+    # The app makes its own compiler here: the settings must reach the decoder.
+    app = create_app(Settings(env="test", cache_dir=tmp_path, disk_cache=False, jaxpr_max_eqns=3))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=transport, base_url="http://jitserve") as http:
+            ok = await http.post("/v1/programs", content=_jaxpr_chain(3),
+                                 headers={"content-type": wire.OCTET_STREAM})
+            assert ok.status_code in (200, 201), ok.text
+            r = await http.post("/v1/programs", content=_jaxpr_chain(4),
+                                headers={"content-type": wire.OCTET_STREAM})
+    assert r.status_code == wire.ErrorCode.LIMIT_EXCEEDED.status, r.text
+    assert r.json()["error"]["code"] == "limit_exceeded"
+    assert "more than 3 equations" in r.json()["error"]["message"]

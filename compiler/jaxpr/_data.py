@@ -21,11 +21,10 @@ import msgpack
 import numpy as np
 
 from jitserve import wire
-from jitserve.compiler.errors import InvalidProgram, LimitExceeded
+from jitserve.compiler.errors import InvalidProgram, LimitExceeded, shorten
 from jitserve.wire import DTYPES
 
 __all__ = [
-    "ARRAY_KEYS",
     "check_keys",
     "decode_array",
     "decode_scalar",
@@ -33,7 +32,7 @@ __all__ = [
     "require",
 ]
 
-ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
+_ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 
 # Non-finite floats have no JSON number; both encodings spell them as strings.
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -56,11 +55,12 @@ def parse_document_bytes(data: bytes, *, max_bytes: int) -> Any:
 def require(obj: Any, kind: type | tuple[type, ...], where: str, what: str) -> Any:
     """``obj`` if it is a ``kind``, else an ``InvalidProgram`` naming ``where``."""
     if not isinstance(obj, kind) or (kind is int and isinstance(obj, bool)):
-        raise InvalidProgram(f"{where}: {what} must be {_kind_name(kind)}, got {_short(obj)}")
+        raise InvalidProgram(f"{where}: {what} must be {_kind_name(kind)}, got {shorten(obj)}")
     return obj
 
 
-def check_keys(obj: Any, where: str, *, required: frozenset[str], optional: frozenset[str] = frozenset()) -> Mapping:
+def check_keys(obj: Any, where: str, *, required: frozenset[str],
+               optional: frozenset[str] = frozenset()) -> Mapping:
     """``obj`` as a mapping with exactly the ``required`` keys and some ``optional`` ones."""
     require(obj, Mapping, where, "this")
     missing = required - obj.keys()
@@ -76,7 +76,7 @@ def check_keys(obj: Any, where: str, *, required: frozenset[str], optional: froz
 def wire_dtype(name: Any, where: str) -> np.dtype:
     """The numpy dtype of a wire dtype name (no PRNG key types)."""
     if not isinstance(name, str) or name not in DTYPES:
-        raise InvalidProgram(f"{where}: unknown dtype {_short(name)}; expected one of {sorted(DTYPES)}")
+        raise InvalidProgram(f"{where}: unknown dtype {shorten(name)}; expected one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -101,7 +101,7 @@ def decode_array(obj: Any, where: str, *, max_elements: int, max_rank: int) -> n
     itself is decoded by the shared wire codec (``client.wire``), so documents
     spell arrays exactly as execute requests do.
     """
-    check_keys(obj, where, required=ARRAY_KEYS)
+    check_keys(obj, where, required=_ARRAY_KEYS)
     wire_dtype(obj["dtype"], where)
     decode_shape(obj["shape"], where, max_rank=max_rank, max_elements=max_elements)
     try:
@@ -125,7 +125,7 @@ def decode_scalar(value: Any, dtype: np.dtype, where: str) -> Any:
     if kind == "c":
         if isinstance(value, list):
             if len(value) != 2:
-                raise InvalidProgram(f"{where}: a complex value is [re, im], got {_short(value)}")
+                raise InvalidProgram(f"{where}: a complex value is [re, im], got {shorten(value)}")
             return complex(_float(value[0], where), _float(value[1], where))
         return complex(_float(value, where), 0.0)
     return _float(value, where)
@@ -150,7 +150,7 @@ def _float(value: Any, where: str) -> float:
     if isinstance(value, str) and value in _SPECIAL_FLOATS:
         return _SPECIAL_FLOATS[value]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidProgram(f"{where}: expected a number (or 'nan', 'inf', '-inf'), got {_short(value)}")
+        raise InvalidProgram(f"{where}: expected a number (or 'nan', 'inf', '-inf'), got {shorten(value)}")
     try:
         return float(value)
     except OverflowError:
@@ -162,8 +162,3 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     names = {Mapping: "an object", list: "a list", str: "a string", int: "an integer",
              bool: "a bool", float: "a number", bytes: "bytes"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
-def _short(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 80 else text[:77] + "..."

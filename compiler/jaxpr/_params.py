@@ -9,7 +9,7 @@ document can never smuggle in an object of a type its schema did not name.
 
 A codec is a callable ``(value, ctx) -> object``; ``ctx`` decodes nested
 jaxprs on the decoder's behalf (counting them against the limits) and names
-dtypes. Codecs that need JAX's own types live in ``_jaxpr_prims``.
+dtypes. Codecs that need JAX's own types live in ``_prims``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import enum
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
+
+from jitserve.compiler.errors import shorten
 
 __all__ = ["BadParam", "Codec", "DecodeCtx", "Param", "REQUIRED"]
 
@@ -65,17 +67,12 @@ class Param:
         self.codec, self.default = codec, default
 
 
-def _short(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 # -- scalars -------------------------------------------------------------------
 
 
 def INT(v: Any, ctx: DecodeCtx) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadParam(f"expected an integer, got {_short(v)}")
+        raise BadParam(f"expected an integer, got {shorten(v, 60)}")
     if not _INT_MIN <= v <= _INT_MAX:
         raise BadParam(f"{v} does not fit int64")
     return v
@@ -90,13 +87,13 @@ def NAT(v: Any, ctx: DecodeCtx) -> int:
 
 def BOOL(v: Any, ctx: DecodeCtx) -> bool:
     if not isinstance(v, bool):
-        raise BadParam(f"expected true or false, got {_short(v)}")
+        raise BadParam(f"expected true or false, got {shorten(v, 60)}")
     return v
 
 
 def STR(v: Any, ctx: DecodeCtx) -> str:
     if not isinstance(v, str) or len(v) > 256:
-        raise BadParam(f"expected a string of at most 256 characters, got {_short(v)}")
+        raise BadParam(f"expected a string of at most 256 characters, got {shorten(v, 60)}")
     return v
 
 
@@ -104,7 +101,7 @@ def NONE(v: Any, ctx: DecodeCtx) -> None:
     # Shardings, layouts, meshes: only the default ("let the compiler choose")
     # is in scope, spelled null.
     if v is not None:
-        raise BadParam(f"only null (the default) is supported, got {_short(v)}")
+        raise BadParam(f"only null (the default) is supported, got {shorten(v, 60)}")
     return None
 
 
@@ -115,7 +112,7 @@ def FLOAT(v: Any, ctx: DecodeCtx) -> float:
     if isinstance(v, str) and v in _SPECIAL:
         return _SPECIAL[v]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadParam(f"expected a number, got {_short(v)}")
+        raise BadParam(f"expected a number, got {shorten(v, 60)}")
     try:
         return float(v)
     except OverflowError:
@@ -157,7 +154,7 @@ def tuple_of(codec: Codec, *, length: int | None = None, max_length: int = 1 << 
     """A list of values, each decoded by ``codec``, as a tuple."""
     def decode(v: Any, ctx: DecodeCtx) -> tuple:
         if not isinstance(v, list):
-            raise BadParam(f"expected a list, got {_short(v)}")
+            raise BadParam(f"expected a list, got {shorten(v, 60)}")
         if length is not None and len(v) != length:
             raise BadParam(f"expected a list of {length}, got {len(v)} items")
         if len(v) > max_length:
@@ -178,7 +175,7 @@ def enum_of(cls: type[enum.Enum], allowed: tuple[str, ...] | None = None) -> Cod
 
     def decode(v: Any, ctx: DecodeCtx) -> enum.Enum:
         if not isinstance(v, str) or v not in names:
-            raise BadParam(f"expected one of {list(names)}, got {_short(v)}")
+            raise BadParam(f"expected one of {list(names)}, got {shorten(v, 60)}")
         return cls[v]
     return decode
 
@@ -187,7 +184,7 @@ def record(make: Callable[..., Any], fields: Mapping[str, Codec]) -> Codec:
     """An object with exactly ``fields``, each decoded, passed to ``make``."""
     def decode(v: Any, ctx: DecodeCtx) -> Any:
         if not isinstance(v, Mapping):
-            raise BadParam(f"expected an object with {sorted(fields)}, got {_short(v)}")
+            raise BadParam(f"expected an object with {sorted(fields)}, got {shorten(v, 60)}")
         if set(v) != set(fields):
             raise BadParam(f"expected exactly the fields {sorted(fields)}, got {sorted(map(str, v))}")
         out = {}
@@ -240,6 +237,6 @@ def closed_jaxprs(label: str) -> Codec:
     """A list of closed jaxprs (``cond`` branches), labelled ``"<label> <i>"``."""
     def decode(v: Any, ctx: DecodeCtx) -> tuple:
         if not isinstance(v, list) or not v:
-            raise BadParam(f"expected a non-empty list of jaxprs, got {_short(v)}")
+            raise BadParam(f"expected a non-empty list of jaxprs, got {shorten(v, 60)}")
         return tuple(ctx.jaxpr(item, f"{label} {i}") for i, item in enumerate(v))
     return decode

@@ -2,7 +2,7 @@
 
 The decoder walks the document once, top to bottom. Every variable is bound
 exactly once in its jaxpr and used only after; every equation's primitive comes
-from the allowlist (``_jaxpr_prims.SPECS``), its params from their typed codecs,
+from the allowlist (``_prims.SPECS``), its params from their typed codecs,
 and its output types from JAX's abstract evaluation of that primitive, compared
 with the types the document declares. Nested jaxprs are decoded the same way
 with their own scope. Sizes are counted as they are read, so a document that
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from jax._src import core
@@ -24,9 +24,14 @@ from jax._src.linear_util import DebugInfo
 from jax._src.literals import TypedNdArray
 from jax._src.random import prng
 
-from jitserve.compiler._jaxpr_params import REQUIRED, BadParam
-from jitserve.compiler._jaxpr_prims import INLINED, OMIT, REFUSED, SPECS, PrimSpec
-from jitserve.compiler._jaxpr_wire import (
+from jitserve.compiler.errors import (
+    CompilerError,
+    InvalidProgram,
+    LimitExceeded,
+    UnsafeProgram,
+    first_line,
+)
+from jitserve.compiler.jaxpr._data import (
     check_keys,
     decode_array,
     decode_scalar,
@@ -35,10 +40,12 @@ from jitserve.compiler._jaxpr_wire import (
     require,
     wire_dtype,
 )
-from jitserve.compiler.errors import CompilerError, InvalidProgram, LimitExceeded, UnsafeProgram
+from jitserve.compiler.jaxpr._limits import JaxprLimits
+from jitserve.compiler.jaxpr._params import REQUIRED, BadParam
+from jitserve.compiler.jaxpr._prims import INLINED, OMIT, REFUSED, SPECS, PrimSpec
 from jitserve.wire import DTYPES
 
-__all__ = ["Decoder", "Limits", "check_header", "lookup_dtype", "parse", "rebuild"]
+__all__ = ["Decoder", "check_header", "lookup_dtype", "parse", "rebuild"]
 
 _JAXPR_KEYS = frozenset({"invars", "eqns", "outvars"})
 _EQN_KEYS = frozenset({"primitive", "invars", "outvars"})
@@ -46,19 +53,6 @@ _DROP = "_"  # an output binder that discards its value
 _MAX_NAME = 128
 # Rebuilt jaxprs have no Python source to point at; names and paths stay unknown.
 _DEBUG_INFO = DebugInfo("jitserve jaxpr document", "<jaxpr document>", None, None)
-
-
-class Limits(Protocol):
-    """The subset of ``JaxprLimits`` the decoder reads (structural, to avoid an import cycle)."""
-
-    max_document_bytes: int
-    max_eqns: int
-    max_depth: int
-    max_vars: int
-    max_literal_elements: int
-    max_array_elements: int
-    max_rank: int
-    max_unroll: int
 
 
 @dataclasses.dataclass
@@ -80,7 +74,7 @@ def _join(where: str, what: str) -> str:
 class Decoder:
     """Decodes one document; holds the counters its limits are checked against."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: JaxprLimits) -> None:
         self.limits = limits
         self.n_eqns = 0
         self.n_vars = 0
@@ -258,7 +252,7 @@ class Decoder:
         except CompilerError:
             raise
         except Exception as e:  # noqa: BLE001 - JAX's shape rules raise many types
-            raise InvalidProgram(f"{where}: ill-typed: {_first_line(e)}") from None
+            raise InvalidProgram(f"{where}: ill-typed: {first_line(e, 500, typed=True)}") from None
         if effects:
             raise UnsafeProgram(f"{where}: has effects {sorted(map(str, effects))}; "
                                 "the format carries pure evaluation only")
@@ -363,17 +357,12 @@ def _subst(subst: dict[core.Var, Any], atom: Any) -> Any:
     return subst.get(atom, atom) if isinstance(atom, core.Var) else atom
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
-
-
 # -- the document as a whole ---------------------------------------------------------
 
 _HEADER_KEYS = frozenset({"format", "version", "jaxpr"})
 
 
-def parse(data: Any, limits: Limits) -> Mapping[str, Any]:
+def parse(data: Any, limits: JaxprLimits) -> Mapping[str, Any]:
     """The document tree from bytes (JSON or msgpack) or an already parsed mapping."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = parse_document_bytes(bytes(data), max_bytes=limits.max_document_bytes)
@@ -395,11 +384,12 @@ def check_header(tree: Mapping[str, Any], name: str, oldest: int, newest: int) -
     return version
 
 
-def rebuild(doc: Any, limits: Limits) -> core.ClosedJaxpr:
+def rebuild(doc: Any, limits: JaxprLimits) -> core.ClosedJaxpr:
     """Decode the top-level jaxpr, then run JAX's checker over the whole program."""
     closed = Decoder(limits).jaxpr(doc, "", 0)
     try:
         core.check_jaxpr(closed.jaxpr)
     except Exception as e:  # noqa: BLE001 - JaxprTypeError, or whatever a rule raises
-        raise InvalidProgram(f"JAX's jaxpr checker rejected the program: {_first_line(e)}") from None
+        raise InvalidProgram("JAX's jaxpr checker rejected the program: "
+                             f"{first_line(e, 500, typed=True)}") from None
     return closed

@@ -1,25 +1,8 @@
-"""jitserve's serialized jaxpr: a declarative, versioned document a client may send instead of StableHLO.
+"""The document as a whole: decode one into a ``DecodedJaxpr``; what the format allows.
 
-JAX has no official jaxpr serialization, and unpickling one would let a client
-run code on the server. This module decodes jitserve's own format (specified in
-``docs/jaxpr-format.md``): plain JSON or msgpack data naming allowlisted
-primitives, typed params, variables and array constants. Nothing in a document
-is unpickled, imported or evaluated. Decoded programs are untrusted input
-until they have passed this decoder, and even then only as far as its checks go:
-the compile path still applies its own limits.
-
-Example::
-
-    from jitserve.wire import dtype_from_name
-    from jitserve.compiler.jaxpr_format import decode_document
-
-    decoded = decode_document(request_body)           # bytes or a parsed dict
-    lowered = jax.jit(decoded.as_function(), keep_unused=True).lower(
-        *[jax.ShapeDtypeStruct(a.shape, dtype_from_name(a.dtype)) for a in decoded.in_avals])
-
-The client side (``client.jaxpr``) writes documents from a ``ClosedJaxpr`` or
-from a function and example arguments; a caller without JAX can write one by
-hand.
+``decode_document`` is the entry point (re-exported by ``compiler.jaxpr``, whose
+docstring has an example); the decoding itself is ``_decode``'s, imported only
+when a document arrives, since it needs JAX.
 """
 
 from __future__ import annotations
@@ -29,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jitserve.compiler.errors import InvalidProgram
+from jitserve.compiler.jaxpr._limits import JaxprLimits
 from jitserve.wire import (
     DTYPES,
     JAXPR_FORMAT_NAME,
@@ -39,42 +23,10 @@ from jitserve.wire import (
 
 __all__ = [
     "DecodedJaxpr",
-    "JaxprLimits",
     "decode_document",
     "refused_primitives",
     "supported_primitives",
 ]
-
-# The document's name and version (and the versioning rule) are the wire
-# contract's: jitserve.wire.JAXPR_FORMAT_NAME and JAXPR_FORMAT_VERSION.
-
-
-@dataclasses.dataclass(frozen=True)
-class JaxprLimits:
-    """Bounds on one document, so that a small upload cannot become a huge program.
-
-    Exceeding any of them raises ``LimitExceeded`` naming the equation.
-
-    Attributes:
-      max_document_bytes: size of the encoded document.
-      max_eqns: equations, counted over all nested jaxprs.
-      max_depth: nesting of jaxprs inside params (a while inside a cond inside a scan...).
-      max_vars: bound variables, counted over all nested jaxprs.
-      max_literal_elements: elements of one constant array (consts and array params).
-      max_array_elements: elements of any array the program names or computes,
-        so that a broadcast or iota cannot ask for an absurd buffer.
-      max_rank: axes of any array.
-      max_unroll: the ``unroll`` of a scan, which copies the body at compile time.
-    """
-
-    max_document_bytes: int = 64 << 20
-    max_eqns: int = 100_000
-    max_depth: int = 32
-    max_vars: int = 1_000_000
-    max_literal_elements: int = 1 << 20
-    max_array_elements: int = 1 << 32
-    max_rank: int = 32
-    max_unroll: int = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +66,8 @@ def decode_document(data: bytes | bytearray | memoryview | Mapping[str, Any], *,
     Args:
       data: the document as JSON bytes, msgpack bytes (told apart by JSON's
         leading ``{``), or an already parsed mapping.
-      limits: size bounds; ``JaxprLimits()`` when omitted.
+      limits: size bounds; ``JaxprLimits()`` when omitted. The compiler passes
+        ``Limits.jaxpr`` (``compiler.safety``), which the server builds from its settings.
 
     Returns:
       the rebuilt program, checked by ``jax.core.check_jaxpr``.
@@ -128,13 +81,13 @@ def decode_document(data: bytes | bytearray | memoryview | Mapping[str, Any], *,
 
     Every message names where the problem is (``eqn 3 > while body > eqn 1 (add): ...``).
     """
-    from jitserve.compiler import _jaxpr_decode
+    from jitserve.compiler.jaxpr import _decode  # imported late: it needs JAX
 
     limits = limits or JaxprLimits()
-    tree = _jaxpr_decode.parse(data, limits)
-    version = _jaxpr_decode.check_header(tree, JAXPR_FORMAT_NAME, JAXPR_MIN_SUPPORTED_VERSION,
-                                            JAXPR_FORMAT_VERSION)
-    closed = _jaxpr_decode.rebuild(tree["jaxpr"], limits)
+    tree = _decode.parse(data, limits)
+    version = _decode.check_header(tree, JAXPR_FORMAT_NAME, JAXPR_MIN_SUPPORTED_VERSION,
+                                   JAXPR_FORMAT_VERSION)
+    closed = _decode.rebuild(tree["jaxpr"], limits)
     return DecodedJaxpr(closed, _top_avals(closed.in_avals, "input"),
                         _top_avals(closed.out_avals, "output"), version)
 
@@ -152,14 +105,14 @@ def _top_avals(avals: list, what: str) -> tuple[Aval, ...]:
 
 def supported_primitives() -> dict[str, tuple[str, ...]]:
     """Every primitive the decoder accepts, with the params it takes (sorted)."""
-    from jitserve.compiler._jaxpr_prims import SPECS
+    from jitserve.compiler.jaxpr._prims import SPECS
 
     return {name: tuple(sorted(spec.params)) for name, spec in sorted(SPECS.items())}
 
 
 def refused_primitives() -> dict[str, str]:
     """Primitives JAX exports that the decoder refuses, each with the reason."""
-    from jitserve.compiler._jaxpr_prims import REFUSED
+    from jitserve.compiler.jaxpr._prims import REFUSED
 
     return dict(sorted(REFUSED.items()))
 

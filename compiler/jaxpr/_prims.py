@@ -28,7 +28,7 @@ from jax._src.named_sharding import UNSPECIFIED
 from jax._src.random import core as random_core
 from jax._src.random import prng
 
-from jitserve.compiler._jaxpr_params import (
+from jitserve.compiler.jaxpr._params import (
     AXES,
     BOOL,
     DTYPE,
@@ -389,7 +389,8 @@ def _check_scan(in_avals: Avals, p: Mapping[str, Any]) -> None:
     consts, carry, xs = in_avals[:nc], in_avals[nc:nc + ncarry], in_avals[nc + ncarry:]
     for i, x in enumerate(xs):
         if not x.shape or x.shape[0] != length:
-            raise BadParam(f"scanned operand {i} is {x.str_short()}; its leading axis must be the length {length}")
+            raise BadParam(f"scanned operand {i} is {x.str_short()}; its leading axis must be "
+                           f"the length {length}")
     slices = [x.update(shape=x.shape[1:]) for x in xs]
     body = p["jaxpr"]
     _match("body inputs", body.in_avals, [*consts, *carry, *slices])
@@ -416,7 +417,8 @@ def _check_reduce(in_avals: Avals, p: Mapping[str, Any]) -> None:
     _match("computation outputs", p["jaxpr"].out_avals, inits)
 
 
-def _check_binary_computation(what: str, jaxpr: Any, operand: core.AbstractValue, out_dtype: Any = None) -> None:
+def _check_binary_computation(what: str, jaxpr: Any, operand: core.AbstractValue,
+                              out_dtype: Any = None) -> None:
     x = _scalar(operand)
     _match(f"{what} inputs", jaxpr.in_avals, [x, x])
     _match(f"{what} outputs", jaxpr.out_avals, [core.ShapedArray((), out_dtype or x.dtype)])
