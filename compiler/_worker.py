@@ -18,31 +18,49 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from jitserve.compiler.errors import CompileFailed, CompileTimeout
 
-__all__ = ["CompilePool", "compile_options"]
+__all__ = ["CompilePool", "compile_options", "configure_jax"]
 
 logger = logging.getLogger("jitserve.compiler.worker")
 
 _OK, _ERR = b"K", b"E"
 
 
+def configure_jax() -> None:
+    """The process-wide jax settings programs run under; called where a process starts.
+
+    - x64 on, so that float64 and complex128 programs run as written (jax's default
+      would silently narrow them while lowering).
+    - jaxlib's linear-algebra kernels made ready. jaxlib hands its LAPACK kernels
+      their BLAS/LAPACK entry points only when jax's own linalg lowering runs
+      (``initialize_lapack``), and the GPU hybrid kernels likewise. A raw StableHLO
+      program never lowers through jax, so without this its first ``lapack_*``
+      custom call jumps through a null pointer and kills the process.
+    """
+    import jax
+    from jax._src.lax import linalg
+    from jaxlib import gpu_solver
+
+    jax.config.update("jax_enable_x64", True)
+    linalg.initialize_lapack()
+    gpu_solver.initialize_hybrid_kernels()
+
+
 def compile_options() -> Any:
-    """The XLA compile options of every jitserve executable (see keys.COMPILE_OPTIONS)."""
+    """The XLA compile options of every jitserve executable (their digest is in the key)."""
     from jax._src import compiler
 
     return compiler.get_compile_options(num_replicas=1, num_partitions=1)
 
 
 def _worker_main(conn: _Pipe) -> None:
-    import jax
     from jax._src.lib import xla_client as xc
     from jax.extend import backend as xb
 
-    jax.config.update("jax_enable_x64", True)
+    configure_jax()
     backend = xb.get_backend()
     devices = xc.DeviceList(tuple(backend.devices()[:1]))
     options = compile_options()
@@ -70,12 +88,13 @@ class _Worker:
     def __init__(self, env: dict[str, str]) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        package_root = str(Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        # The same interpreter, which has jitserve installed: no sys.path games, so
+        # the worker sees exactly the packages the server does.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "jitserve.compiler._compile_worker", str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", "jitserve.compiler._compile_worker", str(to_child_r),
+             str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-            env={**os.environ, **env, "PYTHONPATH": path})
+            env={**os.environ, **env})
         os.close(to_child_r)
         os.close(from_child_w)
         self.conn = _Pipe(from_child_r, to_child_w)

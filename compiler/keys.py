@@ -1,4 +1,11 @@
-"""The cache key: a sha256 over a named list of parts.
+"""The cache key: a sha256 over a named list of parts, computed as jax computes its own.
+
+jax's persistent compilation cache (``jax/_src/cache_key.py``) keys an executable
+by the computation, the jaxlib version, the backend's platform and version, the
+XLA flags (sorted, without the ones that only steer dumps), the *serialized*
+compile options (with their dump-only debug options cleared) and the devices.
+jitserve keys the same things, plus what its own API adds: the program id, the
+concrete input avals, the static arguments, and the runtime type.
 
 Each part is logged at debug level, so that a miss can be explained by diffing
 two logs. The key is also the ``executable_id`` the API reports.
@@ -6,51 +13,113 @@ two logs. The key is also the ``executable_id`` the API reports.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jaxlib
 
 from jitserve.wire import Aval
 
-__all__ = ["KEY_SCHEMA_VERSION", "cache_key", "key_parts"]
+__all__ = ["KEY_SCHEMA_VERSION", "Backend", "cache_key", "key_parts", "options_digest", "xla_flags"]
 
 logger = logging.getLogger("jitserve.compiler.keys")
 
 # Bump when anything that goes into an executable changes meaning.
 # 2026-11-21: 1, first schema.
-KEY_SCHEMA_VERSION = 1
+# 2026-11-23: 2, serialized compile options, filtered and sorted XLA flags, and
+#             the runtime type, as jax's own cache key has them.
+KEY_SCHEMA_VERSION = 2
 
-# Options every compile uses (compiler.compile); they are part of the key.
-COMPILE_OPTIONS = "num_replicas=1;num_partitions=1;x64=1"
+# Flags that only steer XLA's dumps and paths, never the code it emits: jax leaves
+# the same ones out of its key (xla_flags_to_exclude_from_cache_key), so that
+# turning on a dump does not empty the cache.
+_EXCLUDED_FLAGS = frozenset({
+    "--xla_dump_compress_protos", "--xla_dump_module_metadata", "--xla_dump_max_hlo_modules",
+    "--xla_dump_include_timestamp", "--xla_dump_hlo_pass_re", "--xla_dump_hlo_module_re",
+    "--xla_dump_hlo_snapshots", "--xla_dump_fusion_visualization", "--xla_dump_hlo_as_url",
+    "--xla_dump_hlo_as_proto", "--xla_dump_hlo_as_text", "--xla_dump_hlo_as_long_text",
+    "--xla_dump_hlo_as_html", "--xla_dump_hlo_as_dot", "--xla_dump_to",
+    "--xla_force_host_platform_device_count", "--xla_dump_disable_metadata",
+    "--xla_dump_hlo_pipeline_re", "--xla_gpu_cuda_data_dir",
+    "--xla_gpu_experimental_autotune_cache_mode",
+})
+
+# The same flags as fields of DebugOptions, cleared before the options are hashed.
+_CLEARED_DEBUG_OPTIONS = {
+    "xla_force_host_platform_device_count": 0, "xla_dump_to": "",
+    "xla_dump_hlo_module_re": "", "xla_dump_hlo_pass_re": "", "xla_dump_hlo_as_text": False,
+    "xla_dump_hlo_as_proto": False, "xla_dump_hlo_as_dot": False, "xla_dump_hlo_as_url": False,
+    "xla_dump_hlo_as_html": False, "xla_dump_fusion_visualization": False,
+    "xla_dump_hlo_snapshots": False, "xla_dump_max_hlo_modules": 0,
+    "xla_dump_module_metadata": False, "xla_dump_compress_protos": False,
+    "xla_dump_hlo_as_long_text": False, "xla_dump_disable_metadata": False,
+    "xla_dump_hlo_pipeline_re": "", "xla_gpu_experimental_autotune_cache_mode": 0,
+    "xla_gpu_cuda_data_dir": "",
+}
 
 
-def key_parts(
-    *,
-    program_id: str,
-    in_avals: Sequence[Aval],
-    static_key: str,
-    platform: str,
-    platform_version: str,
-    device_kind: str,
-    device_count: int,
-) -> list[tuple[str, str]]:
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a key says about where an executable runs.
+
+    Attributes:
+      platform, platform_version: the backend's (``"cpu"``, ``"cuda"`` and their versions).
+      runtime_type: the backend's runtime (``"pjrt_ifrt"``...): another runtime may
+        load executables differently.
+      device_kind, device_count: the devices the executable is compiled for.
+      options_digest: ``options_digest`` of the compile options every compile uses.
+    """
+
+    platform: str
+    platform_version: str
+    runtime_type: str
+    device_kind: str
+    device_count: int
+    options_digest: str
+
+
+def options_digest(options: Any) -> str:
+    """sha256 of the serialized ``CompileOptions``, dump-only debug options cleared."""
+    options = copy.deepcopy(options)  # the caller compiles with the original
+    debug = options.executable_build_options.debug_options
+    for name, value in _CLEARED_DEBUG_OPTIONS.items():
+        if hasattr(debug, name):
+            setattr(debug, name, value)
+    excluded = {f.lstrip("-") for f in _EXCLUDED_FLAGS}
+    options.env_option_overrides = [kv for kv in options.env_option_overrides
+                                    if kv[0] not in excluded]
+    return hashlib.sha256(options.SerializeAsString()).hexdigest()
+
+
+def xla_flags(environ: dict[str, str] | None = None) -> str:
+    """``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, sorted, without the dump-only flags."""
+    environ = os.environ if environ is None else environ
+    flags = [*environ.get("XLA_FLAGS", "").split(), *environ.get("LIBTPU_INIT_ARGS", "").split()]
+    return " ".join(sorted(f for f in flags if f.split("=")[0] not in _EXCLUDED_FLAGS))
+
+
+def key_parts(*, program_id: str, in_avals: Sequence[Aval], static_key: str,
+              backend: Backend) -> list[tuple[str, str]]:
     """The named parts of a key, in a fixed order."""
     return [
         ("schema", str(KEY_SCHEMA_VERSION)),
         ("program", program_id),
         ("in_avals", ";".join(f"{a}{'~weak' if a.weak_type else ''}" for a in in_avals)),
         ("static", static_key),
-        ("compile_options", COMPILE_OPTIONS),
-        ("platform", f"{platform} {platform_version}"),
-        ("device_kind", device_kind),
-        ("device_count", str(device_count)),
+        ("compile_options", backend.options_digest),
+        ("platform", f"{backend.platform} {backend.platform_version}"),
+        ("runtime_type", backend.runtime_type),
+        ("device_kind", backend.device_kind),
+        ("device_count", str(backend.device_count)),
         ("jax", jax.__version__),
         ("jaxlib", jaxlib.__version__),
-        ("xla_flags", os.environ.get("XLA_FLAGS", "")),
+        ("xla_flags", xla_flags()),
     ]
 
 

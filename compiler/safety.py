@@ -17,8 +17,9 @@ from jax._src.lib.mlir import ir
 
 from jitserve.compiler._lapack import check_lapack_call, is_lapack_target
 from jitserve.compiler.errors import LimitExceeded, UnsafeProgram
+from jitserve.compiler.jaxpr import JaxprLimits
 
-__all__ = ["ALLOWED_CUSTOM_CALLS", "Limits", "ModuleStats", "check_module", "check_text_nesting"]
+__all__ = ["ALLOWED_CUSTOM_CALLS", "Limits", "check_module", "check_text_nesting"]
 
 # Targets that carry arbitrary code, or that only make sense off this host.
 _REFUSED_TARGETS = frozenset({
@@ -33,6 +34,19 @@ _SHAPE_FREE_TARGETS = frozenset({
     "annotate_device_placement", "AllocateBuffer",
 })
 
+# Shape-polymorphic placeholders jax guarantees stable: a symbolic k or shape is an
+# operand, and shape refinement rewrites each into a plain op (chlo.top_k,
+# ApproxTopK, stablehlo.rng_bit_generator) before XLA sees the module. No kernel
+# runs them, so one left in a static module is refused.
+_REFINED_TARGETS = frozenset({
+    "stablehlo.dynamic_top_k", "stablehlo.dynamic_approx_top_k",
+    "stablehlo.dynamic_rng_bit_generator",
+}) & jax_export_internals._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE
+
+# Targets XLA itself lowers to plain ops, after checking that their result types
+# agree with their attributes (tests/compiler/test_stable_targets.py resizes them).
+_CHECKED_BY_XLA = frozenset({"ApproxTopK"})
+
 # What a program may call: the targets jax.export guarantees stable, less those
 # that run foreign code, and of the rest only those whose result types the server
 # can check (compiler._lapack) or that write nothing sized by attributes. Kernels
@@ -41,7 +55,7 @@ _SHAPE_FREE_TARGETS = frozenset({
 # (xla_ffi_python_cpu_callback and friends) are not in jax's list, so they stay out.
 ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
     t for t in jax_export_internals._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE - _REFUSED_TARGETS
-    if is_lapack_target(t) or t in _SHAPE_FREE_TARGETS
+    if is_lapack_target(t) or t in _SHAPE_FREE_TARGETS | _REFINED_TARGETS | _CHECKED_BY_XLA
 )
 
 _ALLOWED_DIALECTS = frozenset({"builtin", "func", "stablehlo", "chlo", "sdy"})
@@ -61,6 +75,9 @@ class Limits:
       max_nesting: depth of nested regions (while bodies, conds, reducers).
       max_tensor_bytes: bytes of any one tensor type in the module, and of any input.
       max_inputs: number of flat inputs to @main.
+      jaxpr: bounds on a ``jaxpr`` document (equations, nesting, arrays), checked
+        as it is decoded; its ``max_document_bytes`` should match ``max_program_bytes``,
+        which is checked first anyway.
     """
 
     max_program_bytes: int = 64 << 20
@@ -68,15 +85,7 @@ class Limits:
     max_nesting: int = 64
     max_tensor_bytes: int = 16 << 30
     max_inputs: int = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleStats:
-    """What a walk over a module found."""
-
-    ops: int
-    max_depth: int
-    custom_calls: frozenset[str]
+    jaxpr: JaxprLimits = JaxprLimits()
 
 
 def check_text_nesting(text: str, limits: Limits) -> None:
@@ -99,24 +108,21 @@ def check_text_nesting(text: str, limits: Limits) -> None:
             f"({8 * limits.max_nesting}, for {limits.max_nesting} regions)")
 
 
-def check_module(module: ir.Module, limits: Limits) -> ModuleStats:
+def check_module(module: ir.Module, limits: Limits, *, static: bool = False) -> None:
     """Walk every op of ``module``; raise if anything is not allowed.
 
     Dynamic dimensions are skipped by the tensor-size check; the specialized
-    (static) module is checked again before it is compiled.
+    (``static``) module is checked again before it is compiled, and must have no
+    shape-polymorphic placeholder left.
     """
-    ops, max_depth, targets = 0, 0, set()
+    ops = 0
     for op, depth in _walk(module.operation, 0):
         ops += 1
-        max_depth = max(max_depth, depth)
         if ops > limits.max_ops:
             raise LimitExceeded(f"program has more than {limits.max_ops} ops")
         if depth > limits.max_nesting:
             raise LimitExceeded(f"program nests regions deeper than {limits.max_nesting}")
-        _check_op(op, limits)
-        if op.name == "stablehlo.custom_call":
-            targets.add(ir.StringAttr(op.attributes["call_target_name"]).value)
-    return ModuleStats(ops, max_depth, frozenset(targets))
+        _check_op(op, limits, static)
 
 
 def _walk(op: ir.Operation, depth: int) -> Iterator[tuple[ir.Operation, int]]:
@@ -130,7 +136,7 @@ def _walk(op: ir.Operation, depth: int) -> Iterator[tuple[ir.Operation, int]]:
                 stack.extend((child.operation, depth + 1) for child in block.operations)
 
 
-def _check_op(op: ir.Operation, limits: Limits) -> None:
+def _check_op(op: ir.Operation, limits: Limits, static: bool) -> None:
     name = op.name
     if name.split(".", 1)[0] not in _ALLOWED_DIALECTS or name in _REFUSED_OPS:
         raise UnsafeProgram(f"op {name!r} is not allowed in a jitserve program")
@@ -144,6 +150,9 @@ def _check_op(op: ir.Operation, limits: Limits) -> None:
             )
         if is_lapack_target(target):
             check_lapack_call(op, target)
+        if static and target in _REFINED_TARGETS:
+            raise UnsafeProgram(f"custom_call target {target!r} is left after shape refinement; "
+                                "only its refined form can be compiled")
     for result in op.results:
         _check_type(result.type, name, limits)
     if name == "func.func":
