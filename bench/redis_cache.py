@@ -50,8 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jitserve.compiler import Compiler, CompilerConfig  # noqa: E402
-from jitserve.compiler.redis_tier import RedisSettings, RedisTier  # noqa: E402
+from jitserve.compiler import Compiler, CompilerConfig, RedisSettings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -81,10 +80,10 @@ def mlp_program(layers: int, width: int, batch: int,
     return exported.serialize(), [*jax.tree.leaves(params), x]
 
 
-def make_compiler(url: str, prefix: str) -> tuple[Compiler, RedisTier]:
+def make_compiler(url: str, prefix: str) -> Compiler:
     """A Compiler with no disk tier and only Redis as L2, as a fresh server would have."""
-    tier = RedisTier(RedisSettings.from_url(url, prefix=prefix))
-    return Compiler(CompilerConfig(cache_dir=None, extra_tiers=(tier,))), tier
+    return Compiler(CompilerConfig(cache_dir=None,
+                                   redis=RedisSettings.from_url(url, prefix=prefix)))
 
 
 def run(compiler: Compiler, lookup: Any, args: list[np.ndarray]) -> float:
@@ -106,14 +105,13 @@ def child(url: str, prefix: str, programs_dir: str, repeats: int) -> None:
     _, args = mlp_program(*json.loads(os.environ["BENCH_SHAPE"]))
     times, tiers, checksum = [], [], None
     for i in range(repeats):
-        compiler, tier = make_compiler(url, prefix)
+        compiler = make_compiler(url, prefix)
         seconds, lookup = timed_lookup(compiler, paths[i % len(paths)].read_bytes())
         times.append(seconds)
         tiers.append(lookup.tier)
         if i == 0:
             checksum = run(compiler, lookup, args)
-        compiler.close()
-        tier.close()
+        compiler.close()  # and its Redis connection
     print(json.dumps({"seconds": times, "tiers": tiers, "checksum": checksum}))
 
 
@@ -210,15 +208,14 @@ def main() -> None:
     _, args = mlp_program(*shape)
     with tempfile.TemporaryDirectory() as tmp, redis_url(ns.redis_url, Path(tmp)) as url:
         prefix = f"bench-{uuid.uuid4().hex[:10]}"
-        compiler, tier = make_compiler(url, prefix)
+        compiler = make_compiler(url, prefix)
         compiler.warm()  # a worker start is not part of a compile
         first, cold, lookup = cold_compiles(compiler, variants)
         checksum = run(compiler, lookup, args)
-        meta = tier.metadata(lookup.executable_id) or {}
+        meta = compiler.catalog.describe(lookup.executable_id) or {}
         hits = fresh_process_hits(url, prefix, variants, shape, ns.hit_repeats, Path(tmp))
         l1 = l1_hits(compiler, variants[0])
         compiler.close()
-        tier.close()
     report(shape, variants[0], first, cold, hits, l1, meta, checksum)
 
 

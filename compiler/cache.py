@@ -1,11 +1,14 @@
-"""Cache tiers for compiled executables.
+"""Cache tiers, one mechanism for every kind of blob: executables and programs.
 
-L1 keeps loaded executables in this process (``MemoryCache``, LRU bounded by count
-and bytes). L2 tiers keep serialized executables as opaque bytes behind one small
-interface (``Tier``): ``DiskTier`` is the embedded default; a Redis tier plugs in
-the same way. Entries are framed by ``encode_entry``: a magic, a format version, a
-sha256 of the body, then the zstd-compressed metadata and executable. A tier
-failure is a warning and a miss, never a failed request.
+A ``TieredStore`` keeps one kind of blob (``EXECUTABLES``, ``PROGRAMS``): decoded
+values in memory (``MemoryCache``, LRU bounded by count and bytes), bytes in L2
+tiers behind one small interface (``Tier``): ``DiskTier`` is the embedded default;
+the Redis tier (``compiler.redis``) plugs in the same way. It reads through the
+tiers, fills the faster ones on a hit, and writes to all on a put; a tier failure
+is a warning and a miss, never a failed request.
+
+Executable entries are framed by ``encode_entry``: a magic, a format version, a
+sha256 of the body, then the zstd-compressed metadata and executable.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -29,13 +33,19 @@ import zstandard
 from jitserve.wire import TierName
 
 __all__ = [
+    "BlobKind",
+    "CacheUnavailable",
     "CorruptEntry",
     "DiskTier",
     "ENTRY_VERSION",
+    "EXECUTABLES",
     "Entry",
     "MemoryCache",
+    "PROGRAMS",
     "SharedTier",
     "Tier",
+    "TieredStore",
+    "atomic_write",
     "decode_entry",
     "encode_entry",
 ]
@@ -48,10 +58,37 @@ _MAGIC = b"JSXE"
 ENTRY_VERSION = 1
 _HEADER = struct.Struct("<4sH32s")
 _MAX_ENTRY_BYTES = 4 << 30
+_TEMP_PREFIX = ".tmp-"
+
+V = TypeVar("V")
 
 
 class CorruptEntry(Exception):
-    """An L2 entry that fails its checks; the caller drops it and recompiles."""
+    """An L2 entry that fails its checks; the caller drops it (and recompiles, or re-reads)."""
+
+
+class CacheUnavailable(Exception):
+    """A shared tier cannot answer a question that has no local answer (its catalog).
+
+    The lookups never raise it: for them a tier that is down is a miss.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class BlobKind:
+    """A kind of blob the tiers keep, and its name in each of them.
+
+    Attributes:
+      name: the kind; also the disk tier's folder under the cache directory.
+      key: its record kind in Redis (``<prefix><key>:<id>``).
+    """
+
+    name: str
+    key: str
+
+
+EXECUTABLES = BlobKind("executables", "exe")
+PROGRAMS = BlobKind("programs", "prog")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +116,8 @@ class Tier(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
     def delete(self, key: str) -> None: ...
+
+    def contains(self, key: str) -> bool: ...
 
 
 @runtime_checkable
@@ -124,17 +163,46 @@ def decode_entry(data: bytes, expect: dict[str, Any]) -> Entry:
     return Entry(raw[4 + meta_len:], meta)
 
 
-class DiskTier:
-    """Serialized executables in a directory: the embedded default L2.
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``: readers see the old file or the whole new one, even after a crash.
 
-    Writes go to a temporary file in the same directory, then ``os.replace``:
-    a reader sees a whole entry or none, even if the writer dies.
+    A temporary file in the same directory is written and fsynced, renamed over
+    ``path``, then the directory is fsynced so that the rename itself is durable.
+    On failure the temporary file is removed and ``path`` is untouched.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiskTier:
+    """Blobs of one kind in a directory, ``<root>/<kind>/<key[:2]>/<key>``: the embedded L2.
+
+    Writes are ``atomic_write``: a reader sees a whole blob or none, even if the
+    writer dies.
     """
 
     name = TierName.DISK
 
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root) / "executables"
+    def __init__(self, root: Path, kind: BlobKind) -> None:
+        self.kind = kind
+        self.root = Path(root) / kind.name
         self.root.mkdir(parents=True, exist_ok=True)
         self._sweep_temporaries()
 
@@ -152,30 +220,23 @@ class DiskTier:
     def put(self, key: str, data: bytes) -> None:
         path = self.path(key)
         path.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, data)
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
 
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file()
+
     def _sweep_temporaries(self, older_than_s: float = 3600.0) -> None:
         # Left behind only by a process killed mid-write.
         cutoff = time.time() - older_than_s
-        for tmp in self.root.glob("*/.tmp-*"):
+        for tmp in self.root.glob(f"*/{_TEMP_PREFIX}*"):
             try:
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
             except OSError:
                 pass
-
-
-V = TypeVar("V")
 
 
 class MemoryCache(Generic[V]):
@@ -218,3 +279,104 @@ class MemoryCache(Generic[V]):
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+
+class TieredStore(Generic[V]):
+    """Blobs of one kind through every tier: values in memory, bytes in the L2 tiers.
+
+    ``get`` reads through the memory cache, then each L2 tier, fastest first; the
+    first tier whose bytes ``load`` accepts answers, and the faster tiers get the
+    same bytes (so a restart of this host hits its disk, not the network). ``put``
+    writes every tier. A tier that fails is a warning and a miss, never an error.
+
+    Args:
+      kind: what the blobs are (for the logs).
+      tiers: the L2 tiers, fastest first.
+      memory: the cache of loaded values (L1).
+      load: the value of a tier's bytes for a key. It raises ``CorruptEntry`` for
+        damaged bytes, which the tier then drops; it returns ``None`` for sound
+        bytes this process cannot use now (kept; the next tier is asked). The
+        bytes are untrusted: ``load`` checks them as it would an upload.
+      size: the bytes a value holds, for the memory cache's bound.
+
+    Example::
+
+        store = TieredStore(PROGRAMS, [DiskTier(root, PROGRAMS)], MemoryCache(256, 1 << 30),
+                            load=parse, size=len)
+        store.put(key, data, value)
+        value, tier = store.get(key) or (None, None)
+    """
+
+    def __init__(self, kind: BlobKind, tiers: Sequence[Tier], memory: MemoryCache[V],
+                 load: Callable[[str, bytes], V | None], size: Callable[[V], int]) -> None:
+        self.kind = kind
+        self.tiers = tuple(tiers)
+        self.memory = memory
+        self._load, self._size = load, size
+
+    def cached(self, key: str) -> V | None:
+        """The value from memory alone, or ``None``: never blocks on a tier."""
+        return self.memory.get(key)
+
+    def get(self, key: str) -> tuple[V, str] | None:
+        """The value of ``key`` and the name of the tier that had it; ``None`` on a miss."""
+        value = self.memory.get(key)
+        if value is not None:
+            return value, TierName.MEMORY
+        for i, tier in enumerate(self.tiers):
+            found = self._read(tier, key)
+            if found is not None:
+                value, data = found
+                self.remember(key, value)
+                self._write(key, data, self.tiers[:i])  # fill the faster tiers, same bytes
+                return value, tier.name
+        return None
+
+    def put(self, key: str, data: bytes, value: V | None = None) -> None:
+        """Write ``data`` to every tier, and keep ``value`` (its loaded form) in memory."""
+        if value is not None:
+            self.remember(key, value)
+        self._write(key, data, self.tiers)
+
+    def fill(self, key: str, data: bytes) -> None:
+        """Write ``data`` to the tiers that lack ``key`` (e.g. one that was down at the put)."""
+        self._write(key, data, [tier for tier in self.tiers if not self._contains(tier, key)])
+
+    def remember(self, key: str, value: V) -> None:
+        """Keep ``value`` in memory only."""
+        self.memory.put(key, value, self._size(value))
+
+    def _read(self, tier: Tier, key: str) -> tuple[V, bytes] | None:
+        """The value of ``key`` in ``tier`` and its bytes; ``None`` on a miss."""
+        try:
+            data = tier.get(key)
+            value = None if data is None else self._load(key, data)
+        except CorruptEntry as e:
+            logger.warning("dropping corrupt %s %s entry %s: %s", tier.name, self.kind.name, key, e)
+            self._delete(tier, key)
+            return None
+        except Exception as e:  # a tier failure is a miss, never a failed request
+            logger.warning("%s tier failed reading %s %s: %r", tier.name, self.kind.name, key, e)
+            self._delete(tier, key)
+            return None
+        return None if value is None or data is None else (value, data)
+
+    def _write(self, key: str, data: bytes, tiers: Sequence[Tier]) -> None:
+        for tier in tiers:
+            try:
+                tier.put(key, data)
+            except Exception as e:
+                logger.warning("%s tier failed writing %s %s: %r", tier.name, self.kind.name, key, e)
+
+    def _contains(self, tier: Tier, key: str) -> bool:
+        try:
+            return tier.contains(key)
+        except Exception as e:
+            logger.warning("%s tier failed looking for %s %s: %r", tier.name, self.kind.name, key, e)
+            return False
+
+    def _delete(self, tier: Tier, key: str) -> None:
+        try:
+            tier.delete(key)
+        except Exception as e:
+            logger.warning("%s tier failed deleting %s %s: %r", tier.name, self.kind.name, key, e)

@@ -3,11 +3,14 @@
 ``Compiler.lookup`` resolves a program for concrete input avals through the
 tiers: L1 (loaded executables in this process), the L2 tiers (serialized
 executables: disk by default, Redis when configured), then an XLA compile in a
-worker process. Concurrent lookups of one key share a single flight: one caller
-compiles, the others wait for its result. With a shared tier (``SharedTier``,
-e.g. Redis) the flight spans processes: one process compiles under the tier's
-lock, the others wait for the entry to appear and load it. Lookups block; a
-server calls them from a thread pool so its event loop stays free.
+worker process; ``compiler.cache.TieredStore`` reads through them and fills the
+faster ones on a hit. Uploaded programs go through the same tiers
+(``Compiler.programs``), and ``Compiler.catalog`` lists what is cached.
+Concurrent lookups of one key share a single flight: one caller compiles, the
+others wait for its result. With a shared tier (``SharedTier``, e.g. Redis) the
+flight spans processes: one process compiles under the tier's lock, the others
+wait for the entry to appear and load it. Lookups block; a server calls them
+from a thread pool so its event loop stays free.
 """
 
 from __future__ import annotations
@@ -15,12 +18,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jaxlib
@@ -28,28 +30,33 @@ from jax._src.lib import xla_client as xc
 from jax.extend import backend as xb
 
 from jitserve.compiler import stablehlo
-from jitserve.compiler._worker import CompilePool, compile_options
+from jitserve.compiler._worker import CompilePool, compile_options, configure_jax
 from jitserve.compiler.cache import (
-    CorruptEntry,
+    EXECUTABLES,
+    PROGRAMS,
+    BlobKind,
     DiskTier,
     Entry,
     MemoryCache,
     SharedTier,
     Tier,
+    TieredStore,
     decode_entry,
     encode_entry,
 )
+from jitserve.compiler.catalog import Catalog
 from jitserve.compiler.errors import LimitExceeded, SignatureMismatch
-from jitserve.compiler.keys import cache_key, key_parts
+from jitserve.compiler.keys import Backend, cache_key, key_parts, options_digest
+from jitserve.compiler.program_store import StoredPrograms
 from jitserve.compiler.programs import Program, decode_program, lower
+from jitserve.compiler.redis.settings import RedisSettings
 from jitserve.compiler.safety import Limits, check_module
 from jitserve.wire import Aval, TierName
 
+if TYPE_CHECKING:
+    from jitserve.compiler.redis.tiers import RedisTiers
+
 __all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup"]
-
-logger = logging.getLogger("jitserve.compiler")
-
-jax.config.update("jax_enable_x64", True)  # float64 and complex128 run as written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,21 +67,26 @@ class CompilerConfig:
       cache_dir: root of the disk tier; ``None`` for no disk tier.
       l1_max_entries, l1_max_bytes: bounds of the in-process cache of loaded
         executables (bytes as serialized).
+      programs_max_entries, programs_max_bytes: bounds of the in-process cache of
+        decoded programs (bytes as uploaded).
       compile_timeout_s: a compile past this is stopped (its worker is killed).
       compile_workers: compiles that may run at once, each in its own process.
       limits: what an untrusted program may be (``compiler.safety.Limits``).
-      extra_tiers: L2 tiers consulted after the disk tier (e.g.
-        ``compiler.redis_tier.RedisTier``); the first ``SharedTier`` among them
-        also elects one compiler per key across processes.
+      redis: the deployment's shared Redis (``compiler.redis.RedisSettings``), an
+        L2 tier after the disk for executables and programs, which also elects
+        one compiler per key across processes; ``None`` for none. An unreachable
+        Redis does not stop the start: its tiers begin degraded and retry.
     """
 
     cache_dir: Path | None = None
     l1_max_entries: int = 256
     l1_max_bytes: int = 1 << 30
+    programs_max_entries: int = 256
+    programs_max_bytes: int = 1 << 30
     compile_timeout_s: float = 120.0
     compile_workers: int = 1
     limits: Limits = Limits()
-    extra_tiers: tuple[Tier, ...] = ()
+    redis: RedisSettings | None = None
 
 
 class Executable:
@@ -122,6 +134,11 @@ class Lookup:
 class Compiler:
     """Decodes, validates, compiles and caches programs for this host's first device.
 
+    Attributes:
+      programs: uploaded programs by id, kept in the same tiers as executables
+        (``compiler.program_store.StoredPrograms``).
+      catalog: what the executable caches hold, for operators (``compiler.catalog.Catalog``).
+
     Example::
 
         compiler = Compiler(CompilerConfig(cache_dir=Path("/var/cache/jitserve")))
@@ -132,24 +149,41 @@ class Compiler:
 
     def __init__(self, config: CompilerConfig | None = None) -> None:
         self.config = config or CompilerConfig()
+        configure_jax()
         self._backend = xb.get_backend()
         self.device = self._backend.devices()[0]
         self._devices = xc.DeviceList((self.device,))
         self._options = compile_options()
-        self._l1: MemoryCache[Executable] = MemoryCache(self.config.l1_max_entries,
-                                                       self.config.l1_max_bytes)
-        disk = [DiskTier(self.config.cache_dir)] if self.config.cache_dir else []
-        self.tiers: tuple[Tier, ...] = (*disk, *self.config.extra_tiers)
+        self._key_backend = Backend(
+            platform=self.platform, platform_version=self._backend.platform_version,
+            runtime_type=self._backend.runtime_type, device_kind=self.device.device_kind,
+            device_count=1, options_digest=options_digest(self._options))
+        self._shared = _open_redis(self.config.redis)
+        self._executables: TieredStore[Executable] = TieredStore(
+            EXECUTABLES, self._l2_tiers(EXECUTABLES),
+            MemoryCache(self.config.l1_max_entries, self.config.l1_max_bytes),
+            self._load_executable, lambda e: e.nbytes)
+        self.programs = StoredPrograms(
+            self._l2_tiers(PROGRAMS),
+            MemoryCache(self.config.programs_max_entries, self.config.programs_max_bytes),
+            self.decode)
+        self.catalog = Catalog(self.loaded, self._shared)
         self._pool = CompilePool(workers=self.config.compile_workers,
                                  timeout_s=self.config.compile_timeout_s,
-                                 platform=self._backend.platform)
+                                 platform=self.platform)
         self._inflight: dict[str, concurrent.futures.Future[Executable]] = {}
         self._lock = threading.Lock()
         self._compilations = 0
 
     @property
     def platform(self) -> str:
-        return self._backend.platform
+        """The lowering platform: ``cpu``, ``cuda``, ``rocm`` or ``tpu``.
+
+        Not the backend's own name, which is ``gpu`` for both kinds of GPU: exports
+        name the platform they were lowered for, and a CUDA export must not load
+        on ROCm.
+        """
+        return jax.export.default_export_platform()
 
     def backend_info(self) -> dict[str, Any]:
         return {"platform": self.platform, "platform_version": self._backend.platform_version,
@@ -169,7 +203,7 @@ class Compiler:
         """The executable of ``program`` for ``in_avals`` (default: the program's own)."""
         concrete = self._concrete_avals(program, in_avals)
         key = self._key(program, concrete, static_key)
-        hit = self._l1.get(key)
+        hit = self._executables.cached(key)
         if hit is not None:
             return Lookup(hit, key, TierName.MEMORY, 0.0)
         future, leader = self._join_flight(key)
@@ -195,27 +229,34 @@ class Compiler:
                static_key: str = "") -> Lookup | None:
         """``lookup`` from L1 alone, or ``None``: never blocks, so an event loop may call it."""
         key = self._key(program, self._concrete_avals(program, in_avals), static_key)
-        hit = self._l1.get(key)
+        hit = self._executables.cached(key)
         return None if hit is None else Lookup(hit, key, TierName.MEMORY, 0.0)
 
     def loaded(self) -> list[Executable]:
         """The executables loaded in this process (L1), least recently used first."""
-        return self._l1.values()
+        return self._executables.memory.values()
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The L2 tiers of executables, fastest first."""
+        return self._executables.tiers
 
     def stats(self) -> dict[str, int]:
-        return {"compilations": self._compilations, "l1_entries": len(self._l1),
-                "l1_bytes": self._l1.nbytes}
+        memory = self._executables.memory
+        return {"compilations": self._compilations, "l1_entries": len(memory),
+                "l1_bytes": memory.nbytes}
 
     def close(self) -> None:
+        """Stop the compile workers, and the Redis connection if there is one."""
         self._pool.close()
+        if self._shared is not None:
+            self._shared.close()
 
     # -- internals -----------------------------------------------------------------
 
     def _key(self, program: Program, concrete: Sequence[Aval], static_key: str) -> str:
-        return cache_key(key_parts(
-            program_id=program.program_id, in_avals=concrete, static_key=static_key,
-            platform=self.platform, platform_version=self._backend.platform_version,
-            device_kind=self.device.device_kind, device_count=1))
+        return cache_key(key_parts(program_id=program.program_id, in_avals=concrete,
+                                   static_key=static_key, backend=self._key_backend))
 
     def _concrete_avals(self, program: Program, in_avals: Sequence[Aval] | None) -> tuple[Aval, ...]:
         if in_avals is None:
@@ -257,13 +298,8 @@ class Compiler:
             return self._compile_and_store(program, concrete, static_key, key)
 
     def _from_tiers(self, key: str) -> Lookup | None:
-        for i, tier in enumerate(self.tiers):
-            loaded = self._load_from(tier, key)
-            if loaded is not None:
-                executable, data = loaded
-                self._put(key, data, self.tiers[:i])  # fill the faster tiers, same bytes
-                return Lookup(executable, key, tier.name, 0.0)
-        return None
+        found = self._executables.get(key)
+        return None if found is None else Lookup(found[0], key, found[1], 0.0)
 
     def _shared_flight(self, key: str) -> contextlib.AbstractContextManager[bool]:
         """Single flight across processes: the first shared tier's compile lock, if any."""
@@ -278,11 +314,10 @@ class Compiler:
         executable, serialized = self._compile(program, concrete, static_key, key)
         seconds = time.perf_counter() - start
         executable.meta["compile_seconds"] = seconds
-        self._l1.put(key, executable, executable.nbytes)
         # Store the worker's bytes, never a re-serialization of the loaded
         # executable: on CPU (jaxlib 0.10.2) serializing a deserialized executable
         # drops its object code, and loading that fails at run time.
-        self._put(key, encode_entry(Entry(serialized, executable.meta)), self.tiers)
+        self._executables.put(key, encode_entry(Entry(serialized, executable.meta)), executable)
         return Lookup(executable, key, TierName.COMPILED, seconds)
 
     def _compile(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
@@ -291,7 +326,7 @@ class Compiler:
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
             module = stablehlo.specialize(lower(program, concrete, ctx, limits), concrete)
-            check_module(module, limits)  # static now: every tensor size is known
+            check_module(module, limits, static=True)  # every tensor size is known now
             _, out_avals = stablehlo.main_signature(module)
             bytecode = stablehlo.to_bytecode(module)
         serialized = self._pool.compile(bytecode)
@@ -316,35 +351,23 @@ class Compiler:
     def _deserialize(self, serialized: bytes) -> Any:
         return self._backend.deserialize_executable(serialized, self._devices, self._options)
 
-    def _load_from(self, tier: Tier, key: str) -> tuple[Executable, bytes] | None:
-        """The executable of ``key`` in ``tier`` and its entry bytes; ``None`` on a miss."""
-        try:
-            data = tier.get(key)
-            if data is None:
-                return None
-            entry = decode_entry(data, self._expected_meta(key))
-            executable = Executable(self._deserialize(entry.executable), key, entry.meta,
-                                    len(entry.executable))
-        except CorruptEntry as e:
-            logger.warning("dropping corrupt %s cache entry %s: %s", tier.name, key, e)
-            self._forget(tier, key)
-            return None
-        except Exception as e:  # a tier failure is a miss, never a failed request
-            logger.warning("%s cache tier failed reading %s: %r", tier.name, key, e)
-            self._forget(tier, key)
-            return None
-        self._l1.put(key, executable, executable.nbytes)
-        return executable, data
+    def _load_executable(self, key: str, data: bytes) -> Executable:
+        """The executable in entry ``data`` of ``key``; ``CorruptEntry`` if it is not one for here."""
+        entry = decode_entry(data, self._expected_meta(key))
+        return Executable(self._deserialize(entry.executable), key, entry.meta,
+                          len(entry.executable))
 
-    def _put(self, key: str, data: bytes, tiers: Sequence[Tier]) -> None:
-        for tier in tiers:
-            try:
-                tier.put(key, data)
-            except Exception as e:
-                logger.warning("%s cache tier failed writing %s: %r", tier.name, key, e)
+    def _l2_tiers(self, kind: BlobKind) -> tuple[Tier, ...]:
+        """The serialized tiers of ``kind``, fastest first: the disk, then Redis."""
+        disk = (DiskTier(self.config.cache_dir, kind),) if self.config.cache_dir else ()
+        shared = (self._shared.tier(kind),) if self._shared is not None else ()
+        return (*disk, *shared)
 
-    def _forget(self, tier: Tier, key: str) -> None:
-        try:
-            tier.delete(key)
-        except Exception as e:
-            logger.warning("%s cache tier failed deleting %s: %r", tier.name, key, e)
+
+def _open_redis(settings: RedisSettings | None) -> RedisTiers | None:
+    if settings is None:
+        return None
+    # Imported here: a compiler without Redis never loads the redis package.
+    from jitserve.compiler.redis.tiers import RedisTiers
+
+    return RedisTiers(settings)

@@ -4,9 +4,9 @@
     app = create_app()              # settings from the JITSERVE_* environment
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
-The lifespan builds the shared objects (compiler, program store, future store,
-executor, and the Redis tier when ``REDIS_URL`` is set) on ``app.state``; route
-handlers reach them through ``service.deps``.
+The lifespan builds the shared objects (compiler, with its Redis tiers when
+``REDIS_URL`` is set, program store, future store, executor) on ``app.state``;
+route handlers reach them through ``service.deps``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import jax
 from fastapi import FastAPI
 
-from jitserve.compiler import Compiler, CompilerConfig, Limits
-from jitserve.compiler.redis_tier import RedisTier
+from jitserve.compiler import Compiler, CompilerConfig
 from jitserve.service.calls import Calls
 from jitserve.service.errors import install_error_handlers
 from jitserve.service.executor import Executor
@@ -33,33 +31,22 @@ from jitserve.service.routes import health as health_routes
 from jitserve.service.routes import programs as programs_routes
 from jitserve.service.settings import Settings
 
-__all__ = ["create_app", "make_compiler", "redis_tier_of"]
+__all__ = ["create_app", "make_compiler"]
 
 log = logging.getLogger("jitserve")
-
-# The compiler module turns this on too; the server must never run without it,
-# whatever was imported first.
-jax.config.update("jax_enable_x64", True)
 
 
 def make_compiler(settings: Settings) -> Compiler:
     """A ``Compiler`` configured from ``settings``: L1, disk (unless off), Redis (if set)."""
-    limits = Limits(max_program_bytes=settings.max_program_bytes, max_ops=settings.max_ops,
-                    max_nesting=settings.max_nesting, max_tensor_bytes=settings.max_tensor_bytes,
-                    max_inputs=settings.max_inputs)
-    redis = settings.redis_settings()
-    # An unreachable Redis does not stop the start: the tier begins degraded and retries.
-    tiers = (RedisTier(redis),) if redis else ()
+    limits = settings.compiler_limits()
+    # An unreachable Redis does not stop the start: its tiers begin degraded and retry.
     return Compiler(CompilerConfig(
         cache_dir=settings.cache_dir if settings.disk_cache else None,
-        l1_max_entries=settings.l1_max_entries,
-        l1_max_bytes=settings.l1_max_bytes, compile_timeout_s=settings.compile_timeout_s,
-        compile_workers=settings.compile_workers, limits=limits, extra_tiers=tiers))
-
-
-def redis_tier_of(compiler: Compiler) -> RedisTier | None:
-    """The compiler's Redis tier, if it has one."""
-    return next((t for t in compiler.tiers if isinstance(t, RedisTier)), None)
+        l1_max_entries=settings.l1_max_entries, l1_max_bytes=settings.l1_max_bytes,
+        programs_max_entries=settings.programs_max_entries,
+        programs_max_bytes=settings.programs_max_bytes,
+        compile_timeout_s=settings.compile_timeout_s, compile_workers=settings.compile_workers,
+        limits=limits, redis=settings.redis_settings()))
 
 
 def create_app(settings: Settings | None = None, *, compiler: Compiler | None = None) -> FastAPI:
@@ -97,10 +84,7 @@ def _lifespan_for(shared: Compiler | None):  # noqa: ANN202 - FastAPI's lifespan
                 yield
         finally:
             if shared is None:
-                await asyncio.to_thread(compiler.close)
-                redis = redis_tier_of(compiler)
-                if redis is not None:
-                    await asyncio.to_thread(redis.close)
+                await asyncio.to_thread(compiler.close)  # and its Redis connection
 
     return lifespan
 
@@ -115,17 +99,15 @@ async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> Asyn
     executor = Executor(compiler.device, futures, metrics, settings.executor_threads)
     state = app.state
     state.compiler = compiler
-    state.redis = redis = redis_tier_of(compiler)
-    state.programs = ProgramStore(settings.cache_dir / "programs" if settings.disk_cache else None,
-                                  compiler, shared=redis)
+    state.programs = ProgramStore(compiler.programs)
     state.futures = futures
     state.executor = executor
     state.calls = Calls(compiler, futures, executor, metrics)
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
+    shared = compiler.catalog.shared_url
     log.info("jitserve ready on %s (%s), cache %s%s", compiler.device, compiler.platform,
              settings.cache_dir if settings.disk_cache else "memory only",
-             "" if redis is None else f", Redis {redis.settings.redacted_url} "
-             f"({'ok' if redis.available else 'degraded'})")
+             "" if shared is None else f", Redis {shared} ({compiler.catalog.state})")
     try:
         yield
     finally:

@@ -13,8 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Query, Request
 
-from jitserve.compiler import Compiler
-from jitserve.compiler.redis_tier import RedisTier
+from jitserve.compiler import Catalog, Compiler
 from jitserve.service.auth import authenticate
 from jitserve.service.bodies import BodyReader, wants_json
 from jitserve.service.calls import Calls
@@ -27,13 +26,13 @@ __all__ = [
     "AsJSON",
     "Body",
     "CallsDep",
+    "CatalogDep",
     "CompilerDep",
     "FutureStoreDep",
     "MetricsDep",
     "Owner",
     "ProgramBody",
     "ProgramStoreDep",
-    "RedisDep",
     "SettingsDep",
     "WaitSeconds",
 ]
@@ -55,9 +54,9 @@ async def get_programs(request: Request) -> ProgramStore:
     return _state(request).programs
 
 
-async def get_redis(request: Request) -> RedisTier | None:
-    """The Redis tier, or ``None`` when no Redis is configured."""
-    return getattr(_state(request), "redis", None)
+async def get_catalog(request: Request) -> Catalog:
+    """What the compiler's executable caches hold, and whether the shared one is up."""
+    return _state(request).compiler.catalog
 
 
 async def get_futures(request: Request) -> FutureStore:
@@ -77,7 +76,7 @@ CompilerDep = Annotated[Compiler, Depends(get_compiler)]
 ProgramStoreDep = Annotated[ProgramStore, Depends(get_programs)]
 FutureStoreDep = Annotated[FutureStore, Depends(get_futures)]
 CallsDep = Annotated[Calls, Depends(get_calls)]
-RedisDep = Annotated[RedisTier | None, Depends(get_redis)]
+CatalogDep = Annotated[Catalog, Depends(get_catalog)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 
 

@@ -17,8 +17,9 @@ code's HTTP status is the wire contract's (``jitserve.wire.ERROR_STATUS``)::
     └── Unavailable            unavailable          503 (+ Retry-After)
 
 Compiler errors keep their own codes (400 for a bad program or signature, 422 for
-one that is understood but refused); the wire codec's ``WireError`` is a 400
-``bad_request``; anything unexpected is a 500 ``internal`` that hides the details.
+one that is understood but refused); the compiler's ``CacheUnavailable`` (the
+shared Redis is down, for a listing) is a 503 ``unavailable``; the wire codec's
+``WireError`` is a 400 ``bad_request``; anything unexpected is a 500 ``internal`` that hides the details.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jitserve.compiler import CacheUnavailable
 from jitserve.compiler.errors import CompilerError
 from jitserve.wire import ErrorCode, WireError
 
@@ -151,6 +153,10 @@ async def _compiler_error(request: Request, exc: Exception) -> JSONResponse:
     return _response(ErrorCode(exc.code), str(exc))
 
 
+async def _cache_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    return await _service_error(request, Unavailable(f"the shared cache is unavailable: {exc}"))
+
+
 async def _wire_error(request: Request, exc: Exception) -> JSONResponse:
     return _response(ErrorCode.BAD_REQUEST, f"bad request body: {exc}")
 
@@ -180,6 +186,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that map every exception to an error document."""
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(CompilerError, _compiler_error)
+    app.add_exception_handler(CacheUnavailable, _cache_unavailable)
     app.add_exception_handler(WireError, _wire_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -95,7 +95,7 @@ class Metrics:
         self.executions.labels(status).inc()
 
     def redis(self, stats: Mapping[str, Any]) -> None:
-        """Bring the Redis series up to ``RedisTier.stats()`` (its counters are monotonic)."""
+        """Bring the Redis series up to ``Catalog.shared_stats()`` (its counters are monotonic)."""
         seen = self._redis_seen
         self.redis_errors.inc(max(0, stats["errors"] - seen["errors"]))
         self.redis_bytes.labels("read").inc(max(0, stats["bytes_read"] - seen["bytes_read"]))

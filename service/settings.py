@@ -16,7 +16,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from jitserve.compiler.redis_tier import RedisSettings
+from jitserve.compiler import Limits, RedisSettings
+from jitserve.compiler.jaxpr import JaxprLimits
 
 __all__ = ["PLACEHOLDER_SECRETS", "Settings"]
 
@@ -69,10 +70,22 @@ class Settings(BaseSettings):
     max_inputs: int = Field(4096, gt=0)
     max_nesting: int = Field(64, gt=0)
     max_tensor_bytes: int = Field(16 * GiB, gt=0)
+    # Bounds on a jaxpr document (docs/jaxpr-format.md); its bytes count against
+    # max_program_bytes.
+    jaxpr_max_eqns: int = Field(100_000, gt=0)
+    jaxpr_max_depth: int = Field(32, ge=0)
+    jaxpr_max_vars: int = Field(1_000_000, gt=0)
+    jaxpr_max_literal_elements: int = Field(1 << 20, ge=0)
+    jaxpr_max_array_elements: int = Field(1 << 32, gt=0)
+    jaxpr_max_rank: int = Field(32, ge=0)
+    jaxpr_max_unroll: int = Field(1024, gt=0)
     compile_timeout_s: float = Field(120.0, gt=0)
     compile_workers: int = Field(2, gt=0)
     l1_max_entries: int = Field(256, gt=0)
     l1_max_bytes: int = Field(2 * GiB, gt=0)
+    # Decoded programs kept in memory; the disk and Redis tiers (when on) keep every program.
+    programs_max_entries: int = Field(256, gt=0)
+    programs_max_bytes: int = Field(1 * GiB, gt=0)
 
     # Futures and execution.
     future_ttl_s: float = Field(600.0, gt=0)
@@ -121,6 +134,18 @@ class Settings(BaseSettings):
                 lock_ttl_s=self.redis_lock_ttl_s, wait_s=self.redis_wait_s)
         except ValueError as e:
             raise ValueError(f"REDIS_URL / JITSERVE_REDIS_*: {e}") from e
+
+    def compiler_limits(self) -> Limits:
+        """What an untrusted program may be (``compiler.safety.Limits``), from these settings."""
+        jaxpr = JaxprLimits(
+            max_document_bytes=self.max_program_bytes, max_eqns=self.jaxpr_max_eqns,
+            max_depth=self.jaxpr_max_depth, max_vars=self.jaxpr_max_vars,
+            max_literal_elements=self.jaxpr_max_literal_elements,
+            max_array_elements=self.jaxpr_max_array_elements, max_rank=self.jaxpr_max_rank,
+            max_unroll=self.jaxpr_max_unroll)
+        return Limits(max_program_bytes=self.max_program_bytes, max_ops=self.max_ops,
+                      max_nesting=self.max_nesting, max_tensor_bytes=self.max_tensor_bytes,
+                      max_inputs=self.max_inputs, jaxpr=jaxpr)
 
     @property
     def auth_enabled(self) -> bool:

@@ -11,10 +11,10 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from jitserve.service.deps import (
+    CatalogDep,
     CompilerDep,
     FutureStoreDep,
     MetricsDep,
-    RedisDep,
     SettingsDep,
     get_owner,
 )
@@ -34,7 +34,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses={503: {"description": "not ready, with the failed checks"}})
-async def readyz(request: Request, settings: SettingsDep, redis: RedisDep) -> Response:
+async def readyz(request: Request, settings: SettingsDep) -> Response:
     """Ready for work: the backend is up and the cache directory (if used) is writable.
 
     ``cache`` is ``ok`` (the shared Redis is in use), ``degraded`` (configured but
@@ -42,10 +42,11 @@ async def readyz(request: Request, settings: SettingsDep, redis: RedisDep) -> Re
     degraded cache is still ready (200): every request is served, only slower for
     executables this host has not seen, so dropping the pod would only lose capacity.
     """
-    checks = {"backend": getattr(request.app.state, "compiler", None) is not None}
+    compiler = getattr(request.app.state, "compiler", None)
+    checks = {"backend": compiler is not None}
     if settings.disk_cache:
         checks["cache_dir"] = await run_in_threadpool(_writable, settings.cache_dir)
-    cache = "local" if redis is None else "ok" if redis.available else "degraded"
+    cache = "local" if compiler is None else compiler.catalog.state
     if all(checks.values()):
         return JSONResponse({"status": "ready", "checks": checks, "cache": cache})
     failed = ", ".join(k for k, ok in checks.items() if not ok)
@@ -55,10 +56,11 @@ async def readyz(request: Request, settings: SettingsDep, redis: RedisDep) -> Re
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-async def metrics(metrics: MetricsDep, futures: FutureStoreDep, redis: RedisDep) -> Response:
+async def metrics(metrics: MetricsDep, futures: FutureStoreDep, catalog: CatalogDep) -> Response:
     """Prometheus metrics of this process."""
-    if redis is not None:
-        metrics.redis(redis.stats())
+    shared = catalog.shared_stats()
+    if shared is not None:
+        metrics.redis(shared)
     body = metrics.render(futures.counts(), futures.device_bytes)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -1,8 +1,14 @@
-"""The tiers: L1 (memory), L2 (disk), single-flight compiles, and cache hygiene on failure."""
+"""The tiers: L1 (memory), L2 (disk), single-flight compiles, and cache hygiene on failure;
+the one tier mechanism (``TieredStore``, ``DiskTier``, ``atomic_write``) that executables
+and programs share."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import logging
+import os
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +18,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jitserve.compiler import Aval, CompileFailed, Compiler, CompilerConfig, CompileTimeout, Lookup, Program
-from jitserve.compiler.cache import Entry, decode_entry, encode_entry
+from jitserve.compiler import (
+    Aval,
+    CompileFailed,
+    Compiler,
+    CompilerConfig,
+    CompileTimeout,
+    Limits,
+    Lookup,
+    Program,
+)
+from jitserve.compiler.cache import (
+    EXECUTABLES,
+    PROGRAMS,
+    CorruptEntry,
+    DiskTier,
+    Entry,
+    MemoryCache,
+    TieredStore,
+    atomic_write,
+    decode_entry,
+    encode_entry,
+)
+from jitserve.compiler.program_store import decode_program_blob, encode_program_blob
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,3 +244,177 @@ def test_compile_timeout_leaves_nothing(make_compiler: MakeCompiler, tmp_path: P
         c.lookup(program)
     _assert_only_successes_cached(program, tmp_path)
     assert c.stats()["l1_entries"] == 0
+
+
+# -- the one tier mechanism, for every blob kind ----------------------------------------------
+
+
+def test_atomic_write_fsyncs_the_file_and_the_directory(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write(tmp_path / "blob", b"data")
+    assert synced == ["file", "directory"]  # the directory after the rename
+    assert (tmp_path / "blob").read_bytes() == b"data"
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_atomic_write_failure_leaves_the_old_file_and_no_temporary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    (tmp_path / "blob").write_bytes(b"old")
+
+    def fail(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, failing, fail)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(tmp_path / "blob", b"new")
+    assert _files(tmp_path) == [tmp_path / "blob"]
+    assert (tmp_path / "blob").read_bytes() == b"old"
+
+
+def test_a_failing_disk_is_a_warning_and_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    def fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    store = _store([DiskTier(tmp_path, PROGRAMS)])
+    monkeypatch.setattr(os, "fsync", fsync)
+    with caplog.at_level(logging.WARNING, "jitserve.compiler.cache"):
+        store.put(KEY, b"blob", "value")  # no exception: the value is still served from memory
+    assert "disk tier failed writing programs" in caplog.text
+    assert _files(tmp_path) == []  # no temporary left behind
+    assert store.get(KEY) == ("value", "memory")
+
+
+class FakeTier:
+    """An L2 tier in a dict; ``fail`` makes every call raise."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.blobs, self.fail = name, {}, False
+
+    def _check(self) -> None:
+        if self.fail:
+            raise ConnectionError(f"{self.name} is down")
+
+    def get(self, key: str) -> bytes | None:
+        self._check()
+        return self.blobs.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._check()
+        self.blobs[key] = data
+
+    def delete(self, key: str) -> None:
+        self._check()
+        self.blobs.pop(key, None)
+
+    def contains(self, key: str) -> bool:
+        self._check()
+        return key in self.blobs
+
+
+KEY = hashlib.sha256(b"key").hexdigest()
+
+
+def _load(key: str, data: bytes) -> str | None:
+    """Blobs are ``good:<value>``, ``skip`` (sound but unusable here) or corrupt."""
+    if data == b"skip":
+        return None
+    if not data.startswith(b"good:"):
+        raise CorruptEntry("not good")
+    return data[5:].decode()
+
+
+def _store(tiers: list) -> TieredStore[str]:
+    return TieredStore(PROGRAMS, tiers, MemoryCache(8, 1 << 20), _load, len)
+
+
+def test_a_hit_fills_the_faster_tiers_and_memory() -> None:
+    fast, slow = FakeTier("fast"), FakeTier("slow")
+    store = _store([fast, slow])
+    slow.blobs[KEY] = b"good:v"
+    assert store.get(KEY) == ("v", "slow")
+    assert fast.blobs[KEY] == b"good:v"
+    assert store.cached(KEY) == "v" and store.get(KEY) == ("v", "memory")
+
+
+def test_corrupt_blobs_are_dropped_and_unusable_ones_kept() -> None:
+    first, second, third = FakeTier("first"), FakeTier("second"), FakeTier("third")
+    first.blobs[KEY], second.blobs[KEY], third.blobs[KEY] = b"garbage", b"skip", b"good:v"
+    store = _store([first, second, third])
+    assert store.get(KEY) == ("v", "third")
+    assert first.blobs[KEY] == second.blobs[KEY] == b"good:v"  # filled with the good bytes
+    alone = FakeTier("alone")
+    alone.blobs[KEY] = b"skip"
+    assert _store([alone]).get(KEY) is None
+    assert alone.blobs[KEY] == b"skip"  # not dropped: another process may use it
+
+
+def test_a_failing_tier_is_a_miss_and_put_and_fill_go_on() -> None:
+    down, up = FakeTier("down"), FakeTier("up")
+    store = _store([down, up])
+    down.fail = True
+    store.put(KEY, b"good:v")
+    assert up.blobs == {KEY: b"good:v"}
+    store.memory = MemoryCache(8, 1 << 20)  # a fresh process
+    assert store.get(KEY) == ("v", "up")
+    down.fail = False
+    store.fill(KEY, b"good:v")  # writes only where it is missing
+    assert down.blobs == {KEY: b"good:v"}
+
+
+def test_programs_and_executables_go_through_the_same_tiers(
+        make_compiler: MakeCompiler, tmp_path: Path, program_bytes: bytes) -> None:
+    c = make_compiler(tmp_path)
+    program, created = c.programs.put(program_bytes)
+    assert created
+    lookup = _lookup_and_check(c, program_bytes)
+    assert [type(t) for t in c.tiers] == [type(t) for t in c.programs.store.tiers] == [DiskTier]
+    assert [t.kind for t in c.tiers] == [EXECUTABLES]
+    assert [t.kind for t in c.programs.store.tiers] == [PROGRAMS]
+    pid, eid = program.program_id, lookup.executable_id
+    assert _files(tmp_path) == sorted([tmp_path / "executables" / eid[:2] / eid,
+                                       tmp_path / "programs" / pid[:2] / pid])
+    blob = (tmp_path / "programs" / pid[:2] / pid).read_bytes()
+    assert decode_program_blob(pid, blob) == (program_bytes, "jax_export")  # format kept with it
+
+
+def test_programs_survive_a_restart(make_compiler: MakeCompiler, tmp_path: Path,
+                                    program_bytes: bytes) -> None:
+    program, _ = make_compiler(tmp_path).programs.put(program_bytes)
+    again = make_compiler(tmp_path).programs
+    assert again.cached(program.program_id) is None
+    found = again.get(program.program_id)
+    assert found is not None and found.in_avals == program.in_avals
+    assert again.put(program_bytes)[1] is False
+
+
+@pytest.mark.parametrize("damage", ["another_program", "truncated", "garbage", "old_layout"])
+def test_corrupt_program_file_is_ignored(make_compiler: MakeCompiler, tmp_path: Path,
+                                         program_bytes: bytes, damage: str) -> None:
+    pid = hashlib.sha256(program_bytes).hexdigest()
+    blob = encode_program_blob(program_bytes, "jax_export")
+    path = tmp_path / "programs" / pid[:2] / pid
+    path.parent.mkdir(parents=True)
+    path.write_bytes({"another_program": encode_program_blob(FAILS_TO_COMPILE, "stablehlo"),
+                      "truncated": blob[:-1], "garbage": b"\x00" * 64,
+                      "old_layout": program_bytes}[damage])
+    c = make_compiler(tmp_path)
+    assert c.programs.get(pid) is None
+    assert not path.exists()
+    assert c.programs.put(program_bytes)[1] is True and path.read_bytes() == blob
+
+
+def test_a_program_refused_by_tighter_limits_is_kept(make_compiler: MakeCompiler, tmp_path: Path,
+                                                     program_bytes: bytes) -> None:
+    program, _ = make_compiler(tmp_path).programs.put(program_bytes)
+    strict = make_compiler(tmp_path, limits=Limits(max_program_bytes=64))
+    assert strict.programs.get(program.program_id) is None  # re-validated like an upload
+    assert make_compiler(tmp_path).programs.get(program.program_id) is not None  # still there

@@ -1,5 +1,6 @@
-"""The Redis tier against a real ``redis-server``: storage, metadata, listing, the
-cross-process compile lock, corrupt entries, and Redis dying and coming back.
+"""The Redis tiers (``jitserve.compiler.redis``) against a real ``redis-server``:
+storage, metadata, listing, programs, the cross-process compile lock, corrupt
+entries and blobs, and Redis dying and coming back.
 
 Two ``Compiler`` instances with their own cache dirs stand for two processes
 that share one Redis; the lock-holder test uses a real second process.
@@ -28,29 +29,45 @@ import pytest
 import redis
 from redis_server import RedisServer, free_port, make_tls_certs
 
-from jitserve.compiler import Compiler, Lookup, SharedTier
+from jitserve.compiler import CacheUnavailable, Compiler, Lookup, RedisSettings, SharedTier
 from jitserve.compiler.cache import Entry, encode_entry
-from jitserve.compiler.redis_tier import RedisSettings, RedisTier, RedisUnavailable
+from jitserve.compiler.program_store import encode_program_blob
+from jitserve.compiler.redis import LAYOUT_VERSION, RedisTier, RedisTiers, RedisUnavailable
 
 pytestmark = pytest.mark.timeout(180)
 
-MakeTier = Callable[..., RedisTier]
+MakeSettings = Callable[..., RedisSettings]
+MakeTiers = Callable[..., RedisTiers]
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def make_tier(redis_url: str, redis_prefix: str) -> Iterator[MakeTier]:
-    """RedisTiers on this test's prefix (``url`` and settings overridable), closed at teardown."""
-    made: list[RedisTier] = []
-
-    def make(url: str | None = None, **options: Any) -> RedisTier:
+def settings(redis_url: str, redis_prefix: str) -> MakeSettings:
+    """``RedisSettings`` on this test's prefix (``url`` and the other fields overridable)."""
+    def make(url: str | None = None, **options: Any) -> RedisSettings:
         options.setdefault("prefix", redis_prefix)
-        made.append(RedisTier(RedisSettings.from_url(url or redis_url, **options)))
+        return RedisSettings.from_url(url or redis_url, **options)
+
+    return make
+
+
+@pytest.fixture
+def make_tiers(settings: MakeSettings) -> Iterator[MakeTiers]:
+    """``RedisTiers`` (same arguments as ``settings``), closed at teardown."""
+    made: list[RedisTiers] = []
+
+    def make(url: str | None = None, **options: Any) -> RedisTiers:
+        made.append(RedisTiers(settings(url, **options)))
         return made[-1]
 
     yield make
-    for tier in made:
-        tier.close()
+    for tiers in made:
+        tiers.close()
+
+
+def rkey(prefix: str, kind: str, name: str) -> str:
+    """The full Redis key of record ``name`` of ``kind`` under deployment ``prefix``."""
+    return f"jitserve:v{LAYOUT_VERSION}:{prefix}:{kind}:{name}"
 
 
 @pytest.fixture
@@ -103,7 +120,7 @@ def a_key(n: int = 0) -> str:
 
 def test_settings_from_url() -> None:
     s = RedisSettings.from_url("rediss://jitserve:s3cret@cache:6380/2", prefix="prod", ttl_s=60)
-    assert s.key_prefix == "jitserve:v1:prod:"
+    assert s.key_prefix == f"jitserve:v{LAYOUT_VERSION}:prod:"
     assert s.redacted_url == "rediss://jitserve:***@cache:6380/2"
     assert "s3cret" not in repr(s.redacted_url)
 
@@ -120,26 +137,42 @@ def test_settings_refuse(url: str, options: dict[str, Any], message: str) -> Non
         RedisSettings.from_url(url, **options)
 
 
-def test_is_a_shared_tier(make_tier: MakeTier) -> None:
-    assert isinstance(make_tier(), SharedTier)
+def test_settings_module_loads_no_redis() -> None:
+    """``service.settings`` reads ``RedisSettings`` at every start, Redis or not."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys; from jitserve.compiler.redis.settings import RedisSettings; "
+        "import jitserve.compiler; assert 'redis' not in sys.modules, 'redis loaded'")],
+        capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
-def _exercise(tier: RedisTier) -> None:
-    """Every command the tier uses, with no error counted."""
+def test_executables_are_a_shared_tier(make_tiers: MakeTiers) -> None:
+    assert isinstance(make_tiers().executables, SharedTier)
+
+
+def _exercise(tiers: RedisTiers) -> None:
+    """Every command the tiers use, with no error counted."""
     key = a_key()
-    tier.put(key, fake_entry(key))
-    assert tier.get(key) is not None and tier.metadata(key) is not None
-    assert [e["executable_id"] for e in tier.list_entries().entries] == [key]
-    data = program_bytes()
-    tier.put_program(hashlib.sha256(data).hexdigest(), data, "jax_export")
-    assert tier.get_program(hashlib.sha256(data).hexdigest()) is not None
-    with tier.compile_lock(a_key(1)) as should_compile:
+    tiers.executables.put(key, fake_entry(key))
+    assert tiers.executables.get(key) is not None and tiers.catalog.metadata(key) is not None
+    assert [e["executable_id"] for e in tiers.catalog.list_entries().entries] == [key]
+    program_id, blob = program_blob()
+    tiers.programs.put(program_id, blob)
+    assert tiers.programs.get(program_id) == blob and tiers.programs.contains(program_id)
+    with tiers.executables.compile_lock(a_key(1)) as should_compile:
         assert should_compile
-    assert tier.stats()["errors"] == 0 and tier.available
+    assert tiers.connection.stats()["errors"] == 0 and tiers.connection.available
+
+
+def program_blob(*scale: float) -> tuple[str, bytes]:
+    """The id of ``program_bytes(*scale)`` and the blob the tiers keep for it."""
+    data = program_bytes(*scale)
+    program_id = hashlib.sha256(data).hexdigest()
+    return program_id, encode_program_blob(data, "jax_export")
 
 
 def test_password_and_acl_user(redis_server: Callable[..., RedisServer],
-                               make_tier: MakeTier) -> None:
+                               make_tiers: MakeTiers) -> None:
     server = redis_server(password="admin-pw-0123")
     admin = redis.Redis.from_url(server.url)
     # The ACL docs/redis.md recommends: jitserve's keys and channels, nothing dangerous.
@@ -147,31 +180,32 @@ def test_password_and_acl_user(redis_server: Callable[..., RedisServer],
                           "~jitserve:*", "resetchannels", "&jitserve:*", "+@all", "-@dangerous")
     admin.close()
     url = f"redis://jitserve:user-pw-4567@127.0.0.1:{server.port}/0"
-    _exercise(make_tier(url))
-    wrong = make_tier(f"redis://jitserve:wrong-password@127.0.0.1:{server.port}/0")
-    assert not wrong.available and wrong.stats()["errors"] >= 1
-    assert wrong.get(a_key()) is None
+    _exercise(make_tiers(url))
+    wrong = make_tiers(f"redis://jitserve:wrong-password@127.0.0.1:{server.port}/0")
+    assert not wrong.connection.available and wrong.connection.stats()["errors"] >= 1
+    assert wrong.executables.get(a_key()) is None
 
 
 @pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl to make certificates")
-def test_tls(redis_server: Callable[..., RedisServer], make_tier: MakeTier,
+def test_tls(redis_server: Callable[..., RedisServer], make_tiers: MakeTiers,
              tmp_path: Path) -> None:
     server = redis_server(tls_dir=make_tls_certs(tmp_path / "tls"), password="tls-pw-0123")
     assert server.url.startswith("rediss://")
-    _exercise(make_tier(server.url))
+    _exercise(make_tiers(server.url))
 
 
 # -- storage, metadata, TTL, listing ------------------------------------------------------
 
 
-def test_put_get_delete_with_metadata(make_tier: MakeTier) -> None:
-    tier, key = make_tier(), a_key()
+def test_put_get_delete_with_metadata(make_tiers: MakeTiers) -> None:
+    tiers, key = make_tiers(), a_key()
+    tier, catalog = tiers.executables, tiers.catalog
     data = fake_entry(key)
-    assert tier.get(key) is None and tier.metadata(key) is None
+    assert tier.get(key) is None and catalog.metadata(key) is None
     tier.put(key, data)
     assert tier.get(key) == data
     assert tier.get(key) == data
-    meta = tier.metadata(key)
+    meta = catalog.metadata(key)
     assert meta is not None
     assert meta["executable_id"] == key and meta["program_id"] == "p" * 64
     assert meta["size"] == len(data) and meta["raw_size"] == 5000
@@ -179,61 +213,83 @@ def test_put_get_delete_with_metadata(make_tier: MakeTier) -> None:
     assert meta["hits"] == 2 and meta["last_hit"] is not None
     assert meta["jax_version"] == jax.__version__
     assert meta["jaxlib_version"] == jaxlib.__version__ and meta["device_kind"] == "cpu"
-    stats = tier.stats()
+    stats = tiers.connection.stats()
     assert stats["state"] == "ok" and stats["errors"] == 0 and stats["hits"] == 2
+    assert stats["misses"] == 1
     assert stats["bytes_written"] == len(data) and stats["bytes_read"] == 2 * len(data)
     tier.delete(key)
-    assert tier.get(key) is None and tier.metadata(key) is None
+    assert tier.get(key) is None and catalog.metadata(key) is None
 
 
-def test_put_refuses_a_bad_entry(make_tier: MakeTier) -> None:
-    tier, key = make_tier(), a_key()
+def test_put_refuses_a_bad_entry(make_tiers: MakeTiers) -> None:
+    tier, key = make_tiers().executables, a_key()
     tier.put(key, b"not an entry")
     tier.put(key, fake_entry(a_key(1)))  # an entry of another key
     assert tier.get(key) is None
 
 
-def test_keys_are_under_the_versioned_prefix(make_tier: MakeTier, raw: redis.Redis,
+def test_keys_are_under_the_versioned_prefix(make_tiers: MakeTiers, raw: redis.Redis,
                                              redis_prefix: str) -> None:
-    tier, key = make_tier(), a_key()
-    tier.put(key, fake_entry(key))
+    tiers, key = make_tiers(), a_key()
+    tiers.executables.put(key, fake_entry(key))
+    program_id, blob = program_blob()
+    tiers.programs.put(program_id, blob)
     keys = {k.decode() for k in raw.scan_iter(match=f"*{redis_prefix}*")}
-    assert keys == {f"jitserve:v1:{redis_prefix}:exe:{key}", f"jitserve:v1:{redis_prefix}:meta:{key}"}
+    assert keys == {rkey(redis_prefix, "exe", key), rkey(redis_prefix, "meta", key),
+                    rkey(redis_prefix, "prog", program_id)}
+    assert raw.type(rkey(redis_prefix, "prog", program_id)) == b"string"  # one blob, no hash
+    assert raw.get(rkey(redis_prefix, "prog", program_id)) == blob
 
 
-def test_ttl_expires_and_hits_refresh_it(make_tier: MakeTier, raw: redis.Redis,
+def test_ttl_expires_and_hits_refresh_it(make_tiers: MakeTiers, raw: redis.Redis,
                                          redis_prefix: str) -> None:
-    tier, key = make_tier(ttl_s=0.6), a_key()
+    tiers, key = make_tiers(ttl_s=0.6), a_key()
+    tier = tiers.executables
     tier.put(key, fake_entry(key))
-    exe, meta = (f"jitserve:v1:{redis_prefix}:{kind}:{key}" for kind in ("exe", "meta"))
+    exe, meta = (rkey(redis_prefix, kind, key) for kind in ("exe", "meta"))
     assert 0 < raw.pttl(exe) <= 600 and 0 < raw.pttl(meta) <= 600
     time.sleep(0.4)
     assert tier.get(key) is not None  # a hit pushes the expiry out again
     assert raw.pttl(exe) > 400
     time.sleep(0.8)
-    assert tier.get(key) is None and tier.metadata(key) is None
+    assert tier.get(key) is None and tiers.catalog.metadata(key) is None
 
 
-def test_no_ttl_by_default(make_tier: MakeTier, raw: redis.Redis, redis_prefix: str) -> None:
-    tier, key = make_tier(), a_key()
+def test_program_ttl_is_refreshed_by_reads(make_tiers: MakeTiers, raw: redis.Redis,
+                                          redis_prefix: str) -> None:
+    programs = make_tiers(ttl_s=0.6).programs
+    program_id, blob = program_blob()
+    programs.put(program_id, blob)
+    name = rkey(redis_prefix, "prog", program_id)
+    assert 0 < raw.pttl(name) <= 600
+    time.sleep(0.4)
+    assert programs.get(program_id) == blob
+    assert raw.pttl(name) > 400
+    time.sleep(0.8)
+    assert programs.get(program_id) is None and not programs.contains(program_id)
+
+
+def test_no_ttl_by_default(make_tiers: MakeTiers, raw: redis.Redis, redis_prefix: str) -> None:
+    tier, key = make_tiers().executables, a_key()
     tier.put(key, fake_entry(key))
-    assert raw.pttl(f"jitserve:v1:{redis_prefix}:exe:{key}") == -1
+    assert raw.pttl(rkey(redis_prefix, "exe", key)) == -1
 
 
-def test_listing_pages_through_every_entry(make_tier: MakeTier, raw: redis.Redis,
+def test_listing_pages_through_every_entry(make_tiers: MakeTiers, raw: redis.Redis,
                                            redis_prefix: str) -> None:
-    tier, other = make_tier(), make_tier(prefix=f"{redis_prefix}-other")
+    tiers, other = make_tiers(), make_tiers(prefix=f"{redis_prefix}-other")
+    tier = tiers.executables
     keys = {a_key(i) for i in range(25)}
     for key in keys:
         tier.put(key, fake_entry(key, size=100))
-    other.put(a_key(99), fake_entry(a_key(99), size=100))  # another deployment's entry
+    other.executables.put(a_key(99), fake_entry(a_key(99), size=100))  # another deployment's
     orphan = a_key(7)
-    raw.delete(f"jitserve:v1:{redis_prefix}:exe:{orphan}")  # as if evicted by LRU
+    raw.delete(rkey(redis_prefix, "exe", orphan))  # as if evicted by LRU
     seen: list[str] = []
     cursor: str | None = None
     pages = 0
     while True:
-        page = tier.list_entries(cursor, limit=10)
+        page = tiers.catalog.list_entries(cursor, limit=10)
         seen += [e["executable_id"] for e in page.entries]
         pages += 1
         cursor = page.next_cursor
@@ -241,49 +297,90 @@ def test_listing_pages_through_every_entry(make_tier: MakeTier, raw: redis.Redis
             break
     assert set(seen) == keys - {orphan}
     assert pages >= 2
-    assert not raw.exists(f"jitserve:v1:{redis_prefix}:meta:{orphan}")  # cleaned up
+    assert not raw.exists(rkey(redis_prefix, "meta", orphan))  # cleaned up
     with pytest.raises(ValueError, match="cursor"):
-        tier.list_entries("not-a-cursor")
+        tiers.catalog.list_entries("not-a-cursor")
 
 
 def test_works_under_maxmemory_allkeys_lru(redis_server: Callable[..., RedisServer],
-                                           make_tier: MakeTier) -> None:
+                                           make_tiers: MakeTiers) -> None:
     server = redis_server(maxmemory="4mb")
-    tier = make_tier(server.url)
+    tiers = make_tiers(server.url)
+    tier = tiers.executables
     keys = [a_key(i) for i in range(100)]
     for key in keys:  # about 6 MB of entries into 4 MB
         tier.put(key, fake_entry(key, size=128 << 10))
     present = [key for key in keys if tier.get(key) is not None]
     assert 0 < len(present) < len(keys)  # some were evicted, none refused
-    assert tier.stats()["errors"] == 0
-    listed = {e["executable_id"] for e in tier.list_entries(limit=1000).entries}
+    assert tiers.connection.stats()["errors"] == 0
+    listed = {e["executable_id"] for e in tiers.catalog.list_entries(limit=1000).entries}
     assert listed <= set(present)  # nothing listed whose entry is gone
 
 
-def test_program_store(make_tier: MakeTier, raw: redis.Redis, redis_prefix: str) -> None:
-    tier = make_tier()
-    data = program_bytes()
-    program_id = hashlib.sha256(data).hexdigest()
-    assert tier.get_program(program_id) is None and tier.has_program(program_id) is False
-    tier.put_program(program_id, data, "jax_export")
-    assert tier.has_program(program_id) is True
-    stored = tier.get_program(program_id)
-    assert stored is not None and stored.data == data and stored.format == "jax_export"
-    tier.put_program(program_id, data, None)
-    assert tier.get_program(program_id).format is None  # type: ignore[union-attr]
-    raw.hset(f"jitserve:v1:{redis_prefix}:prog:{program_id}", "data", data[:-1])
-    assert tier.get_program(program_id) is None  # does not match its hash: dropped
-    assert not raw.exists(f"jitserve:v1:{redis_prefix}:prog:{program_id}")
+# -- programs: one more blob kind through the same tiers --------------------------------------
+
+
+def test_program_hit_in_redis_fills_the_disk_tier(make_compiler: Callable[..., Compiler],
+                                                  settings: MakeSettings, raw: redis.Redis,
+                                                  redis_prefix: str, tmp_path: Path) -> None:
+    a = make_compiler(tmp_path / "a", redis=settings())
+    program, created = a.programs.put(program_bytes(), "jax_export")
+    assert created
+    pid = program.program_id
+    b = make_compiler(tmp_path / "b", redis=settings())
+    # One Redis tier class for both kinds (executables add their records and lock).
+    assert [type(t).__name__ for t in b.programs.store.tiers] == ["DiskTier", "RedisTier"]
+    assert all(isinstance(t, RedisTier) for t in (b.tiers[1], b.programs.store.tiers[1]))
+    found = b.programs.get(pid)  # uploaded through A only
+    assert found is not None and (found.program_id, found.format) == (pid, program.format)
+    on_disk = tmp_path / "b" / "programs" / pid[:2] / pid
+    assert on_disk.read_bytes() == raw.get(rkey(redis_prefix, "prog", pid))
+    # A restart of B needs no Redis: its disk answers.
+    restarted = make_compiler(tmp_path / "b")
+    assert restarted.programs.get(pid) is not None
+    _, created = restarted.programs.put(program_bytes())
+    assert not created
+
+
+@pytest.mark.parametrize("damage", ["another_program", "truncated", "garbage", "empty",
+                                    "unknown_format"])
+def test_corrupt_program_blob_in_redis_is_ignored(make_compiler: Callable[..., Compiler],
+                                                  settings: MakeSettings, raw: redis.Redis,
+                                                  redis_prefix: str, tmp_path: Path,
+                                                  damage: str) -> None:
+    program_id, blob = program_blob()
+    _, other = program_blob(5.0)
+    name = rkey(redis_prefix, "prog", program_id)
+    raw.set(name, {"another_program": other, "truncated": blob[:-1], "garbage": b"\x00" * 64,
+                   "empty": b"", "unknown_format": blob.replace(b"jax_export", b"pickle_xxx", 1),
+                   }[damage])
+    c = make_compiler(tmp_path / "c", redis=settings())
+    assert c.programs.get(program_id) is None  # never decoded, never run
+    assert not raw.exists(name)  # dropped, so an upload stores a good one again
+    assert not (tmp_path / "c" / "programs" / program_id[:2] / program_id).exists()
+    program, created = c.programs.put(program_bytes(), "jax_export")
+    assert created and raw.get(name) == blob
+
+
+def test_known_program_is_shared_again(make_compiler: Callable[..., Compiler],
+                                       settings: MakeSettings, raw: redis.Redis,
+                                       redis_prefix: str, tmp_path: Path) -> None:
+    c = make_compiler(tmp_path, redis=settings())
+    program, _ = c.programs.put(program_bytes())
+    name = rkey(redis_prefix, "prog", program.program_id)
+    raw.delete(name)  # evicted, or uploaded while Redis was down
+    again, created = c.programs.put(program_bytes())
+    assert not created and again is program and raw.exists(name)
 
 
 # -- through the Compiler -------------------------------------------------------------------
 
 
 def test_second_process_is_a_redis_hit(make_compiler: Callable[..., Compiler],
-                                       make_tier: MakeTier,
+                                       settings: MakeSettings,
                                        tmp_path: Path) -> None:
-    a = make_compiler(tmp_path / "a", extra_tiers=(make_tier(),))
-    b = make_compiler(tmp_path / "b", extra_tiers=(make_tier(),))
+    a = make_compiler(tmp_path / "a", redis=settings())
+    b = make_compiler(tmp_path / "b", redis=settings())
     first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
     second, outs = run_program(b, program_bytes(), "jax_export", ARGS)
     assert first.tier == "compiled" and second.tier == "redis"
@@ -306,25 +403,24 @@ def _corrupt(raw: redis.Redis, name: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["truncated", "flipped", "garbage", "empty", "foreign_device"])
 def test_corrupt_entry_is_dropped_and_recompiled(make_compiler: Callable[..., Compiler],
-                                                 make_tier: MakeTier,
+                                                 settings: MakeSettings,
                                                  raw: redis.Redis, redis_prefix: str,
                                                  kind: str) -> None:
-    tier = make_tier()
-    a = make_compiler(None, extra_tiers=(tier,))
+    a = make_compiler(None, redis=settings())
     first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
-    _corrupt(raw, f"jitserve:v1:{redis_prefix}:exe:{first.executable_id}", kind)
-    b = make_compiler(None, extra_tiers=(make_tier(),))
+    _corrupt(raw, rkey(redis_prefix, "exe", first.executable_id), kind)
+    b = make_compiler(None, redis=settings())
     again, outs = run_program(b, program_bytes(), "jax_export", ARGS)
     assert again.tier == "compiled"
     np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
-    c = make_compiler(None, extra_tiers=(make_tier(),))
+    c = make_compiler(None, redis=settings())
     third, _ = run_program(c, program_bytes(), "jax_export", ARGS)
     assert third.tier == "redis"  # the recompiled entry replaced the bad one
 
 
 def test_concurrent_first_calls_compile_once(make_compiler: Callable[..., Compiler],
-                                             make_tier: MakeTier) -> None:
-    compilers = [make_compiler(None, extra_tiers=(make_tier(),)) for _ in range(2)]
+                                             settings: MakeSettings) -> None:
+    compilers = [make_compiler(None, redis=settings()) for _ in range(2)]
     for c in compilers:
         c.warm()
     data = program_bytes(3.0)
@@ -351,10 +447,10 @@ def test_concurrent_first_calls_compile_once(make_compiler: Callable[..., Compil
 
 _HOLDER = """
 import sys, time
-from jitserve.compiler.redis_tier import RedisSettings, RedisTier
+from jitserve.compiler.redis import RedisSettings, RedisTiers
 url, prefix, key, lock_ttl = sys.argv[1:5]
-tier = RedisTier(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=float(lock_ttl)))
-lock = tier.compile_lock(key)  # kept referenced: collecting it would release the lock
+tiers = RedisTiers(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=float(lock_ttl)))
+lock = tiers.executables.compile_lock(key)  # kept referenced: collecting it would release it
 assert lock.__enter__() is True
 print("locked", flush=True)
 time.sleep(600)
@@ -377,9 +473,9 @@ def _stop(holder: subprocess.Popen[str]) -> None:
 
 
 def test_killed_lock_holder_lock_expires(make_compiler: Callable[..., Compiler],
-                                         make_tier: MakeTier, redis_url: str,
+                                         settings: MakeSettings, redis_url: str,
                                          redis_prefix: str) -> None:
-    c = make_compiler(None, extra_tiers=(make_tier(lock_ttl_s=1.5, wait_s=60),))
+    c = make_compiler(None, redis=settings(lock_ttl_s=1.5, wait_s=60))
     c.warm()
     key = c.executable_id(c.decode(program_bytes(), "jax_export"))
     holder = _hold_lock(redis_url, redis_prefix, key, lock_ttl_s=1.5)
@@ -401,9 +497,9 @@ def test_killed_lock_holder_lock_expires(make_compiler: Callable[..., Compiler],
 
 
 def test_waiter_gives_up_after_wait_s(make_compiler: Callable[..., Compiler],
-                                      make_tier: MakeTier, redis_url: str,
+                                      settings: MakeSettings, redis_url: str,
                                       redis_prefix: str) -> None:
-    c = make_compiler(None, extra_tiers=(make_tier(wait_s=1.0),))
+    c = make_compiler(None, redis=settings(wait_s=1.0))
     key = c.executable_id(c.decode(program_bytes(), "jax_export"))
     holder = _hold_lock(redis_url, redis_prefix, key, lock_ttl_s=30)
     try:
@@ -426,43 +522,46 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def test_unreachable_at_start_then_comes_up(make_tier: MakeTier, tmp_path: Path) -> None:
+def test_unreachable_at_start_then_comes_up(make_tiers: MakeTiers, tmp_path: Path) -> None:
     port = free_port()
-    tier = make_tier(f"redis://127.0.0.1:{port}/0", max_backoff_s=0.5)
-    assert not tier.available and tier.stats()["state"] == "degraded"
-    assert tier.stats()["errors"] >= 1
+    tiers = make_tiers(f"redis://127.0.0.1:{port}/0", max_backoff_s=0.5)
+    tier, connection = tiers.executables, tiers.connection
+    assert not connection.available and connection.stats()["state"] == "degraded"
+    assert connection.stats()["errors"] >= 1
     start = time.monotonic()
-    assert tier.get(a_key()) is None
+    assert tier.get(a_key()) is None and tiers.programs.get(a_key()) is None
     tier.put(a_key(), fake_entry(a_key()))
     with tier.compile_lock(a_key()) as should_compile:
         assert should_compile
     assert time.monotonic() - start < 0.05  # a dead Redis costs nothing per request
     with pytest.raises(RedisUnavailable):
-        tier.list_entries()
+        tiers.catalog.list_entries()
     with RedisServer(tmp_path / "late", port=port):
-        _wait_until(lambda: tier.available)
+        _wait_until(lambda: connection.available)
         tier.put(a_key(), fake_entry(a_key()))
         assert tier.get(a_key()) is not None
 
 
 def test_redis_killed_mid_run_and_back(make_compiler: Callable[..., Compiler],
-                                       make_tier: MakeTier,
+                                       settings: MakeSettings,
                                        redis_server: Callable[[], RedisServer]) -> None:
     server = redis_server()
-    tier = make_tier(server.url, max_backoff_s=0.5)
-    a = make_compiler(None, extra_tiers=(tier,))
+    shared = settings(server.url, max_backoff_s=0.5)
+    a = make_compiler(None, redis=shared)
     assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "compiled"
     server.kill()
     # Calls keep succeeding: L1 hits, and a fresh process (empty L1) compiles.
     assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "memory"
-    b = make_compiler(None, extra_tiers=(tier,))
+    b = make_compiler(None, redis=shared)
     for scale in (2.0, 4.0):
         lookup, _ = run_program(b, program_bytes(scale), "jax_export", ARGS)
         assert lookup.tier == "compiled"
-    assert not tier.available and tier.stats()["errors"] >= 1
+    assert b.catalog.state == "degraded" and b.catalog.shared_stats()["errors"] >= 1  # type: ignore[index]
+    with pytest.raises(CacheUnavailable):  # the listing has no local answer
+        b.catalog.page()
     server.start()  # same port, empty (no persistence)
-    _wait_until(lambda: tier.available)
-    c = make_compiler(None, extra_tiers=(tier,))
+    _wait_until(lambda: b.catalog.state == "ok")
+    c = make_compiler(None, redis=shared)
     assert run_program(c, program_bytes(5.0), "jax_export", ARGS)[0].tier == "compiled"
     assert run_program(b, program_bytes(5.0), "jax_export", ARGS)[0].tier == "redis"
-    assert tier.available
+    assert b.catalog.state == "ok"

@@ -26,6 +26,7 @@ from jax import export
 from redis_server import RedisServer, free_port
 
 from jitserve import wire
+from jitserve.compiler.redis import LAYOUT_VERSION
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -192,7 +193,7 @@ def test_corrupt_entry_is_recompiled(start_server: StartServer, redis_url: str,
     pid = _upload(a, _export(lambda x: x * x))
     executable_id = _compile(a, pid)["executable_id"]
     raw = redis.Redis.from_url(redis_url)
-    name = f"jitserve:v1:{redis_prefix}:exe:{executable_id}"
+    name = f"jitserve:v{LAYOUT_VERSION}:{redis_prefix}:exe:{executable_id}"
     good = raw.get(name)
     assert good is not None
     raw.set(name, good[: len(good) // 2])  # truncated by hand
@@ -205,12 +206,12 @@ def test_corrupt_entry_is_recompiled(start_server: StartServer, redis_url: str,
 _HOLDER = """
 import sys, time
 from jitserve.compiler import Compiler, CompilerConfig
-from jitserve.compiler.redis_tier import RedisSettings, RedisTier
+from jitserve.compiler.redis import RedisSettings, RedisTiers
 url, prefix, path = sys.argv[1:4]
 compiler = Compiler(CompilerConfig())
 key = compiler.executable_id(compiler.decode(open(path, "rb").read()))
-tier = RedisTier(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=3))
-lock = tier.compile_lock(key)  # kept referenced: collecting it would release the lock
+tiers = RedisTiers(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=3))
+lock = tiers.executables.compile_lock(key)  # kept referenced: collecting it would release it
 assert lock.__enter__() is True
 print(key, flush=True)
 time.sleep(600)

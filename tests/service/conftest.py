@@ -108,16 +108,28 @@ MakeApi = Callable[..., contextlib.AbstractAsyncContextManager[Api]]
 
 @pytest.fixture
 def make_api(compiler: Compiler, programs: dict[str, bytes], tmp_path: Path) -> MakeApi:
-    """A factory: ``async with make_api(**settings) as api`` runs an app with those settings."""
+    """A factory: ``async with make_api(**settings) as api`` runs an app with those settings.
+
+    Apps share the session's compiler, and so its caches of executables and
+    programs; ``own_compiler=True`` gives the app a compiler of its own, made
+    from its settings (cheap while nothing compiles), closed with it.
+    """
 
     @contextlib.asynccontextmanager
-    async def make(cache_dir: Path | None = None, **overrides: Any) -> AsyncIterator[Api]:
+    async def make(cache_dir: Path | None = None, *, own_compiler: bool = False,
+                   **overrides: Any) -> AsyncIterator[Api]:
         settings = Settings(env="test", cache_dir=cache_dir or tmp_path / "cache", **overrides)
-        app = create_app(settings, compiler=compiler)
+        own = make_compiler(settings) if own_compiler else None
+        app = create_app(settings, compiler=own or compiler)
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=transport, base_url="http://jitserve") as http:
-                yield Api(app, http, programs)
+        try:
+            async with app.router.lifespan_context(app):
+                async with httpx.AsyncClient(transport=transport,
+                                             base_url="http://jitserve") as http:
+                    yield Api(app, http, programs)
+        finally:
+            if own is not None:
+                own.close()
 
     return make
 

@@ -7,13 +7,19 @@ import hashlib
 import pytest
 
 from jitserve import wire
+from jitserve.compiler.program_store import decode_program_blob
 
 pytestmark = pytest.mark.timeout(120)
 
 OCTET = {"content-type": "application/octet-stream"}
 
 
-async def test_upload_is_content_addressed_and_idempotent(api) -> None:
+async def test_upload_is_content_addressed_and_idempotent(make_api) -> None:
+    async with make_api(own_compiler=True) as api:  # a store that has never seen add_mul
+        await _upload_twice(api)
+
+
+async def _upload_twice(api) -> None:
     data = api.programs["add_mul"]
     first = await api.http.post("/v1/programs", content=data, headers=OCTET)
     again = await api.http.post("/v1/programs", params={"format": "jax_export"}, content=data,
@@ -40,10 +46,11 @@ async def test_get_program_and_unknown_ids(api) -> None:
 
 
 async def test_programs_survive_a_restart(make_api, tmp_path) -> None:
-    async with make_api(cache_dir=tmp_path / "c") as api:
+    async with make_api(cache_dir=tmp_path / "c", own_compiler=True) as api:
         pid = await api.upload("triple")
-    assert (tmp_path / "c" / "programs" / pid).read_bytes() == api.programs["triple"]
-    async with make_api(cache_dir=tmp_path / "c") as api:
+    stored = (tmp_path / "c" / "programs" / pid[:2] / pid).read_bytes()
+    assert decode_program_blob(pid, stored) == (api.programs["triple"], "jax_export")
+    async with make_api(cache_dir=tmp_path / "c", own_compiler=True) as api:
         r = await api.http.get(f"/v1/programs/{pid}")
         assert r.status_code == 200
         assert r.json()["program_id"] == pid

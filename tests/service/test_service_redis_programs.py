@@ -1,50 +1,65 @@
 """The program store with Redis beside it (a real one): uploads through one store
-run through another, and the disk tier can be off."""
+run through another, the disk tier can be off, and Redis refills."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from jitserve.compiler import Compiler
-from jitserve.compiler.redis_tier import RedisSettings, RedisTier
+from jitserve.compiler.redis import LAYOUT_VERSION
+from jitserve.service.app import make_compiler
 from jitserve.service.errors import NotFound
 from jitserve.service.programs import ProgramStore
+from jitserve.service.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
 
+MakeStore = Callable[..., ProgramStore]
+
 
 @pytest.fixture
-def tier(redis_url: str, redis_prefix: str) -> Iterator[RedisTier]:
-    t = RedisTier(RedisSettings.from_url(redis_url, prefix=redis_prefix))
-    yield t
-    t.close()
+def make_store(redis_url: str, redis_prefix: str) -> Iterator[MakeStore]:
+    """Program stores of servers of their own (``cache_dir=None``: no disk; ``shared``: Redis)."""
+    made: list[Compiler] = []
+
+    def make(cache_dir: Path | None, shared: bool = True) -> ProgramStore:
+        settings = Settings(env="test", cache_dir=cache_dir or Path("unused"),
+                            disk_cache=cache_dir is not None, redis_prefix=redis_prefix,
+                            redis_url=redis_url if shared else None)
+        made.append(make_compiler(settings))
+        return ProgramStore(made[-1].programs)
+
+    yield make
+    for compiler in made:
+        compiler.close()
 
 
 async def test_uploaded_through_one_store_found_by_another(
-        compiler: Compiler, tier: RedisTier, programs: dict[str, bytes], tmp_path: Path) -> None:
-    a = ProgramStore(tmp_path / "a", compiler, shared=tier)
+        make_store: MakeStore, programs: dict[str, bytes], tmp_path: Path) -> None:
+    a = make_store(tmp_path / "a")
     program, created = await a.put(programs["triple"], "jax_export")
     assert created
-    b = ProgramStore(tmp_path / "b", compiler, shared=tier)
-    found = await b.get(program.program_id)
-    assert found.program_id == program.program_id and found.format == program.format
-    assert (tmp_path / "b" / program.program_id).exists()  # kept on B's disk for restarts
-    memory_only = ProgramStore(None, compiler, shared=tier)  # the disk tier off
-    assert (await memory_only.get(program.program_id)).program_id == program.program_id
+    b = make_store(tmp_path / "b")
+    pid = program.program_id
+    found = await b.get(pid)
+    assert found.program_id == pid and found.format == program.format
+    assert (tmp_path / "b" / "programs" / pid[:2] / pid).exists()  # kept on B's disk for restarts
+    memory_only = make_store(None)  # the disk tier off
+    assert (await memory_only.get(pid)).program_id == pid
 
 
-async def test_known_program_is_shared_again(compiler: Compiler, tier: RedisTier,
-                                             programs: dict[str, bytes], tmp_path: Path,
-                                             redis_url: str, redis_prefix: str) -> None:
-    store = ProgramStore(tmp_path, compiler, shared=tier)
+async def test_known_program_is_shared_again(make_store: MakeStore, programs: dict[str, bytes],
+                                             tmp_path: Path, redis_url: str,
+                                             redis_prefix: str) -> None:
+    store = make_store(tmp_path)
     program, _ = await store.put(programs["triple"])
     raw = redis.Redis.from_url(redis_url)
-    key = f"jitserve:v1:{redis_prefix}:prog:{program.program_id}"
+    key = f"jitserve:v{LAYOUT_VERSION}:{redis_prefix}:prog:{program.program_id}"
     raw.delete(key)  # evicted, or uploaded while Redis was down
     _, created = await store.put(programs["triple"])
     assert not created and raw.exists(key)
@@ -52,8 +67,8 @@ async def test_known_program_is_shared_again(compiler: Compiler, tier: RedisTier
 
 
 async def test_no_disk_no_redis_keeps_programs_in_memory(
-        compiler: Compiler, programs: dict[str, bytes]) -> None:
-    store = ProgramStore(None, compiler)
+        make_store: MakeStore, programs: dict[str, bytes]) -> None:
+    store = make_store(None, shared=False)
     program, _ = await store.put(programs["triple"])
     assert (await store.get(program.program_id)) is program
     with pytest.raises(NotFound):

@@ -1,0 +1,132 @@
+"""What the executable caches hold, for operators: one record, a page, the cache's state.
+
+With Redis configured the records are the shared ones, kept beside each entry in
+Redis (every process's compiles, hit counts across all of them); without it,
+they are the executables loaded in this process. Redis configured but down
+raises ``CacheUnavailable`` (a ``compiler.cache`` error): a local listing would
+silently answer another question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from jitserve.wire import TierName
+
+if TYPE_CHECKING:
+    from jitserve.compiler.compile import Executable
+    from jitserve.compiler.redis.tiers import RedisTiers
+
+__all__ = ["Catalog", "CacheState", "EntryPage", "parse_cursor"]
+
+CacheState = Literal["local", "ok", "degraded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryPage:
+    """One page of a listing of cached executables.
+
+    Attributes:
+      entries: records (see ``Catalog.describe``); ``source`` says whose they are.
+      next_cursor: pass it back for the next page; ``None`` after the last one.
+    """
+
+    entries: list[dict[str, Any]]
+    next_cursor: str | None
+
+
+def parse_cursor(cursor: str | None) -> int:
+    """The position a listing's ``next_cursor`` stands for; ``ValueError`` for any other string."""
+    if cursor is None or cursor == "":
+        return 0
+    if not (cursor.isascii() and cursor.isdigit()):  # "³".isdigit() is true
+        raise ValueError(f"cursor {cursor!r:.40} is not one this listing returned")
+    return int(cursor)
+
+
+class Catalog:
+    """The compiler's catalog of cached executables: ``Compiler.catalog``.
+
+    Args:
+      loaded: the executables loaded in this process (``Compiler.loaded``).
+      shared: the Redis tiers, when the compiler has them.
+
+    Example::
+
+        page = compiler.catalog.page(limit=100)     # follow page.next_cursor
+        record = compiler.catalog.describe(executable_id)
+    """
+
+    def __init__(self, loaded: Callable[[], list[Executable]],
+                 shared: RedisTiers | None = None) -> None:
+        self._loaded, self._shared = loaded, shared
+
+    @property
+    def state(self) -> CacheState:
+        """``ok`` (the shared Redis is in use), ``degraded`` (configured, unreachable:
+        serving from local tiers, retrying) or ``local`` (no Redis)."""
+        if self._shared is None:
+            return "local"
+        return "ok" if self._shared.connection.available else "degraded"
+
+    @property
+    def shared_url(self) -> str | None:
+        """The shared cache's URL with its password masked; ``None`` without one."""
+        return None if self._shared is None else self._shared.connection.settings.redacted_url
+
+    def shared_stats(self) -> dict[str, Any] | None:
+        """The shared cache's counters (``RedisConnection.stats``); ``None`` without one."""
+        return None if self._shared is None else self._shared.connection.stats()
+
+    def page(self, cursor: str | None = None, limit: int = 100) -> EntryPage:
+        """A page of records; follow ``next_cursor`` until it is ``None``.
+
+        Raises ``ValueError`` for a cursor this listing did not return and
+        ``CacheUnavailable`` when the shared cache cannot answer.
+        """
+        if self._shared is None:
+            return self._local_page(cursor, limit)
+        page = self._shared.catalog.list_entries(cursor, limit)
+        return EntryPage([_shared_record(r) for r in page.entries], page.next_cursor)
+
+    def describe(self, executable_id: str) -> dict[str, Any] | None:
+        """One executable's record, or ``None`` when no tier has it.
+
+        Fields: ``executable_id``, ``program_id``, ``raw_size`` (executable bytes),
+        ``compile_seconds``, ``created``, ``jaxlib_version``, ``platform``,
+        ``device_kind``, ``source`` (``redis`` or ``memory``); shared records add
+        ``size`` (stored bytes), ``hits``, ``last_hit`` and ``jax_version``.
+        Raises ``CacheUnavailable`` when the shared cache cannot answer.
+        """
+        if self._shared is not None:
+            record = self._shared.catalog.metadata(executable_id)
+            if record is not None:
+                return _shared_record(record)
+        for executable in self._loaded():
+            if executable.executable_id == executable_id:
+                return _local_record(executable)
+        return None
+
+    def _local_page(self, cursor: str | None, limit: int) -> EntryPage:
+        """This process's L1, by executable id; the cursor is an offset."""
+        start = parse_cursor(cursor)
+        loaded = sorted(self._loaded(), key=lambda e: e.executable_id)
+        more = start + limit < len(loaded)
+        return EntryPage([_local_record(e) for e in loaded[start:start + limit]],
+                         str(start + limit) if more else None)
+
+
+def _shared_record(record: dict[str, Any]) -> dict[str, Any]:
+    return {**record, "source": TierName.REDIS.value}
+
+
+def _local_record(executable: Executable) -> dict[str, Any]:
+    meta = executable.meta
+    return {"executable_id": executable.executable_id, "program_id": meta.get("program_id"),
+            "raw_size": executable.nbytes, "compile_seconds": meta.get("compile_seconds"),
+            "created": meta.get("created"), "jaxlib_version": meta.get("jaxlib_version"),
+            "platform": meta.get("platform"), "device_kind": meta.get("device_kind"),
+            "source": TierName.MEMORY.value}
+

@@ -1,0 +1,133 @@
+"""The executable tier in Redis: entries, their metadata records, and the compile lock.
+
+Executables are code. Point this tier only at a Redis that is private to the
+deployment and trusted: whoever can write to it can make the servers run what
+they wrote. ``compiler.cache.decode_entry`` still refuses an entry whose
+checksum, jaxlib version, platform or device kind does not match.
+
+Records (under ``RedisSettings.key_prefix``)::
+
+    exe:<executable_id>     the entry bytes (``encode_entry``: checksummed, zstd)
+    meta:<executable_id>    a hash beside it: sizes, compile seconds, hits, versions
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import jax
+import redis
+
+from jitserve.compiler.cache import EXECUTABLES, CorruptEntry, Entry, decode_entry
+from jitserve.compiler.redis.blobs import RedisTier
+from jitserve.compiler.redis.connection import RedisConnection
+from jitserve.compiler.redis.lock import CompileLock
+
+__all__ = ["ExecutableTier", "meta_record", "parse_meta"]
+
+logger = logging.getLogger("jitserve.compiler.redis")
+
+# On a hit: count it and refresh the expiries, only if the record is still there
+# (under allkeys-lru either key may have been evicted on its own).
+_TOUCH = """
+if redis.call('EXISTS', KEYS[2]) == 1 and redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], 'hits', 1)
+  redis.call('HSET', KEYS[2], 'last_hit', ARGV[1])
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return 1
+"""
+
+_META_FLOATS = ("compile_seconds", "created", "last_hit")
+_META_INTS = ("size", "raw_size", "hits")
+
+
+class ExecutableTier(RedisTier):
+    """Serialized executables in Redis, each with a metadata record, and the compile lock.
+
+    Implements ``compiler.cache.SharedTier``: ``get``/``put``/``delete`` (hits
+    count in the record) and ``compile_lock``. Never raises a Redis error.
+
+    Args:
+      connection: the deployment's ``RedisConnection``.
+    """
+
+    def __init__(self, connection: RedisConnection) -> None:
+        super().__init__(connection, EXECUTABLES)
+        self.lock = CompileLock(connection, EXECUTABLES)
+        self._touch = connection.script(_TOUCH)
+
+    def meta_key(self, key: str) -> str:
+        """The Redis key of the metadata record of ``key``."""
+        return self.connection.key("meta", key)
+
+    def records(self, key: str) -> list[str]:
+        return [self.key(key), self.meta_key(key)]
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store an entry (``encode_entry`` bytes) with its metadata record; wake the waiters."""
+        try:
+            entry = decode_entry(data, {"key": key})
+        except CorruptEntry as e:
+            logger.warning("not storing a bad entry for %s in Redis: %s", key, e)
+            return
+        meta = meta_record(key, len(data), entry)
+        self._store(key, data, lambda pipe: self._add_meta(pipe, key, meta))
+
+    def compile_lock(self, key: str) -> contextlib.AbstractContextManager[bool]:
+        """``CompileLock.hold``: whether to compile ``key`` here (see ``SharedTier``)."""
+        return self.lock.hold(key)
+
+    def _add_meta(self, pipe: Any, key: str, meta: dict[str, str]) -> None:
+        pipe.delete(self.meta_key(key))
+        pipe.hset(self.meta_key(key), mapping=meta)
+        if self.connection.settings.ttl_ms:
+            pipe.pexpire(self.meta_key(key), self.connection.settings.ttl_ms)
+        pipe.publish(self.lock.channel(key), "stored")
+
+    def _read(self, r: redis.Redis, key: str) -> bytes | None:
+        """The entry, and a touch of its record (hits, last hit, expiries): one round trip."""
+        touch_keys = self.records(key)
+        touch_args = [repr(time.time()), self.connection.settings.ttl_ms]
+        # EVALSHA directly, since a pipeline running a Script object first asks
+        # SCRIPT EXISTS every time.
+        pipe = r.pipeline(transaction=False)
+        pipe.get(touch_keys[0])
+        pipe.evalsha(self._touch.sha, 2, *touch_keys, *touch_args)
+        data, touched = pipe.execute(raise_on_error=False)
+        if isinstance(data, Exception):
+            raise data
+        if isinstance(touched, redis.exceptions.NoScriptError):  # Redis restarted
+            self._touch(keys=touch_keys, args=touch_args)
+        return data
+
+
+def meta_record(key: str, size: int, entry: Entry) -> dict[str, str]:
+    """The metadata record stored beside entry ``key`` of ``size`` bytes (see ``parse_meta``)."""
+    meta = entry.meta
+    return {"executable_id": key, "program_id": str(meta.get("program_id", "")),
+            "size": str(size), "raw_size": str(len(entry.executable)),
+            "compile_seconds": repr(float(meta.get("compile_seconds", 0.0))),
+            "created": repr(float(meta.get("created", time.time()))), "hits": "0",
+            "jax_version": jax.__version__,
+            "jaxlib_version": str(meta.get("jaxlib_version", "")),
+            "platform": str(meta.get("platform", "")),
+            "device_kind": str(meta.get("device_kind", ""))}
+
+
+def parse_meta(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    """A metadata record as read back: numbers as numbers, a missing time as ``None``."""
+    record: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+    for name in _META_INTS:
+        record[name] = int(record.get(name, 0) or 0)
+    for name in _META_FLOATS:
+        value = record.get(name)
+        record[name] = float(value) if value else None
+    return record
