@@ -33,9 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jitserve.compiler import Compiler, CompilerConfig, Lookup  # noqa: E402
+from jitserve.compiler import Compiler, CompilerConfig, Lookup
 
 jax.config.update("jax_enable_x64", True)
 

@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
 from _servers import baseline, jitserve, rss_bytes  # noqa: E402
 

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -149,6 +150,21 @@ def test_a_plain_install_is_one_namespace_and_a_working_client(tmp_path: Path) -
     assert done.returncode == 0 and done.stdout.startswith("jitserve "), done
     done = subprocess.run([cli, "serve"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "jitserve[server]" in done.stderr, done
+
+
+def test_pyproject_lists_every_package() -> None:
+    """A package missing from pyproject works in a checkout and is absent from the wheel."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: ROOT / path for name, path in config["package-dir"].items()}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            if any(init.parent.is_relative_to(f) for n, f in folders.items()
+                   if f != folder and f.is_relative_to(folder)):
+                continue  # a folder mapped to a package of its own (client/wire)
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *rel)))
+    assert set(config["packages"]) == found
 
 
 def _packages() -> list[str]:
