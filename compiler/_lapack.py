@@ -6,7 +6,8 @@ result smaller than the kernel writes would corrupt the server's memory. So each
 allowed LAPACK target has a rule giving its exact result types from its operand
 types and the attributes that change them (the rules mirror jax's lowerings in
 jax/_src/lax/linalg.py; tests/compiler/test_lapack_rules.py checks them against
-jax's own lowering for every dtype).
+jax's own lowering for every dtype). compiler._cusolver reuses these rules for the
+CUDA kernels that write the same results.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _COMPLEX = {"s": "complex<f32>", "d": "complex<f64>", "c": "complex<f32>", "z": 
 
 Shape = tuple[int, ...]
 Typ = tuple[Shape, str]
+# A rule: (kind letter, operand types, backend-config attributes) -> the result types.
+Rule = Callable[[str, list[Typ], dict[str, int]], list[Typ]]
 
 
 def is_lapack_target(target: str) -> bool:
@@ -39,15 +42,26 @@ def check_lapack_call(op: ir.Operation, target: str) -> None:
     if m is None or m.group(2) not in _RULES:
         raise UnsafeProgram(f"custom_call target {target!r} has no shape rule")
     kind, family = m.groups()
+    core_rank = 1 if family == "gtsv" else 2  # gtsv's first operand is a vector
+    _check_call(op, target, _RULES[family], {_ELEMENT[kind]: kind}, core_rank)
+
+
+def _check_call(op: ir.Operation, target: str, rule: Rule, kinds: dict[str, str], core_rank: int) -> None:
+    """Compare ``op``'s results with ``rule``'s; shared with compiler._cusolver.
+
+    ``kinds`` maps each element type the first operand may have to the kind
+    letter the rule takes (LAPACK names it in the target, cuSOLVER does not);
+    ``core_rank`` is the first operand's rank without batch dimensions.
+    """
     operands = [_typ(v.type, target) for v in op.operands]
-    if not operands or operands[0][1] != _ELEMENT[kind]:
-        raise UnsafeProgram(f"{target}: first operand must be of element type {_ELEMENT[kind]}")
-    attrs = _backend_config(op)
+    kind = kinds.get(operands[0][1]) if operands else None
+    if kind is None:
+        raise UnsafeProgram(f"{target}: first operand must be of element type {' or '.join(kinds)}")
+    attrs = _backend_config(op, target)
     try:
-        expected = _RULES[family](kind, operands, attrs)
+        expected = rule(kind, operands, attrs)
     except (IndexError, ValueError, KeyError) as e:
         raise UnsafeProgram(f"{target}: operands {_fmt(operands)} do not fit the kernel ({e})") from None
-    core_rank = 1 if family == "gtsv" else 2  # gtsv's first operand is a vector
     _check_batch_attr(op, len(operands[0][0]) - core_rank, target)
     actual = [_typ(r.type, target) for r in op.results]
     if actual != expected:
@@ -66,14 +80,27 @@ def _fmt(types: list[Typ]) -> str:
     return ", ".join(f"{e}[{','.join(map(str, s))}]" for s, e in types)
 
 
-def _backend_config(op: ir.Operation) -> dict[str, int]:
-    if "mhlo.backend_config" not in op.attributes:
+def _backend_config(op: ir.Operation, target: str) -> dict[str, int]:
+    """The integer and boolean (as ``bool``) attributes the kernel is given.
+
+    jax writes them in ``mhlo.backend_config``. A dictionary ``backend_config``
+    (API version 4) would reach the kernel instead of those, unchecked, so it is refused.
+    """
+    attributes = op.attributes
+    if "backend_config" in attributes and isinstance(attributes["backend_config"], ir.DictAttr):
+        raise UnsafeProgram(f"{target}: attributes must be in mhlo.backend_config, as jax writes "
+                            "them, not in a backend_config dictionary")
+    if "mhlo.backend_config" not in attributes:
         return {}
-    config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-    out = {}
+    config = attributes["mhlo.backend_config"]
+    if not isinstance(config, ir.DictAttr):
+        raise UnsafeProgram(f"{target}: mhlo.backend_config must be a dictionary, got {config}")
+    out: dict[str, int] = {}
     for i in range(len(config)):
         named = config[i]
-        if isinstance(named.attr, ir.IntegerAttr):
+        if isinstance(named.attr, ir.BoolAttr):
+            out[named.name] = ir.BoolAttr(named.attr).value
+        elif isinstance(named.attr, ir.IntegerAttr):
             out[named.name] = ir.IntegerAttr(named.attr).value
     return out
 
@@ -198,7 +225,7 @@ def _sytrd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
     return [ops[0], ((*b, n), _REAL[k]), ((*b, off), _REAL[k]), ((*b, off), _ELEMENT[k]), (b, "i32")]
 
 
-_RULES: dict[str, Callable[[str, list[Typ], dict[str, int]], list[Typ]]] = {
+_RULES: dict[str, Rule] = {
     "potrf": _potrf, "getrf": _getrf, "geqrf": _geqrf, "orgqr": _orgqr, "ungqr": _orgqr,
     "syevd": _syevd, "heevd": _syevd, "geev": _geev, "gesdd": _gesdd, "trsm": _trsm,
     "gtsv": _gtsv, "gees": _gees, "gehrd": _gehrd, "sytrd": _sytrd, "hetrd": _sytrd,

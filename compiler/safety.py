@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from jax._src.export import _export as jax_export_internals
 from jax._src.lib.mlir import ir
 
+from jitserve.compiler._cusolver import check_cusolver_call, is_cusolver_target
 from jitserve.compiler._lapack import check_lapack_call, is_lapack_target
 from jitserve.compiler.errors import LimitExceeded, UnsafeProgram
 from jitserve.compiler.jaxpr import JaxprLimits
@@ -49,13 +50,15 @@ _CHECKED_BY_XLA = frozenset({"ApproxTopK"})
 
 # What a program may call: the targets jax.export guarantees stable, less those
 # that run foreign code, and of the rest only those whose result types the server
-# can check (compiler._lapack) or that write nothing sized by attributes. Kernels
-# trust their declared result shapes, so a target without a rule (today: the GPU
-# and TPU solver kernels) is refused rather than trusted. Callbacks
-# (xla_ffi_python_cpu_callback and friends) are not in jax's list, so they stay out.
+# can check (compiler._lapack, compiler._cusolver) or that write nothing sized by
+# attributes. Kernels trust their declared result shapes, so a target without a
+# rule (today: the ROCm and TPU solver kernels, cu_threefry2x32_ffi) is refused
+# rather than trusted. Callbacks (xla_ffi_python_cpu_callback and friends) are not
+# in jax's list, so they stay out.
 ALLOWED_CUSTOM_CALLS: frozenset[str] = frozenset(
     t for t in jax_export_internals._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE - _REFUSED_TARGETS
-    if is_lapack_target(t) or t in _SHAPE_FREE_TARGETS | _REFINED_TARGETS | _CHECKED_BY_XLA
+    if is_lapack_target(t) or is_cusolver_target(t)
+    or t in _SHAPE_FREE_TARGETS | _REFINED_TARGETS | _CHECKED_BY_XLA
 )
 
 _ALLOWED_DIALECTS = frozenset({"builtin", "func", "stablehlo", "chlo", "sdy"})
@@ -145,11 +148,13 @@ def _check_op(op: ir.Operation, limits: Limits, static: bool) -> None:
         if target not in ALLOWED_CUSTOM_CALLS:
             raise UnsafeProgram(
                 f"custom_call target {target!r} is not allowed (host callbacks, foreign "
-                "kernels and unknown targets are refused; allowed are the LAPACK targets "
-                "jax.export guarantees stable, with checked shapes)"
+                "kernels and unknown targets are refused; allowed are the LAPACK and CUDA "
+                "linalg targets jax.export guarantees stable, with checked shapes)"
             )
         if is_lapack_target(target):
             check_lapack_call(op, target)
+        elif is_cusolver_target(target):
+            check_cusolver_call(op, target)
         if static and target in _REFINED_TARGETS:
             raise UnsafeProgram(f"custom_call target {target!r} is left after shape refinement; "
                                 "only its refined form can be compiled")
