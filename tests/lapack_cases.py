@@ -23,6 +23,8 @@ FAMILIES = {
     "svd": (jnp.linalg.svd, [(2, 5, 3)]),
     "svd_reduced": (lambda a: jnp.linalg.svd(a, full_matrices=False), [(3, 5)]),
     "svd_values": (lambda a: jnp.linalg.svd(a, compute_uv=False), [(5, 3)]),
+    "svd_values_reduced": (lambda a: lax.linalg.svd(a, full_matrices=False, compute_uv=False),
+                           [(5, 3)]),
     "trsm_left": (lambda a, b: jsl.solve_triangular(a, b, lower=True), [(2, 4, 4), (2, 4, 3)]),
     "trsm_right": (lambda a, b: lax.linalg.triangular_solve(a, b, left_side=False, lower=True),
                    [(3, 3), (4, 3)]),
