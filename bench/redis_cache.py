@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shutil
 import socket
 import statistics
@@ -50,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jitserve.compiler import Compiler, CompilerConfig, RedisSettings  # noqa: E402
+from jitserve.compiler import CacheSecret, Compiler, CompilerConfig, RedisSettings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -81,8 +82,13 @@ def mlp_program(layers: int, width: int, batch: int,
 
 
 def make_compiler(url: str, prefix: str) -> Compiler:
-    """A Compiler with no disk tier and only Redis as L2, as a fresh server would have."""
-    return Compiler(CompilerConfig(cache_dir=None,
+    """A Compiler with no disk tier and only Redis as L2, as a fresh server would have.
+
+    Processes sharing a Redis sign entries with one secret: the first call makes a
+    random one, and the child process inherits it through the environment.
+    """
+    secret = os.environ.setdefault("BENCH_CACHE_SECRET", secrets.token_hex(32))
+    return Compiler(CompilerConfig(cache_dir=None, cache_secret=CacheSecret.from_value(secret),
                                    redis=RedisSettings.from_url(url, prefix=prefix)))
 
 

@@ -12,7 +12,8 @@ process, and keep programs and executables in tiered caches (``cache``)::
     safety         Limits and the allowlists an untrusted program must pass
     keys           the cache key (sha256 over named parts)
     cache          one tier mechanism for every blob kind: TieredStore, MemoryCache,
-                   DiskTier, the Tier protocol; executable entry framing
+                   DiskTier, the Tier protocol; executable entry framing, signed
+                   with a CacheSecret
     catalog        Catalog: what the executable caches hold, for operators
     redis/         the shared Redis tiers (loaded only when Redis is configured)
     errors         CompilerError and its subclasses
@@ -24,6 +25,7 @@ from jitserve.compiler.cache import (
     EXECUTABLES,
     PROGRAMS,
     BlobKind,
+    CacheSecret,
     CacheUnavailable,
     DiskTier,
     Entry,
@@ -54,6 +56,7 @@ __all__ = [
     "ALLOWED_CUSTOM_CALLS",
     "Aval",
     "BlobKind",
+    "CacheSecret",
     "CacheState",
     "CacheUnavailable",
     "Catalog",

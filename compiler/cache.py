@@ -7,8 +7,12 @@ the Redis tier (``compiler.redis``) plugs in the same way. It reads through the
 tiers, fills the faster ones on a hit, and writes to all on a put; a tier failure
 is a warning and a miss, never a failed request.
 
-Executable entries are framed by ``encode_entry``: a magic, a format version, a
-sha256 of the body, then the zstd-compressed metadata and executable.
+Executable entries are framed by ``encode_entry``: a magic, a format version, an
+HMAC-SHA256 with the server's ``CacheSecret`` over the entry's cache key and its
+body, then the zstd-compressed metadata and executable. The MAC binds an entry
+to its key: whoever can write a tier but does not hold the secret can neither
+forge an entry nor move a valid one under another key (docs/redis.md, "Trust
+boundary").
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import struct
 import tempfile
 import threading
@@ -34,6 +40,7 @@ from jitserve.wire import TierName
 
 __all__ = [
     "BlobKind",
+    "CacheSecret",
     "CacheUnavailable",
     "CorruptEntry",
     "DiskTier",
@@ -53,10 +60,15 @@ __all__ = [
 logger = logging.getLogger("jitserve.compiler.cache")
 
 _MAGIC = b"JSXE"
-# Entry framing version. 2026-11-21: 1, first version. Entries of another
-# version are misses (and get overwritten), never errors.
-ENTRY_VERSION = 1
-_HEADER = struct.Struct("<4sH32s")
+# Entry framing version. A server reads its own version only: entries of another
+# version are misses (dropped, then overwritten by the recompile), never errors.
+# 2026-11-21: 1, first version: a sha256 of the body.
+# 2026-11-23: 2, an HMAC-SHA256 with the cache secret over the magic, the version,
+#   the cache key and the body replaces the sha256 (``CacheSecret``), so that an
+#   entry is bound to its key and only holders of the secret can make one.
+ENTRY_VERSION = 2
+_HEADER = struct.Struct("<4sH32s")  # magic, version, MAC
+_SECRET_FILE = "cache-secret"  # in the cache directory; 64 hex digits
 _MAX_ENTRY_BYTES = 4 << 30
 _TEMP_PREFIX = ".tmp-"
 
@@ -97,7 +109,8 @@ class Entry:
 
     Attributes:
       executable: bytes from the backend's ``serialize_executable``. Executables
-        are code: only load entries from tiers this server trusts.
+        are code: only load entries that ``decode_entry`` accepted, signed with
+        this deployment's ``CacheSecret`` for the key they are loaded under.
       meta: JSON-able record: key, avals, out_tree, compile seconds, versions,
         platform and device kind, created time.
     """
@@ -134,41 +147,133 @@ class SharedTier(Tier, Protocol):
     def compile_lock(self, key: str) -> contextlib.AbstractContextManager[bool]: ...
 
 
-def encode_entry(entry: Entry) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class CacheSecret:
+    """The server secret that signs executable entries (HMAC-SHA256); its repr hides the value.
+
+    Every process that shares a tier must hold the same secret: an entry signed
+    with another one is refused (and dropped) like a damaged one.
+
+    Attributes:
+      value: the key of the MAC. Never logged, never in an error.
+      source: where it came from, for the logs (``configured``, ``kept in <file>``,
+        ``per-process``).
+
+    Example::
+
+        secret = CacheSecret.from_value(os.environ["JITSERVE_CACHE_SECRET"])
+        secret = CacheSecret.in_directory(Path("/var/cache/jitserve"))  # made once, then reused
+    """
+
+    value: bytes = dataclasses.field(repr=False)
+    source: str = "configured"
+
+    def __post_init__(self) -> None:
+        # How long it must be is the settings' policy (service.settings); empty is never right.
+        if not self.value:
+            raise ValueError("a cache secret cannot be empty")
+
+    @classmethod
+    def from_value(cls, value: str | bytes, source: str = "configured") -> CacheSecret:
+        """A secret from configuration (a ``str`` is taken as its UTF-8 bytes)."""
+        return cls(value.encode() if isinstance(value, str) else bytes(value), source)
+
+    @classmethod
+    def per_process(cls) -> CacheSecret:
+        """A random secret of this process alone: for tiers no other process reads."""
+        return cls(secrets.token_bytes(32), "per-process")
+
+    @classmethod
+    def in_directory(cls, directory: Path) -> CacheSecret:
+        """The secret kept in ``directory/cache-secret``, made (random, mode 0600) if absent.
+
+        Made with ``atomic_write(exclusive=True)``: of processes starting at once,
+        one file wins and all of them read it, so they agree. Reused on every
+        restart, which keeps the disk tier's entries valid.
+        """
+        path = Path(directory) / _SECRET_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            atomic_write(path, secrets.token_hex(32).encode() + b"\n", exclusive=True)
+            logger.info("made a new cache secret in %s", path)
+        except FileExistsError:
+            _private(path)
+        text = path.read_bytes().strip()
+        if len(text) < 32:
+            raise ValueError(f"cache secret file {path} is damaged ({len(text)} bytes, not what "
+                             "jitserve writes); delete it to make a new one (entries become misses)")
+        return cls(text, f"kept in {path}")
+
+    def mac(self, *parts: bytes | memoryview) -> bytes:
+        """HMAC-SHA256 of the concatenated ``parts`` (the caller frames them unambiguously)."""
+        h = hmac.new(self.value, digestmod=hashlib.sha256)
+        for part in parts:
+            h.update(part)
+        return h.digest()
+
+
+def _private(path: Path) -> None:
+    """Make the secret file ``path`` readable by its owner alone, saying so if it was not."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        logger.warning("cache secret file %s had mode %o; set it to 600 (if others read it, "
+                       "delete it to make a new secret)", path, mode)
+        path.chmod(0o600)
+
+
+def _entry_mac(secret: CacheSecret, key: str, body: bytes | memoryview) -> bytes:
+    """The MAC of entry ``body`` stored under ``key``: what binds the entry to its key."""
+    name = key.encode()
+    return secret.mac(_MAGIC, struct.pack("<HI", ENTRY_VERSION, len(name)), name, body)
+
+
+def encode_entry(key: str, entry: Entry, secret: CacheSecret) -> bytes:
+    """The bytes the tiers keep for ``entry`` under ``key``, signed with ``secret``."""
     meta = json.dumps(entry.meta, sort_keys=True).encode()
     body = zstandard.ZstdCompressor(level=3).compress(
         struct.pack("<I", len(meta)) + meta + entry.executable)
-    return _HEADER.pack(_MAGIC, ENTRY_VERSION, hashlib.sha256(body).digest()) + body
+    return _HEADER.pack(_MAGIC, ENTRY_VERSION, _entry_mac(secret, key, body)) + body
 
 
-def decode_entry(data: bytes, expect: dict[str, Any]) -> Entry:
-    """Check and decode an entry; ``expect`` are meta fields that must match exactly."""
+def decode_entry(key: str, data: bytes, secret: CacheSecret,
+                 expect: dict[str, Any] | None = None) -> Entry:
+    """Check and decode the entry ``data`` read under ``key``; ``CorruptEntry`` if it fails.
+
+    The MAC is checked before anything is decompressed: an entry tampered with,
+    moved from another key, or signed with another secret is refused. ``expect``
+    are meta fields that must match exactly (versions, platform, device kind).
+    """
     if len(data) < _HEADER.size:
         raise CorruptEntry(f"entry is {len(data)} bytes, shorter than its header")
-    magic, version, digest = _HEADER.unpack_from(data)
+    magic, version, mac = _HEADER.unpack_from(data)
     if magic != _MAGIC or version != ENTRY_VERSION:
-        raise CorruptEntry(f"entry has magic {magic!r} version {version}")
+        raise CorruptEntry(f"entry has magic {magic!r} version {version}, "
+                           f"expected {_MAGIC!r} version {ENTRY_VERSION}")
     body = memoryview(data)[_HEADER.size:]
-    if hashlib.sha256(body).digest() != digest:
-        raise CorruptEntry("entry checksum does not match its body")
+    if not hmac.compare_digest(_entry_mac(secret, key, body), mac):
+        raise CorruptEntry("entry MAC does not match its key and body (damaged, tampered with, "
+                           "stored under another key, or signed with another cache secret)")
     try:
         raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_ENTRY_BYTES)
         (meta_len,) = struct.unpack_from("<I", raw)
         meta = json.loads(raw[4:4 + meta_len])
     except (zstandard.ZstdError, struct.error, ValueError) as e:
         raise CorruptEntry(f"entry body does not decode: {e}") from None
-    for field, want in expect.items():
+    for field, want in (expect or {}).items():
         if meta.get(field) != want:
             raise CorruptEntry(f"entry {field} is {meta.get(field)!r}, expected {want!r}")
     return Entry(raw[4 + meta_len:], meta)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, *, exclusive: bool = False) -> None:
     """Write ``data`` to ``path``: readers see the old file or the whole new one, even after a crash.
 
-    A temporary file in the same directory is written and fsynced, renamed over
-    ``path``, then the directory is fsynced so that the rename itself is durable.
-    On failure the temporary file is removed and ``path`` is untouched.
+    A temporary file in the same directory (mode 0600) is written and fsynced,
+    renamed over ``path``, then the directory is fsynced so that the rename
+    itself is durable. On failure the temporary file is removed and ``path`` is
+    untouched. With ``exclusive``, an existing ``path`` is kept and
+    ``FileExistsError`` raised: the temporary is hard-linked, never renamed, so
+    of concurrent writers exactly one wins.
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
     try:
@@ -176,7 +281,11 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

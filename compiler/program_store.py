@@ -11,6 +11,14 @@ A blob is the program's format and bytes in one frame (one file, one Redis
 string), so a reader never sees one without the other. Blobs read back are
 untrusted: their bytes must hash to their id, and they are decoded and validated
 again exactly like an upload.
+
+Unlike executable entries, blobs carry no MAC (``compiler.cache.CacheSecret``),
+and need none: they are content-addressed, so a blob moved under another id
+fails the hash check, and a blob that a writer to the tier stores under its own
+id is no more than an upload of that program, which anyone may make and which
+is validated the same way. The format name is outside the hash, but the formats'
+encodings differ (a flatbuffer, MLIR, a JSON or msgpack document), so another
+name makes the decode fail: a miss, not another program.
 """
 
 from __future__ import annotations

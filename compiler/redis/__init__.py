@@ -3,9 +3,12 @@
 Every jitserve process that points at the same Redis shares what any of them
 compiled: an executable compiled on one host is a cache hit on every other host
 with the same device kind and versions (both are in the cache key, and
-``compiler.cache.decode_entry`` refuses an entry whose checksum, jaxlib version,
-platform or device kind does not match). Point it only at a Redis that is
-private to the deployment and trusted: executables are code.
+``compiler.cache.decode_entry`` refuses an entry whose jaxlib version, platform
+or device kind does not match). Entries are signed with the deployment's cache
+secret and bound to their key, so a writer to Redis without the secret cannot
+make a server run what it wrote; still, point it only at a Redis that is
+private to the deployment: a writer can delete or flood the cache
+(docs/redis.md, "Trust boundary").
 
 One module per concern, the way arq keeps connections, constants and jobs apart::
 
@@ -21,7 +24,7 @@ One module per concern, the way arq keeps connections, constants and jobs apart:
 
 Key layout under ``jitserve:v<LAYOUT_VERSION>:<deployment prefix>:``::
 
-    exe:<executable_id>     the entry bytes (``encode_entry``: checksummed, zstd)
+    exe:<executable_id>     the entry bytes (``encode_entry``: signed, zstd)
     meta:<executable_id>    a hash beside it: sizes, compile seconds, hits, versions
     prog:<program_id>       the program blob (``compiler.program_store``: format, bytes)
     lock:<executable_id>    the compile lock: a random token, with an expiry
@@ -32,8 +35,9 @@ circuit breaker keeps every tier off Redis; a background probe retries with
 exponential backoff and resumes on the first answer. The ``Compiler`` builds the
 tiers from its config::
 
-    compiler = Compiler(CompilerConfig(redis=RedisSettings.from_url("redis://:pw@cache:6379/0",
-                                                                    prefix="prod")))
+    compiler = Compiler(CompilerConfig(
+        redis=RedisSettings.from_url("redis://:pw@cache:6379/0", prefix="prod"),
+        cache_secret=CacheSecret.from_value(os.environ["JITSERVE_CACHE_SECRET"])))
 
 The names below load on first use: ``RedisSettings`` is read at every start, and
 a deployment without Redis never imports the ``redis`` package.

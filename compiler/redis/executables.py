@@ -1,13 +1,16 @@
 """The executable tier in Redis: entries, their metadata records, and the compile lock.
 
-Executables are code. Point this tier only at a Redis that is private to the
-deployment and trusted: whoever can write to it can make the servers run what
-they wrote. ``compiler.cache.decode_entry`` still refuses an entry whose
-checksum, jaxlib version, platform or device kind does not match.
+Executables are code. Entries are signed (``compiler.cache.encode_entry``: an
+HMAC with the deployment's ``CacheSecret`` over the key and the body), so a
+writer to Redis without the secret can neither forge an entry nor move one
+under another key; ``compiler.cache.decode_entry`` refuses such an entry, and
+one whose jaxlib version, platform or device kind does not match. The
+metadata records are not signed: they describe, they are never loaded. Keep
+the Redis private all the same (docs/redis.md, "Trust boundary").
 
 Records (under ``RedisSettings.key_prefix``)::
 
-    exe:<executable_id>     the entry bytes (``encode_entry``: checksummed, zstd)
+    exe:<executable_id>     the entry bytes (``encode_entry``: signed, zstd)
     meta:<executable_id>    a hash beside it: sizes, compile seconds, hits, versions
 """
 
@@ -21,7 +24,7 @@ from typing import Any
 import jax
 import redis
 
-from jitserve.compiler.cache import EXECUTABLES, CorruptEntry, Entry, decode_entry
+from jitserve.compiler.cache import EXECUTABLES, CacheSecret, CorruptEntry, Entry, decode_entry
 from jitserve.compiler.redis.blobs import RedisTier
 from jitserve.compiler.redis.connection import RedisConnection
 from jitserve.compiler.redis.lock import CompileLock
@@ -57,10 +60,13 @@ class ExecutableTier(RedisTier):
 
     Args:
       connection: the deployment's ``RedisConnection``.
+      secret: the deployment's ``CacheSecret``: ``put`` stores only entries
+        signed with it for their key.
     """
 
-    def __init__(self, connection: RedisConnection) -> None:
+    def __init__(self, connection: RedisConnection, secret: CacheSecret) -> None:
         super().__init__(connection, EXECUTABLES)
+        self.secret = secret
         self.lock = CompileLock(connection, EXECUTABLES)
         self._touch = connection.script(_TOUCH)
 
@@ -74,7 +80,7 @@ class ExecutableTier(RedisTier):
     def put(self, key: str, data: bytes) -> None:
         """Store an entry (``encode_entry`` bytes) with its metadata record; wake the waiters."""
         try:
-            entry = decode_entry(data, {"key": key})
+            entry = decode_entry(key, data, self.secret, {"key": key})
         except CorruptEntry as e:
             logger.warning("not storing a bad entry for %s in Redis: %s", key, e)
             return

@@ -20,7 +20,11 @@ __all__ = ["LAYOUT_VERSION", "RedisSettings"]
 #   tier keeps too (``compiler.program_store``), instead of a hash of data and
 #   format: programs and executables go through one blob tier. ``exe:`` and
 #   ``meta:`` records are unchanged.
-LAYOUT_VERSION = 2
+# 2026-11-23: 3, ``exe:`` entries are signed (``compiler.cache.ENTRY_VERSION`` 2).
+#   A server reads only its own entry version and drops the others, so without a
+#   new prefix old and new servers would drop each other's entries all through a
+#   rolling upgrade; with it they keep apart (programs are uploaded again).
+LAYOUT_VERSION = 3
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # no glob characters: the prefix goes into SCAN MATCH
 _SCHEMES = ("redis", "rediss", "unix")

@@ -1,6 +1,6 @@
 """The tiers: L1 (memory), L2 (disk), single-flight compiles, and cache hygiene on failure;
 the one tier mechanism (``TieredStore``, ``DiskTier``, ``atomic_write``) that executables
-and programs share."""
+and programs share; signed entries (``CacheSecret``) and the secret kept in the cache dir."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import stat
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,8 +30,10 @@ from jitserve.compiler import (
     Program,
 )
 from jitserve.compiler.cache import (
+    ENTRY_VERSION,
     EXECUTABLES,
     PROGRAMS,
+    CacheSecret,
     CorruptEntry,
     DiskTier,
     Entry,
@@ -45,6 +48,10 @@ from jitserve.compiler.program_store import decode_program_blob, encode_program_
 pytestmark = pytest.mark.timeout(120)
 
 MakeCompiler = Callable[..., Compiler]
+
+SECRET = CacheSecret.from_value("test-cache-secret-" + "4f9a" * 8)
+OTHER_SECRET = CacheSecret.from_value("another-cache-secret-" + "c3d1" * 8)
+SECRET_FILE = "cache-secret"  # in the cache dir, when no secret is configured
 
 
 def small_fn(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -89,8 +96,8 @@ def _lookup_and_check(c: Compiler, data: bytes) -> Lookup:
 
 
 def _files(root: Path) -> list[Path]:
-    """Every regular file under ``root`` (entries and any temporaries)."""
-    return sorted(p for p in root.rglob("*") if p.is_file())
+    """Every regular file under ``root`` (entries and any temporaries) but the cache secret."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and p != root / SECRET_FILE)
 
 
 def _entry_file(root: Path) -> Path:
@@ -129,21 +136,37 @@ def _flip(data: bytes) -> bytes:
     return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 16]) + data[middle + 16:]
 
 
-def _reframe(data: bytes, mangle: Callable[[bytes], bytes]) -> bytes:
-    """A well-framed entry (valid checksum) whose executable bytes are mangled."""
-    with_meta = decode_entry(data, {})
-    return encode_entry(Entry(mangle(with_meta.executable), with_meta.meta))
+def _reframe(data: bytes, key: str, mangle: Callable[[bytes], bytes]) -> bytes:
+    """A well-framed entry (valid MAC) whose executable bytes are mangled."""
+    with_meta = decode_entry(key, data, SECRET)
+    return encode_entry(key, Entry(mangle(with_meta.executable), with_meta.meta), SECRET)
 
 
-CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
-    "flipped_bytes": _flip,
-    "truncated": lambda d: d[: len(d) // 2],
-    "header_only": lambda d: d[:10],
-    "empty": lambda d: b"",
-    "not_an_entry": lambda d: b"\x00" * len(d),
-    "bad_executable_valid_frame": lambda d: _reframe(d, lambda e: e[: len(e) // 2]),
-    "random_executable_valid_frame": lambda d: _reframe(
-        d, lambda e: np.random.default_rng(0).bytes(len(e))),
+def _resign(data: bytes, key: str, *, as_key: str | None = None,
+            secret: CacheSecret = SECRET) -> bytes:
+    """Entry ``data`` of ``key`` signed again with ``secret``, for ``as_key`` (its meta too)."""
+    entry = decode_entry(key, data, SECRET)
+    meta = {**entry.meta, "key": as_key or key}
+    return encode_entry(as_key or key, Entry(entry.executable, meta), secret)
+
+
+def _version(data: bytes, version: int) -> bytes:
+    return data[:4] + struct.pack("<H", version) + data[6:]
+
+
+CORRUPTIONS: dict[str, Callable[[bytes, str], bytes]] = {
+    "flipped_bytes": lambda d, k: _flip(d),
+    "flipped_mac": lambda d, k: d[:6] + bytes([d[6] ^ 1]) + d[7:],
+    "truncated": lambda d, k: d[: len(d) // 2],
+    "header_only": lambda d, k: d[:10],
+    "empty": lambda d, k: b"",
+    "not_an_entry": lambda d, k: b"\x00" * len(d),
+    "old_version": lambda d, k: _version(d, 1),
+    "signed_with_another_secret": lambda d, k: _resign(d, k, secret=OTHER_SECRET),
+    "signed_for_another_key": lambda d, k: _resign(d, k, as_key="0" * 64),
+    "bad_executable_valid_frame": lambda d, k: _reframe(d, k, lambda e: e[: len(e) // 2]),
+    "random_executable_valid_frame": lambda d, k: _reframe(
+        d, k, lambda e: np.random.default_rng(0).bytes(len(e))),
 }
 
 
@@ -151,7 +174,7 @@ CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
 def good_entry(tmp_path_factory: pytest.TempPathFactory, program_bytes: bytes) -> tuple[Path, bytes, str]:
     """The L2 entry of ``program_bytes``: (path relative to the cache dir, bytes, executable id)."""
     root = tmp_path_factory.mktemp("template-cache")
-    c = Compiler(CompilerConfig(cache_dir=root))
+    c = Compiler(CompilerConfig(cache_dir=root, cache_secret=SECRET))
     try:
         executable_id = _lookup_and_check(c, program_bytes).executable_id
     finally:
@@ -165,13 +188,141 @@ def test_corrupt_disk_entry_recompiles(make_compiler: MakeCompiler, tmp_path: Pa
                                        good_entry: tuple[Path, bytes, str], corruption: str) -> None:
     relative, data, executable_id = good_entry
     (tmp_path / relative).parent.mkdir(parents=True)
-    (tmp_path / relative).write_bytes(CORRUPTIONS[corruption](data))
-    c = make_compiler(tmp_path)
+    (tmp_path / relative).write_bytes(CORRUPTIONS[corruption](data, executable_id))
+    c = make_compiler(tmp_path, cache_secret=SECRET)
     again = _lookup_and_check(c, program_bytes)
     assert (again.tier, again.executable_id) == ("compiled", executable_id)
     assert c.stats()["compilations"] == 1
     # The recompile replaced the bad entry: the next process hits disk again.
-    assert _lookup_and_check(make_compiler(tmp_path), program_bytes).tier == "disk"
+    assert _lookup_and_check(make_compiler(tmp_path, cache_secret=SECRET),
+                             program_bytes).tier == "disk"
+
+
+def other_fn(x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ y) - 1.0
+
+
+@pytest.fixture(scope="module")
+def other_program_bytes() -> bytes:
+    """A program with ``small_fn``'s signature and another answer."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (X, Y)]
+    return bytes(jax.export.export(jax.jit(other_fn))(*specs).serialize())
+
+
+def _exe_path(root: Path, key: str) -> Path:
+    return root / "executables" / key[:2] / key
+
+
+@pytest.mark.parametrize("swap", ["as_is", "key_rewritten_and_signed_with_another_secret"])
+def test_swapped_disk_entry_is_refused(make_compiler: MakeCompiler, tmp_path: Path,
+                                       program_bytes: bytes, other_program_bytes: bytes,
+                                       caplog: pytest.LogCaptureFixture, swap: str) -> None:
+    """The entry of program X written under program Z's key: Z recompiles and answers as Z."""
+    a = make_compiler(tmp_path)
+    x_key = _lookup_and_check(a, program_bytes).executable_id
+    z_key = a.executable_id(a.decode(other_program_bytes))
+    x_entry = _exe_path(tmp_path, x_key).read_bytes()
+    if swap != "as_is":  # what a writer without the secret could do at best
+        entry = decode_entry(x_key, x_entry, CacheSecret.in_directory(tmp_path))
+        x_entry = encode_entry(z_key, Entry(entry.executable, {**entry.meta, "key": z_key}),
+                               OTHER_SECRET)
+    _exe_path(tmp_path, z_key).parent.mkdir(exist_ok=True)
+    _exe_path(tmp_path, z_key).write_bytes(x_entry)
+    b = make_compiler(tmp_path)  # a restart, with the secret kept in the cache dir
+    with caplog.at_level(logging.WARNING, "jitserve.compiler.cache"):
+        lookup = b.lookup(b.decode(other_program_bytes))
+    assert (lookup.tier, lookup.executable_id) == ("compiled", z_key)
+    assert "MAC does not match" in caplog.text
+    (out,) = lookup.executable.run([jax.device_put(v, b.device) for v in (X, Y)])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(other_fn)(X, Y)), rtol=1e-6)
+    assert _lookup_and_check(b, program_bytes).tier == "disk"  # X's own entry is fine
+    assert make_compiler(tmp_path).lookup(b.decode(other_program_bytes)).tier == "disk"
+
+
+def test_secret_file_is_private_and_reused_after_a_restart(
+        make_compiler: MakeCompiler, tmp_path: Path, program_bytes: bytes) -> None:
+    first = _lookup_and_check(make_compiler(tmp_path), program_bytes)
+    path = tmp_path / SECRET_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    kept = path.read_bytes()
+    assert len(kept.strip()) == 64 and int(kept, 16)  # 32 random bytes, in hex
+    hit = _lookup_and_check(make_compiler(tmp_path), program_bytes)
+    assert (hit.tier, hit.executable_id) == ("disk", first.executable_id)
+    assert path.read_bytes() == kept
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [SECRET_FILE]  # no temporary
+
+
+def test_a_new_secret_makes_old_entries_misses(make_compiler: MakeCompiler, tmp_path: Path,
+                                               program_bytes: bytes) -> None:
+    """Rotation: entries signed with the old secret are dropped and recompiled, never run."""
+    _lookup_and_check(make_compiler(tmp_path, cache_secret=SECRET), program_bytes)
+    c = make_compiler(tmp_path, cache_secret=OTHER_SECRET)
+    assert _lookup_and_check(c, program_bytes).tier == "compiled"
+    assert _lookup_and_check(make_compiler(tmp_path, cache_secret=OTHER_SECRET),
+                             program_bytes).tier == "disk"
+    assert not (tmp_path / SECRET_FILE).exists()  # a configured secret needs no file
+
+
+def test_processes_starting_at_once_agree_on_the_secret(tmp_path: Path) -> None:
+    start = threading.Barrier(8)
+
+    def make(_: int) -> bytes:
+        start.wait()
+        return CacheSecret.in_directory(tmp_path).value
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        values = set(pool.map(make, range(8)))
+    assert len(values) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [SECRET_FILE]
+
+
+def test_a_readable_secret_file_is_made_private(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    made = CacheSecret.in_directory(tmp_path)
+    (tmp_path / SECRET_FILE).chmod(0o644)
+    with caplog.at_level(logging.WARNING, "jitserve.compiler.cache"):
+        assert CacheSecret.in_directory(tmp_path) == made
+    assert stat.S_IMODE((tmp_path / SECRET_FILE).stat().st_mode) == 0o600
+    assert "mode 644" in caplog.text and made.value.decode() not in caplog.text
+
+
+def test_a_damaged_secret_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / SECRET_FILE).write_text("hunter2\n")
+    with pytest.raises(ValueError, match="damaged") as raised:
+        CacheSecret.in_directory(tmp_path)
+    assert "hunter2" not in str(raised.value)
+
+
+KEY_A, KEY_B = (hashlib.sha256(n).hexdigest() for n in (b"a", b"b"))
+
+
+@pytest.mark.parametrize("key, secret, data_of", [
+    (KEY_B, SECRET, lambda d: d),                  # moved under another key
+    (KEY_A, OTHER_SECRET, lambda d: d),            # read with another secret
+    (KEY_A, SECRET, lambda d: d[:-1] + bytes([d[-1] ^ 1])),  # a body byte
+    (KEY_A, SECRET, lambda d: d[:10] + bytes([d[10] ^ 1]) + d[11:]),  # a MAC byte
+])
+def test_entry_mac_binds_key_body_and_secret(key: str, secret: CacheSecret,
+                                             data_of: Callable[[bytes], bytes]) -> None:
+    entry = Entry(b"executable bytes" * 64, {"key": KEY_A, "n": 1})
+    data = encode_entry(KEY_A, entry, SECRET)
+    assert decode_entry(KEY_A, data, SECRET) == entry
+    with pytest.raises(CorruptEntry, match="MAC does not match") as raised:
+        decode_entry(key, data_of(data), secret)
+    assert SECRET.value.decode() not in str(raised.value)
+
+
+def test_old_entry_versions_are_refused() -> None:
+    data = encode_entry(KEY_A, Entry(b"x", {}), SECRET)
+    assert ENTRY_VERSION == 2
+    with pytest.raises(CorruptEntry, match="version 1"):
+        decode_entry(KEY_A, _version(data, 1), SECRET)
+
+
+def test_the_secret_stays_out_of_reprs() -> None:
+    assert "4f9a" not in repr(SECRET) and "4f9a" not in str(SECRET)
+    assert "configured" in repr(SECRET)
+    with pytest.raises(ValueError, match="empty"):
+        CacheSecret.from_value("")
 
 
 def test_concurrent_first_lookups_compile_once(make_compiler: MakeCompiler, tmp_path: Path,
@@ -262,6 +413,15 @@ def test_atomic_write_fsyncs_the_file_and_the_directory(tmp_path: Path,
     atomic_write(tmp_path / "blob", b"data")
     assert synced == ["file", "directory"]  # the directory after the rename
     assert (tmp_path / "blob").read_bytes() == b"data"
+
+
+def test_atomic_write_exclusive_keeps_an_existing_file(tmp_path: Path) -> None:
+    atomic_write(tmp_path / "blob", b"first", exclusive=True)
+    with pytest.raises(FileExistsError):
+        atomic_write(tmp_path / "blob", b"second", exclusive=True)
+    assert _files(tmp_path) == [tmp_path / "blob"]  # no temporary left
+    assert (tmp_path / "blob").read_bytes() == b"first"
+    assert stat.S_IMODE((tmp_path / "blob").stat().st_mode) == 0o600
 
 
 @pytest.mark.parametrize("failing", ["fsync", "replace"])

@@ -1,6 +1,6 @@
 """The Redis tiers (``jitserve.compiler.redis``) against a real ``redis-server``:
-storage, metadata, listing, programs, the cross-process compile lock, corrupt
-entries and blobs, and Redis dying and coming back.
+storage, metadata, listing, programs, the cross-process compile lock, corrupt,
+swapped and foreign-signed entries and blobs, and Redis dying and coming back.
 
 Two ``Compiler`` instances with their own cache dirs stand for two processes
 that share one Redis; the lock-holder test uses a real second process.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -30,11 +31,14 @@ import redis
 from redis_server import RedisServer, free_port, make_tls_certs
 
 from jitserve.compiler import CacheUnavailable, Compiler, Lookup, RedisSettings, SharedTier
-from jitserve.compiler.cache import Entry, encode_entry
+from jitserve.compiler.cache import CacheSecret, Entry, decode_entry, encode_entry
 from jitserve.compiler.program_store import encode_program_blob
 from jitserve.compiler.redis import LAYOUT_VERSION, RedisTier, RedisTiers, RedisUnavailable
 
 pytestmark = pytest.mark.timeout(180)
+
+SECRET = CacheSecret.from_value("redis-test-cache-secret-" + "9e27" * 8)
+OTHER_SECRET = CacheSecret.from_value("someone-elses-cache-secret-" + "51b0" * 8)
 
 MakeSettings = Callable[..., RedisSettings]
 MakeTiers = Callable[..., RedisTiers]
@@ -57,7 +61,7 @@ def make_tiers(settings: MakeSettings) -> Iterator[MakeTiers]:
     made: list[RedisTiers] = []
 
     def make(url: str | None = None, **options: Any) -> RedisTiers:
-        made.append(RedisTiers(settings(url, **options)))
+        made.append(RedisTiers(settings(url, **options), SECRET))
         return made[-1]
 
     yield make
@@ -104,11 +108,12 @@ def run_program(c: Compiler, data: bytes, fmt: str,
     return lookup, [np.asarray(o) for o in outs]
 
 
-def fake_entry(key: str, device_kind: str = "cpu", size: int = 5000) -> bytes:
+def fake_entry(key: str, device_kind: str = "cpu", size: int = 5000,
+               secret: CacheSecret = SECRET) -> bytes:
     meta = {"key": key, "jaxlib_version": jaxlib.__version__, "platform": "cpu",
             "device_kind": device_kind, "compile_seconds": 1.25, "created": 1000.0,
             "program_id": "p" * 64}
-    return encode_entry(Entry(os.urandom(size // 2) + bytes(size // 2), meta))
+    return encode_entry(key, Entry(os.urandom(size // 2) + bytes(size // 2), meta), secret)
 
 
 def a_key(n: int = 0) -> str:
@@ -225,6 +230,7 @@ def test_put_refuses_a_bad_entry(make_tiers: MakeTiers) -> None:
     tier, key = make_tiers().executables, a_key()
     tier.put(key, b"not an entry")
     tier.put(key, fake_entry(a_key(1)))  # an entry of another key
+    tier.put(key, fake_entry(key, secret=OTHER_SECRET))  # signed with another secret
     assert tier.get(key) is None
 
 
@@ -323,11 +329,11 @@ def test_works_under_maxmemory_allkeys_lru(redis_server: Callable[..., RedisServ
 def test_program_hit_in_redis_fills_the_disk_tier(make_compiler: Callable[..., Compiler],
                                                   settings: MakeSettings, raw: redis.Redis,
                                                   redis_prefix: str, tmp_path: Path) -> None:
-    a = make_compiler(tmp_path / "a", redis=settings())
+    a = make_compiler(tmp_path / "a", cache_secret=SECRET, redis=settings())
     program, created = a.programs.put(program_bytes(), "jax_export")
     assert created
     pid = program.program_id
-    b = make_compiler(tmp_path / "b", redis=settings())
+    b = make_compiler(tmp_path / "b", cache_secret=SECRET, redis=settings())
     # One Redis tier class for both kinds (executables add their records and lock).
     assert [type(t).__name__ for t in b.programs.store.tiers] == ["DiskTier", "RedisTier"]
     assert all(isinstance(t, RedisTier) for t in (b.tiers[1], b.programs.store.tiers[1]))
@@ -336,7 +342,7 @@ def test_program_hit_in_redis_fills_the_disk_tier(make_compiler: Callable[..., C
     on_disk = tmp_path / "b" / "programs" / pid[:2] / pid
     assert on_disk.read_bytes() == raw.get(rkey(redis_prefix, "prog", pid))
     # A restart of B needs no Redis: its disk answers.
-    restarted = make_compiler(tmp_path / "b")
+    restarted = make_compiler(tmp_path / "b", cache_secret=SECRET)
     assert restarted.programs.get(pid) is not None
     _, created = restarted.programs.put(program_bytes())
     assert not created
@@ -354,7 +360,7 @@ def test_corrupt_program_blob_in_redis_is_ignored(make_compiler: Callable[..., C
     raw.set(name, {"another_program": other, "truncated": blob[:-1], "garbage": b"\x00" * 64,
                    "empty": b"", "unknown_format": blob.replace(b"jax_export", b"pickle_xxx", 1),
                    }[damage])
-    c = make_compiler(tmp_path / "c", redis=settings())
+    c = make_compiler(tmp_path / "c", cache_secret=SECRET, redis=settings())
     assert c.programs.get(program_id) is None  # never decoded, never run
     assert not raw.exists(name)  # dropped, so an upload stores a good one again
     assert not (tmp_path / "c" / "programs" / program_id[:2] / program_id).exists()
@@ -365,7 +371,7 @@ def test_corrupt_program_blob_in_redis_is_ignored(make_compiler: Callable[..., C
 def test_known_program_is_shared_again(make_compiler: Callable[..., Compiler],
                                        settings: MakeSettings, raw: redis.Redis,
                                        redis_prefix: str, tmp_path: Path) -> None:
-    c = make_compiler(tmp_path, redis=settings())
+    c = make_compiler(tmp_path, cache_secret=SECRET, redis=settings())
     program, _ = c.programs.put(program_bytes())
     name = rkey(redis_prefix, "prog", program.program_id)
     raw.delete(name)  # evicted, or uploaded while Redis was down
@@ -379,8 +385,8 @@ def test_known_program_is_shared_again(make_compiler: Callable[..., Compiler],
 def test_second_process_is_a_redis_hit(make_compiler: Callable[..., Compiler],
                                        settings: MakeSettings,
                                        tmp_path: Path) -> None:
-    a = make_compiler(tmp_path / "a", redis=settings())
-    b = make_compiler(tmp_path / "b", redis=settings())
+    a = make_compiler(tmp_path / "a", cache_secret=SECRET, redis=settings())
+    b = make_compiler(tmp_path / "b", cache_secret=SECRET, redis=settings())
     first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
     second, outs = run_program(b, program_bytes(), "jax_export", ARGS)
     assert first.tier == "compiled" and second.tier == "redis"
@@ -397,30 +403,82 @@ def _corrupt(raw: redis.Redis, name: str, kind: str) -> None:
     key = name.rsplit(":", 1)[1]
     damaged = {"truncated": data[: len(data) // 2], "flipped": data[:-1] + bytes([data[-1] ^ 1]),
                "garbage": b"\x00" * 100, "empty": b"",
-               "foreign_device": fake_entry(key, device_kind="TPU v9")}[kind]
+               "foreign_device": fake_entry(key, device_kind="TPU v9"),
+               "other_secret": _resigned(data, key, key, OTHER_SECRET),
+               "old_version": data[:4] + (1).to_bytes(2, "little") + data[6:]}[kind]
     raw.set(name, damaged)
 
 
-@pytest.mark.parametrize("kind", ["truncated", "flipped", "garbage", "empty", "foreign_device"])
+def _resigned(data: bytes, key: str, as_key: str, secret: CacheSecret) -> bytes:
+    """Entry ``data`` of ``key`` claiming ``as_key`` (in its meta too), signed with ``secret``."""
+    entry = decode_entry(key, data, SECRET)
+    return encode_entry(as_key, Entry(entry.executable, {**entry.meta, "key": as_key}), secret)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped", "garbage", "empty", "foreign_device",
+                                  "other_secret", "old_version"])
 def test_corrupt_entry_is_dropped_and_recompiled(make_compiler: Callable[..., Compiler],
                                                  settings: MakeSettings,
                                                  raw: redis.Redis, redis_prefix: str,
                                                  kind: str) -> None:
-    a = make_compiler(None, redis=settings())
+    a = make_compiler(None, cache_secret=SECRET, redis=settings())
     first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
     _corrupt(raw, rkey(redis_prefix, "exe", first.executable_id), kind)
-    b = make_compiler(None, redis=settings())
+    b = make_compiler(None, cache_secret=SECRET, redis=settings())
     again, outs = run_program(b, program_bytes(), "jax_export", ARGS)
     assert again.tier == "compiled"
     np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
-    c = make_compiler(None, redis=settings())
+    c = make_compiler(None, cache_secret=SECRET, redis=settings())
     third, _ = run_program(c, program_bytes(), "jax_export", ARGS)
     assert third.tier == "redis"  # the recompiled entry replaced the bad one
 
 
+@pytest.mark.parametrize("swap", ["as_is", "key_rewritten_and_signed_with_another_secret"])
+def test_swapped_entry_is_refused_and_recompiled(make_compiler: Callable[..., Compiler],
+                                                 settings: MakeSettings, raw: redis.Redis,
+                                                 redis_prefix: str, swap: str,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Executable X's entry written under Y's key: Y recompiles and answers as Y, never as X."""
+    a = make_compiler(None, cache_secret=SECRET, redis=settings())
+    x, _ = run_program(a, program_bytes(), "jax_export", ARGS)
+    y_key = a.executable_id(a.decode(program_bytes(5.0), "jax_export"))
+    x_entry = raw.get(rkey(redis_prefix, "exe", x.executable_id))
+    assert x_entry is not None
+    if swap != "as_is":  # the best a writer without the secret can do
+        x_entry = _resigned(x_entry, x.executable_id, y_key, OTHER_SECRET)
+    raw.set(rkey(redis_prefix, "exe", y_key), x_entry)
+    raw.hset(rkey(redis_prefix, "meta", y_key), mapping={"executable_id": y_key, "size": "1"})
+    b = make_compiler(None, cache_secret=SECRET, redis=settings())
+    with caplog.at_level(logging.WARNING, "jitserve.compiler.cache"):
+        y, outs = run_program(b, program_bytes(5.0), "jax_export", ARGS)
+    assert (y.tier, y.executable_id) == ("compiled", y_key)
+    assert "dropping corrupt redis executables entry" in caplog.text
+    assert "MAC does not match" in caplog.text
+    np.testing.assert_allclose(outs[0], np.tanh(ARGS[0] @ ARGS[1]) * 5.0, rtol=1e-6)
+    # The recompile stored Y's own entry: the next process hits it, and X's is untouched.
+    c = make_compiler(None, cache_secret=SECRET, redis=settings())
+    assert run_program(c, program_bytes(5.0), "jax_export", ARGS)[0].tier == "redis"
+    x_again, outs = run_program(c, program_bytes(), "jax_export", ARGS)
+    assert x_again.tier == "redis"
+    np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
+
+
+def test_processes_need_the_same_secret(make_compiler: Callable[..., Compiler],
+                                        settings: MakeSettings) -> None:
+    """A process with another secret refuses the shared entries: it never runs them."""
+    a = make_compiler(None, cache_secret=SECRET, redis=settings())
+    assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "compiled"
+    other = make_compiler(None, cache_secret=OTHER_SECRET, redis=settings())
+    lookup, outs = run_program(other, program_bytes(), "jax_export", ARGS)
+    assert lookup.tier == "compiled"
+    np.testing.assert_allclose(outs[0], EXPECTED, rtol=1e-6)
+    with pytest.raises(ValueError, match="cache_secret"):
+        make_compiler(None, redis=settings())  # Redis without a secret: refused at once
+
+
 def test_concurrent_first_calls_compile_once(make_compiler: Callable[..., Compiler],
                                              settings: MakeSettings) -> None:
-    compilers = [make_compiler(None, redis=settings()) for _ in range(2)]
+    compilers = [make_compiler(None, cache_secret=SECRET, redis=settings()) for _ in range(2)]
     for c in compilers:
         c.warm()
     data = program_bytes(3.0)
@@ -447,9 +505,11 @@ def test_concurrent_first_calls_compile_once(make_compiler: Callable[..., Compil
 
 _HOLDER = """
 import sys, time
+from jitserve.compiler import CacheSecret
 from jitserve.compiler.redis import RedisSettings, RedisTiers
 url, prefix, key, lock_ttl = sys.argv[1:5]
-tiers = RedisTiers(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=float(lock_ttl)))
+tiers = RedisTiers(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=float(lock_ttl)),
+                   CacheSecret.per_process())  # it only locks
 lock = tiers.executables.compile_lock(key)  # kept referenced: collecting it would release it
 assert lock.__enter__() is True
 print("locked", flush=True)
@@ -475,7 +535,7 @@ def _stop(holder: subprocess.Popen[str]) -> None:
 def test_killed_lock_holder_lock_expires(make_compiler: Callable[..., Compiler],
                                          settings: MakeSettings, redis_url: str,
                                          redis_prefix: str) -> None:
-    c = make_compiler(None, redis=settings(lock_ttl_s=1.5, wait_s=60))
+    c = make_compiler(None, cache_secret=SECRET, redis=settings(lock_ttl_s=1.5, wait_s=60))
     c.warm()
     key = c.executable_id(c.decode(program_bytes(), "jax_export"))
     holder = _hold_lock(redis_url, redis_prefix, key, lock_ttl_s=1.5)
@@ -499,7 +559,7 @@ def test_killed_lock_holder_lock_expires(make_compiler: Callable[..., Compiler],
 def test_waiter_gives_up_after_wait_s(make_compiler: Callable[..., Compiler],
                                       settings: MakeSettings, redis_url: str,
                                       redis_prefix: str) -> None:
-    c = make_compiler(None, redis=settings(wait_s=1.0))
+    c = make_compiler(None, cache_secret=SECRET, redis=settings(wait_s=1.0))
     key = c.executable_id(c.decode(program_bytes(), "jax_export"))
     holder = _hold_lock(redis_url, redis_prefix, key, lock_ttl_s=30)
     try:
@@ -547,12 +607,12 @@ def test_redis_killed_mid_run_and_back(make_compiler: Callable[..., Compiler],
                                        redis_server: Callable[[], RedisServer]) -> None:
     server = redis_server()
     shared = settings(server.url, max_backoff_s=0.5)
-    a = make_compiler(None, redis=shared)
+    a = make_compiler(None, redis=shared, cache_secret=SECRET)
     assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "compiled"
     server.kill()
     # Calls keep succeeding: L1 hits, and a fresh process (empty L1) compiles.
     assert run_program(a, program_bytes(), "jax_export", ARGS)[0].tier == "memory"
-    b = make_compiler(None, redis=shared)
+    b = make_compiler(None, redis=shared, cache_secret=SECRET)
     for scale in (2.0, 4.0):
         lookup, _ = run_program(b, program_bytes(scale), "jax_export", ARGS)
         assert lookup.tier == "compiled"
@@ -561,7 +621,7 @@ def test_redis_killed_mid_run_and_back(make_compiler: Callable[..., Compiler],
         b.catalog.page()
     server.start()  # same port, empty (no persistence)
     _wait_until(lambda: b.catalog.state == "ok")
-    c = make_compiler(None, redis=shared)
+    c = make_compiler(None, redis=shared, cache_secret=SECRET)
     assert run_program(c, program_bytes(5.0), "jax_export", ARGS)[0].tier == "compiled"
     assert run_program(b, program_bytes(5.0), "jax_export", ARGS)[0].tier == "redis"
     assert b.catalog.state == "ok"

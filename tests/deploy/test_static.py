@@ -248,7 +248,8 @@ def _errors(validator: Any, doc: Any) -> list[str]:
             for e in validator.iter_errors(doc)]
 
 
-COMPOSE_ENV = {"REDIS_PASSWORD": "5f0c2b7e9d1a4c3b8e6f0a2d4c6e8b1a"}
+COMPOSE_ENV = {"REDIS_PASSWORD": "5f0c2b7e9d1a4c3b8e6f0a2d4c6e8b1a",
+               "JITSERVE_CACHE_SECRET": "0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c"}
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +281,12 @@ def test_compose_needs_a_redis_password(compose: Any) -> None:
         interpolate(compose, {})
 
 
+def test_compose_needs_a_cache_secret(compose: Any) -> None:
+    """With Redis the settings require it; compose says so before the server starts."""
+    with pytest.raises(KeyError, match="JITSERVE_CACHE_SECRET"):
+        interpolate(compose, {"REDIS_PASSWORD": COMPOSE_ENV["REDIS_PASSWORD"]})
+
+
 def test_compose_services(compose: Any) -> None:
     doc = interpolate(compose, COMPOSE_ENV)
     app, redis = doc["services"]["jitserve"], doc["services"]["redis"]
@@ -300,6 +307,7 @@ def test_compose_services(compose: Any) -> None:
     assert redis["environment"]["REDISCLI_AUTH"] == password
 
     assert app["environment"]["REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+    assert app["environment"]["JITSERVE_CACHE_SECRET"] == COMPOSE_ENV["JITSERVE_CACHE_SECRET"]
     assert app["depends_on"]["redis"]["condition"] == "service_healthy"
     assert "/healthz" in " ".join(app["healthcheck"]["test"])
     port = app["environment"]["JITSERVE_PORT"]
@@ -425,6 +433,7 @@ def test_kubernetes_base(rendered: dict[str, list[dict[str, Any]]]) -> None:
     secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]
                   if "secretKeyRef" in e.get("valueFrom", {})}
     assert secret_env["REDIS_URL"]["key"] == "redis-url"
+    assert secret_env["JITSERVE_CACHE_SECRET"]["key"] == "cache-secret"
     assert secret_env["JITSERVE_API_KEYS"]["key"] == "api-keys"
     assert "Secret" not in {d["kind"] for d in docs}, "secrets are created by the operator"
 
@@ -495,7 +504,8 @@ def test_kubernetes_overlays(rendered: dict[str, list[dict[str, Any]]], overlay:
         assert "cuda" not in image_tag
     # The overlay keeps the base's probes and secrets.
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert {e["name"] for e in c["env"]} >= {"REDIS_URL", "JITSERVE_API_KEYS"}
+    assert {e["name"] for e in c["env"]} >= {"REDIS_URL", "JITSERVE_CACHE_SECRET",
+                                            "JITSERVE_API_KEYS"}
 
 
 def test_docs_name_every_secret_key(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -504,7 +514,7 @@ def test_docs_name_every_secret_key(rendered: dict[str, list[dict[str, Any]]]) -
     for docs in rendered.values():
         text = json.dumps(docs)
         keys.update(re.findall(r'"key": "([a-z-]+)", "name": "jitserve-secrets"', text))
-    assert keys == {"redis-url", "api-keys", "redis-password"}, keys
+    assert keys == {"redis-url", "cache-secret", "api-keys", "redis-password"}, keys
     doc = (REPO / "docs/deploy.md").read_text()
     for key in keys:
         assert f"--from-literal={key}=" in doc, f"docs/deploy.md does not create {key}"

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MP = {"content-type": wire.MSGPACK}
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 StartServer = Callable[..., str]
+# Every server sharing a Redis signs its entries with the same secret (docs/redis.md).
+CACHE_SECRET = "e2e-cache-secret-" + "7d3e" * 8
 
 
 def _export(fn: Any) -> bytes:
@@ -42,7 +44,7 @@ def _export(fn: Any) -> bytes:
 
 def _pair(start_server: StartServer, url: str, prefix: str, **env: str) -> tuple[str, str]:
     """Two servers, A and B, sharing the Redis at ``url`` under ``prefix``."""
-    env = {"REDIS_URL": url, "JITSERVE_REDIS_PREFIX": prefix,
+    env = {"REDIS_URL": url, "JITSERVE_REDIS_PREFIX": prefix, "JITSERVE_CACHE_SECRET": CACHE_SECRET,
            "JITSERVE_REDIS_LOCK_TTL_S": "2", "JITSERVE_REDIS_WAIT_S": "60", **env}
     return start_server(env, "a"), start_server(env, "b")
 
@@ -176,7 +178,8 @@ def test_redis_unreachable_at_start(start_server: StartServer,
                                     redis_prefix: str) -> None:
     port = free_port()
     url = start_server({"REDIS_URL": f"redis://127.0.0.1:{port}/0",
-                        "JITSERVE_REDIS_PREFIX": redis_prefix})
+                        "JITSERVE_REDIS_PREFIX": redis_prefix,
+                        "JITSERVE_CACHE_SECRET": CACHE_SECRET})
     assert _cache_state(url) == "degraded"
     pid = _upload(url, _export(lambda x: x / 2))
     np.testing.assert_array_equal(_run(url, pid), X / 2)
@@ -203,14 +206,34 @@ def test_corrupt_entry_is_recompiled(start_server: StartServer, redis_url: str,
     raw.close()
 
 
+def test_swapped_entry_is_recompiled(start_server: StartServer, redis_url: str,
+                                     redis_prefix: str) -> None:
+    """X's entry written under Y's key (by a writer to Redis without the secret): B runs Y."""
+    a, b = _pair(start_server, redis_url, redis_prefix)
+    px, py = _upload(a, _export(lambda x: x * x)), _upload(a, _export(lambda x: x + 100))
+    x_id, y_id = _compile(a, px)["executable_id"], _compile(a, py)["executable_id"]
+    raw = redis.Redis.from_url(redis_url)
+    name = f"jitserve:v{LAYOUT_VERSION}:{redis_prefix}:exe:"
+    x_entry = raw.get(name + x_id)
+    assert x_entry is not None
+    raw.set(name + y_id, x_entry)
+    np.testing.assert_array_equal(_run(b, py), X + 100)  # Y's answer, not X's
+    assert _compilations(b) == 1 and _redis_hits(b) == 0
+    np.testing.assert_array_equal(_run(b, px), X * X)  # X's own entry still hits
+    assert _redis_hits(b) == 1
+    assert raw.get(name + y_id) != x_entry  # B stored Y's own entry again
+    raw.close()
+
+
 _HOLDER = """
 import sys, time
-from jitserve.compiler import Compiler, CompilerConfig
+from jitserve.compiler import CacheSecret, Compiler, CompilerConfig
 from jitserve.compiler.redis import RedisSettings, RedisTiers
 url, prefix, path = sys.argv[1:4]
 compiler = Compiler(CompilerConfig())
 key = compiler.executable_id(compiler.decode(open(path, "rb").read()))
-tiers = RedisTiers(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=3))
+tiers = RedisTiers(RedisSettings.from_url(url, prefix=prefix, lock_ttl_s=3),
+                   CacheSecret.per_process())  # it only locks
 lock = tiers.executables.compile_lock(key)  # kept referenced: collecting it would release it
 assert lock.__enter__() is True
 print(key, flush=True)

@@ -20,6 +20,7 @@ from jitserve.service.settings import Settings
 pytestmark = pytest.mark.timeout(60)
 
 MakeStore = Callable[..., ProgramStore]
+CACHE_SECRET = "service-test-cache-secret-" + "a5e1" * 8  # shared by the stores' servers
 
 
 @pytest.fixture
@@ -30,7 +31,8 @@ def make_store(redis_url: str, redis_prefix: str) -> Iterator[MakeStore]:
     def make(cache_dir: Path | None, shared: bool = True) -> ProgramStore:
         settings = Settings(env="test", cache_dir=cache_dir or Path("unused"),
                             disk_cache=cache_dir is not None, redis_prefix=redis_prefix,
-                            redis_url=redis_url if shared else None)
+                            redis_url=redis_url if shared else None,
+                            cache_secret=CACHE_SECRET)
         made.append(make_compiler(settings))
         return ProgramStore(made[-1].programs)
 
