@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from jitserve.compiler.cache import (
     EXECUTABLES,
     PROGRAMS,
     BlobKind,
+    CacheSecret,
     DiskTier,
     Entry,
     MemoryCache,
@@ -56,7 +58,9 @@ from jitserve.wire import Aval, TierName
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
 
-__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup"]
+__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats"]
+
+logger = logging.getLogger("jitserve.compiler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,12 @@ class CompilerConfig:
         L2 tier after the disk for executables and programs, which also elects
         one compiler per key across processes; ``None`` for none. An unreachable
         Redis does not stop the start: its tiers begin degraded and retry.
+      cache_secret: signs the executable entries of every L2 tier (HMAC over
+        key and body, ``compiler.cache.CacheSecret``), so an entry loads only
+        under the key it was made for. ``None``: a random secret kept in
+        ``cache_dir`` (made once, mode 0600, reused after restarts), or one of
+        this process alone without a ``cache_dir``. Required with ``redis``:
+        every process sharing the Redis must sign with the same secret.
     """
 
     cache_dir: Path | None = None
@@ -87,10 +97,69 @@ class CompilerConfig:
     compile_workers: int = 1
     limits: Limits = Limits()
     redis: RedisSettings | None = None
+    cache_secret: CacheSecret | None = None
+
+    def __post_init__(self) -> None:
+        if self.redis is not None and self.cache_secret is None:
+            raise ValueError(
+                "CompilerConfig.redis is set but cache_secret is not: every process sharing a "
+                "Redis must sign its entries with the same secret (CacheSecret.from_value)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """XLA's buffer assignment of one executable, in device bytes: known before it runs.
+
+    Read from the loaded executable (``get_compiled_memory_stats``), which works for
+    deserialized executables too, and kept in the executable's meta as ``memory``.
+
+    Attributes:
+      argument_bytes: the inputs.
+      output_bytes: the outputs.
+      alias_bytes: outputs that reuse an input's buffer (0 unless inputs are donated).
+      temp_bytes: intermediates, allocated for the run and freed after it: a while
+        loop's carry, say, which no declared output shows.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+
+    @property
+    def run_bytes(self) -> int:
+        """Device bytes one run allocates beyond its inputs: intermediates and outputs."""
+        return self.temp_bytes + self.output_bytes - self.alias_bytes
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> MemoryStats | None:
+        """The stats of a meta's ``memory``; ``None`` if absent or malformed (an older entry)."""
+        try:
+            return cls(**{f.name: int(doc[f.name]) for f in dataclasses.fields(cls)})
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    @classmethod
+    def of(cls, loaded: Any) -> MemoryStats | None:
+        """The stats of a loaded executable; ``None`` where the backend cannot tell."""
+        try:
+            s = loaded.get_compiled_memory_stats()
+            return cls(int(s.argument_size_in_bytes), int(s.output_size_in_bytes),
+                       int(s.alias_size_in_bytes), int(s.temp_size_in_bytes))
+        except Exception as e:  # a backend without memory analysis: nothing to bound
+            logger.debug("no memory analysis for an executable: %s", e)
+            return None
 
 
 class Executable:
-    """A loaded executable with its static signature. ``run`` is safe from any thread."""
+    """A loaded executable with its static signature. ``run`` is safe from any thread.
+
+    ``memory`` is XLA's account of the device bytes one run needs (``MemoryStats``),
+    or ``None`` where the backend gives none; it is also in ``meta["memory"]``.
+    """
 
     def __init__(self, loaded: Any, executable_id: str, meta: dict[str, Any], nbytes: int) -> None:
         self._loaded = loaded
@@ -98,6 +167,9 @@ class Executable:
         self.in_avals = tuple(Aval.from_json(a) for a in meta["in_avals"])
         self.out_avals = tuple(Aval.from_json(a) for a in meta["out_avals"])
         self.out_tree = meta.get("out_tree")
+        self.memory = MemoryStats.of(loaded) or MemoryStats.from_json(meta.get("memory"))
+        if self.memory is not None:
+            meta["memory"] = self.memory.to_json()
         self.meta = meta
         self.nbytes = nbytes
 
@@ -158,7 +230,8 @@ class Compiler:
             platform=self.platform, platform_version=self._backend.platform_version,
             runtime_type=self._backend.runtime_type, device_kind=self.device.device_kind,
             device_count=1, options_digest=options_digest(self._options))
-        self._shared = _open_redis(self.config.redis)
+        self._secret = _cache_secret(self.config)
+        self._shared = _open_redis(self.config.redis, self._secret)
         self._executables: TieredStore[Executable] = TieredStore(
             EXECUTABLES, self._l2_tiers(EXECUTABLES),
             MemoryCache(self.config.l1_max_entries, self.config.l1_max_bytes),
@@ -317,7 +390,8 @@ class Compiler:
         # Store the worker's bytes, never a re-serialization of the loaded
         # executable: on CPU (jaxlib 0.10.2) serializing a deserialized executable
         # drops its object code, and loading that fails at run time.
-        self._executables.put(key, encode_entry(Entry(serialized, executable.meta)), executable)
+        self._executables.put(key, encode_entry(key, Entry(serialized, executable.meta),
+                                                self._secret), executable)
         return Lookup(executable, key, TierName.COMPILED, seconds)
 
     def _compile(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
@@ -353,7 +427,7 @@ class Compiler:
 
     def _load_executable(self, key: str, data: bytes) -> Executable:
         """The executable in entry ``data`` of ``key``; ``CorruptEntry`` if it is not one for here."""
-        entry = decode_entry(data, self._expected_meta(key))
+        entry = decode_entry(key, data, self._secret, self._expected_meta(key))
         return Executable(self._deserialize(entry.executable), key, entry.meta,
                           len(entry.executable))
 
@@ -364,10 +438,22 @@ class Compiler:
         return (*disk, *shared)
 
 
-def _open_redis(settings: RedisSettings | None) -> RedisTiers | None:
+def _cache_secret(config: CompilerConfig) -> CacheSecret:
+    """The secret that signs entries: configured, else kept in the cache dir, else this process's."""
+    if config.cache_secret is not None:
+        secret = config.cache_secret
+    elif config.cache_dir is not None:
+        secret = CacheSecret.in_directory(config.cache_dir)
+    else:
+        secret = CacheSecret.per_process()
+    logger.info("executable entries are signed with a cache secret: %s", secret.source)
+    return secret
+
+
+def _open_redis(settings: RedisSettings | None, secret: CacheSecret) -> RedisTiers | None:
     if settings is None:
         return None
     # Imported here: a compiler without Redis never loads the redis package.
     from jitserve.compiler.redis.tiers import RedisTiers
 
-    return RedisTiers(settings)
+    return RedisTiers(settings, secret)

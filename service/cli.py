@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
+    from jitserve.service.metrics import Metrics
+    from jitserve.service.settings import Settings
+
 __all__ = ["main"]
 
 # What `serve` needs beyond the base install; all come with the `server` extra.
@@ -82,7 +85,6 @@ def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from jitserve.service.app import create_app
-    from jitserve.service.memory import retain_freed_memory
     from jitserve.service.settings import Settings
 
     try:
@@ -96,10 +98,31 @@ def serve(args: argparse.Namespace) -> int:
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.getLogger("jitserve").setLevel(level)
     if settings.retain_freed_memory:
-        retain_freed_memory()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, timeout_graceful_shutdown=10)
+        _retain_freed_memory(settings.retain_freed_max_bytes)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=10, **_connection_options(settings, app.state.metrics))
     return 0
+
+
+def _retain_freed_memory(max_bytes: int) -> None:
+    from jitserve.service.memory import HeapTrimmer, retain_freed_memory
+
+    if retain_freed_memory(max_bytes):
+        HeapTrimmer(max_bytes).start()  # a daemon thread: it ends with the process
+
+
+def _connection_options(settings: Settings, metrics: Metrics) -> dict[str, Any]:
+    """uvicorn's options for slow, idle and big-headed connections (service/connections.py)."""
+    from jitserve.service.connections import HeadLimits, guarded_protocol
+
+    limits = HeadLimits(settings.header_timeout_s, settings.max_head_bytes,
+                        metrics.connection_closed)
+    # ws="none": no route speaks WebSocket, and an upgraded connection would outlive the guard.
+    return {"http": guarded_protocol(limits), "ws": "none",
+            "timeout_keep_alive": settings.keepalive_timeout_s,
+            "h11_max_incomplete_event_size": settings.max_head_bytes,
+            "limit_concurrency": settings.max_connections}
 
 
 def _describe(error: ValidationError) -> str:

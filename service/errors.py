@@ -20,17 +20,22 @@ Compiler errors keep their own codes (400 for a bad program or signature, 422 fo
 one that is understood but refused); the compiler's ``CacheUnavailable`` (the
 shared Redis is down, for a listing) is a 503 ``unavailable``; the wire codec's
 ``WireError`` is a 400 ``bad_request``; anything unexpected is a 500 ``internal`` that hides the details.
+A client that disconnects before its request body ended (Starlette's
+``ClientDisconnect``) is logged on one info line and counted as status 499, nginx's
+"client closed request": nobody receives that answer, and it is no server error.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jitserve.compiler import CacheUnavailable
 from jitserve.compiler.errors import CompilerError
@@ -176,6 +181,23 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
                      status=exc.status_code)
 
 
+# nginx's status for a request whose client went away before the answer.
+_CLIENT_CLOSED = 499
+
+log = logging.getLogger("jitserve.requests")
+
+
+async def _client_disconnect(request: Request, exc: Exception) -> Response:
+    where = f" {exc}" if str(exc) else ""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    log.info("%s disconnected before its request body ended%s: %s %s", client, where,
+             request.method, request.url.path)
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.body_aborted("disconnect")
+    return Response(status_code=_CLIENT_CLOSED)  # never delivered; the metrics count it
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # The details stay out of the answer; Starlette re-raises after this response,
     # so the server logs the traceback once.
@@ -189,5 +211,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(CacheUnavailable, _cache_unavailable)
     app.add_exception_handler(WireError, _wire_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

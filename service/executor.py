@@ -9,23 +9,35 @@ arrays they already are, so chaining moves no bytes through the host.
 
 An execution that has not started yet can be cancelled (``Future`` deletion calls
 ``ExecutionJob.cancel``); one that is running always finishes.
+
+Device memory: a future reserves its declared outputs in the ``FutureStore``, but
+a run also allocates intermediates (XLA's temp buffers: a loop's carry, say) that
+no output shows. Their size is known before the run (``Executable.memory``, XLA's
+memory analysis). ``Executor.admit`` refuses, before any future exists, a call
+whose intermediates and outputs exceed ``max_run_bytes``
+(``JITSERVE_MAX_EXECUTION_BYTES``: 422 ``limit_exceeded``). While it runs, an
+execution holds its temp bytes against the same device-bytes budget as the
+futures' outputs (``TempBudget``); one that does not fit waits for running ones
+to finish (one runs whenever none is running, so nothing waits for good).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 
-from jitserve.compiler.errors import first_line
+from jitserve.compiler.compile import MemoryStats
+from jitserve.compiler.errors import LimitExceeded, first_line
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.wire import FutureStatus
@@ -90,6 +102,45 @@ class ExecutionJob:
             self._started = True
 
 
+class TempBudget:
+    """Device bytes of intermediates held by running executions.
+
+    They share ``futures.max_device_bytes`` with the outputs that live futures hold
+    (``futures.device_bytes``). ``hold`` waits until its bytes fit, or until no
+    execution holds any (so one always runs). Call on the event loop.
+    """
+
+    def __init__(self, futures: FutureStore, metrics: Metrics) -> None:
+        self.in_flight = 0
+        self._futures = futures
+        self._metrics = metrics
+        self._changed = asyncio.Condition()
+
+    def _fits(self, nbytes: int) -> bool:
+        used = self._futures.device_bytes + self.in_flight
+        return self.in_flight == 0 or used + nbytes <= self._futures.max_device_bytes
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        """Count ``nbytes`` as in flight for the duration of the block."""
+        if nbytes <= 0:
+            yield
+            return
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._fits(nbytes))
+            self._add(nbytes)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._add(-nbytes)
+                self._changed.notify_all()
+
+    def _add(self, nbytes: int) -> None:
+        self.in_flight += nbytes
+        self._metrics.execution_temp_bytes.set(self.in_flight)
+
+
 class Executor:
     """A thread pool that runs executables on ``device`` and settles futures.
 
@@ -98,14 +149,34 @@ class Executor:
       futures: the store whose futures this settles.
       metrics: where execution counts and timings go.
       threads: concurrent executions.
+      max_run_bytes: the most device bytes (intermediates and outputs) one run may
+        allocate; ``None``: the futures' ``max_device_bytes``.
     """
 
-    def __init__(self, device: Any, futures: FutureStore, metrics: Metrics, threads: int) -> None:
+    def __init__(self, device: Any, futures: FutureStore, metrics: Metrics, threads: int,
+                 *, max_run_bytes: int | None = None) -> None:
         self.device = device
+        self.max_run_bytes = max_run_bytes or futures.max_device_bytes
         self._futures = futures
         self._metrics = metrics
+        self._budget = TempBudget(futures, metrics)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jitserve-exec")
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def admit(self, executable: Any) -> None:
+        """Refuse a run that may never fit; call it before the run's future is created.
+
+        ``LimitExceeded`` (422) when the intermediates and outputs of one run exceed
+        ``max_run_bytes``: retrying cannot help. A run that fits the limit but not
+        beside what others hold now waits for its turn (``TempBudget``).
+        """
+        mem: MemoryStats | None = getattr(executable, "memory", None)
+        if mem is None or mem.run_bytes <= self.max_run_bytes:
+            return  # without a memory analysis (backend), only outputs are counted
+        raise LimitExceeded(
+            f"one run of this program needs {mem.run_bytes:,} bytes of device memory "
+            f"({_sizes(mem)}), over the limit of {self.max_run_bytes:,} bytes "
+            "(JITSERVE_MAX_EXECUTION_BYTES)")
 
     def submit(self, future: Future, executable: Any, args: Sequence[Arg]) -> ExecutionJob:
         """Start running ``executable`` on ``args`` for ``future``; returns at once."""
@@ -118,10 +189,12 @@ class Executor:
 
     async def _run(self, job: ExecutionJob) -> None:
         fut = job.future
+        memory: MemoryStats | None = getattr(job.executable, "memory", None)
         try:
             await self._resolve(job)
             loop = asyncio.get_running_loop()
-            outputs, run_s = await loop.run_in_executor(self._pool, self._work, job, loop)
+            async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
+                outputs, run_s = await loop.run_in_executor(self._pool, self._work, job, loop)
         except (asyncio.CancelledError, _Cancelled):
             return  # the store already marked it cancelled
         except _DependencyFailed as e:
@@ -171,6 +244,12 @@ class Executor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+
+
+def _sizes(mem: MemoryStats) -> str:
+    alias = f" - {mem.alias_bytes:,} aliased to inputs" if mem.alias_bytes else ""
+    return (f"{mem.temp_bytes:,} for intermediates + {mem.output_bytes:,} for outputs"
+            f"{alias}")
 
 
 def _output_of(ref: FutureRef, position: int) -> Any:

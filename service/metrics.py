@@ -16,6 +16,15 @@ Names (the Grafana dashboard and the acceptance tests read these)::
     jitserve_redis_errors_total               failed Redis commands and probes
     jitserve_redis_bytes_total{direction}     entry and program bytes read from and
                                               written to Redis (read | written)
+    jitserve_request_bodies_aborted_total{reason}
+                                              bodies that did not arrive whole: the client
+                                              disconnected (disconnect, counted as status
+                                              499 above) or stalled (timeout, status 400)
+    jitserve_connections_closed_total{reason} connections the server closed before a request
+                                              head arrived whole (header_timeout,
+                                              header_too_large)
+    jitserve_execution_temp_bytes             device bytes of intermediates (XLA temp
+                                              buffers) of executions in flight
 """
 
 from __future__ import annotations
@@ -67,6 +76,21 @@ class Metrics:
         self.redis_bytes = Counter("jitserve_redis_bytes", "bytes moved to and from Redis",
                                    ["direction"], registry=r)
         self._redis_seen = {"errors": 0, "bytes_read": 0, "bytes_written": 0}
+        # Memory and connections: requests and connections cut short, and the scratch
+        # memory of running programs (service/bodies.py, connections.py, executor.py).
+        self.bodies_aborted = Counter("jitserve_request_bodies_aborted",
+                                      "request bodies that did not arrive whole, by reason",
+                                      ["reason"], registry=r)
+        self.connections_closed = Counter("jitserve_connections_closed",
+                                          "connections closed before a whole request head",
+                                          ["reason"], registry=r)
+        self.execution_temp_bytes = Gauge("jitserve_execution_temp_bytes",
+                                          "device bytes of intermediates of running executions",
+                                          registry=r)
+        for reason in ("disconnect", "timeout"):
+            self.bodies_aborted.labels(reason)
+        for reason in ("header_timeout", "header_too_large"):
+            self.connections_closed.labels(reason)
         # Series present at 0 from the start, so rates and dashboards need no special case.
         for direction in ("in", "out"):
             self.transfer_bytes.labels(direction)
@@ -90,6 +114,14 @@ class Metrics:
     def transferred(self, direction: str, nbytes: int) -> None:
         """Count array bytes moved ``"in"`` (requests) or ``"out"`` (responses)."""
         self.transfer_bytes.labels(direction).inc(nbytes)
+
+    def body_aborted(self, reason: str) -> None:
+        """Count a request body cut short: ``"disconnect"`` or ``"timeout"``."""
+        self.bodies_aborted.labels(reason).inc()
+
+    def connection_closed(self, reason: str) -> None:
+        """Count a connection closed for its head: ``"header_timeout"``, ``"header_too_large"``."""
+        self.connections_closed.labels(reason).inc()
 
     def execution_finished(self, status: str) -> None:
         self.executions.labels(status).inc()

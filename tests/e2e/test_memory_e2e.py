@@ -1,0 +1,264 @@
+"""Memory and connections of a real ``jitserve serve`` process (issue 16).
+
+Lying ``Content-Length``s cost no memory, disconnects are no 500s, stalled bodies and
+slow, idle or big request heads are cut off by the configured timeouts, and a
+program whose intermediates pass the per-run device-memory limit is refused before
+it runs. Timeouts are small here so that every loop is short and bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export, lax
+
+from jitserve import wire
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+GiB = 1 << 30
+StartServer = Callable[..., str]
+
+
+def _export(fn: Any, shape: tuple[int, ...]) -> bytes:
+    spec = jax.ShapeDtypeStruct(shape, np.float32)
+    return bytes(export.export(jax.jit(fn))(spec).serialize())
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _server_pid(url: str) -> int:
+    """The pid of the ``jitserve serve`` process listening on ``url``'s port."""
+    port = str(_address(url)[1]).encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if b"jitserve.service" in args and b"--port" in args and port in args:
+            return int(proc.name)
+    raise AssertionError(f"no jitserve process on port {port.decode()}")
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _metrics(http: httpx.Client) -> dict[str, float]:
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def _no_500(samples: dict[str, float]) -> None:
+    bad = {k: v for k, v in samples.items()
+           if k.startswith("jitserve_requests_total") and 'status="5' in k and v}
+    assert not bad, bad
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and the seconds that took."""
+    t0 = time.monotonic()
+    sock.settimeout(timeout_s)
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data, time.monotonic() - t0
+
+
+def _error(answer: bytes) -> dict[str, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.lower().count(b"connection: close") == 1, head
+    return json.loads(body)["error"]
+
+
+def _execute_head(program_id: str, length: int) -> bytes:
+    return (f"POST /v1/programs/{program_id}/execute HTTP/1.1\r\nHost: e2e\r\n"
+            f"Content-Type: {wire.MSGPACK}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def _upload(http: httpx.Client, program: bytes) -> str:
+    r = http.post("/v1/programs", content=program,
+                  headers={"content-type": "application/octet-stream"})
+    assert r.status_code in (200, 201), r.text
+    return r.json()["program_id"]
+
+
+def _add_one(http: httpx.Client) -> str:
+    """Upload x + 1 on float32[3] and run it once (warming the execute path)."""
+    pid = _upload(http, _export(lambda x: x + 1.0, (3,)))
+    r = http.post(f"/v1/programs/{pid}/execute", params={"wait": 30_000},
+                  content=wire.packb({"args": [np.zeros(3, np.float32)]}),
+                  headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 200, r.text
+    return pid
+
+
+def test_lying_content_lengths_cost_no_memory(start_server: StartServer, tmp_path: Path) -> None:
+    url = start_server({"JITSERVE_LOG_LEVEL": "info", "JITSERVE_MAX_BODY_BYTES": str(2 * GiB)},
+                       "liars")
+    pid = _server_pid(url)
+    with httpx.Client(base_url=url, timeout=60) as http, contextlib.ExitStack() as stack:
+        program_id = _add_one(http)
+        before = _rss(pid)
+        for _ in range(3):  # 1 GiB declared, 10 bytes sent, and the client waits
+            sock = stack.enter_context(socket.create_connection(_address(url)))
+            sock.sendall(_execute_head(program_id, GiB) + b"0123456789")
+        time.sleep(1.0)
+        during = _rss(pid)
+        stack.close()  # the clients go away
+        aborted = 'jitserve_request_bodies_aborted_total{reason="disconnect"}'
+        assert _wait_for(lambda: _metrics(http).get(aborted) == 3, 20)
+        after = _rss(pid)
+        samples = _metrics(http)
+    assert during - before < 100 * MiB, (before, during)
+    assert after - before < 100 * MiB, (before, after)
+    _no_500(samples)
+    route = 'route="/v1/programs/{program_id}/execute"'
+    assert samples[f'jitserve_requests_total{{{route},status="499"}}'] == 3
+    log = (tmp_path / "liars" / "server.log").read_text()
+    assert log.count("disconnected before its request body ended after 10 of "
+                     "1,073,741,824 bytes") == 3, log[-3000:]
+    assert "Exception in ASGI application" not in log
+
+
+def test_stalled_body_gets_the_timeout_error(start_server: StartServer) -> None:
+    url = start_server({"JITSERVE_BODY_TIMEOUT_S": "1"}, "stall")
+    with httpx.Client(base_url=url, timeout=60) as http:
+        program_id = _add_one(http)
+        with socket.create_connection(_address(url)) as sock:
+            sock.sendall(_execute_head(program_id, 100) + b"\x81")  # then nothing
+            answer, seconds = _read_until_closed(sock, timeout_s=15)
+        samples = _metrics(http)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    error = _error(answer)
+    assert error["code"] == "bad_request" and "JITSERVE_BODY_TIMEOUT_S" in error["message"]
+    assert 0.9 <= seconds < 10
+    assert samples['jitserve_request_bodies_aborted_total{reason="timeout"}'] == 1
+    _no_500(samples)
+
+
+def test_slow_headers_are_closed_within_the_timeout(start_server: StartServer) -> None:
+    timeout_s, n = 2.0, 30
+    url = start_server({"JITSERVE_HEADER_TIMEOUT_S": str(timeout_s)}, "slow")
+    head = b"GET /healthz HTTP/1.1\r\nHost: e2e\r\nX-Slow: " + b"a" * 40 + b"\r\n\r\n"
+    closed_at: dict[int, float] = {}
+    answers: dict[int, bytes] = {}
+    with httpx.Client(base_url=url, timeout=10) as http, contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.create_connection(_address(url))) for _ in range(n)]
+        t0 = time.monotonic()
+        for tick in range(int(timeout_s) + 6):  # one header byte per second on each
+            for i, sock in enumerate(socks):
+                if i not in closed_at and _drain(sock, answers, i):
+                    closed_at[i] = time.monotonic() - t0
+                if i not in closed_at:
+                    try:
+                        sock.send(head[tick:tick + 1])
+                    except OSError:
+                        closed_at[i] = time.monotonic() - t0
+            assert http.get("/healthz").status_code == 200  # others are served meanwhile
+            if len(closed_at) == n:
+                break
+            time.sleep(max(0.0, t0 + tick + 1 - time.monotonic()))
+        samples = _metrics(http)
+    assert len(closed_at) == n, f"{n - len(closed_at)} slow connections still open"
+    assert timeout_s - 0.5 <= min(closed_at.values())
+    assert max(closed_at.values()) <= timeout_s + 2.5, closed_at
+    answered = [a for a in answers.values() if a]
+    assert answered, "no connection got the timeout's answer"
+    for answer in answered:
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        assert "JITSERVE_HEADER_TIMEOUT_S" in _error(answer)["message"]
+    assert samples['jitserve_connections_closed_total{reason="header_timeout"}'] >= n
+
+
+def _drain(sock: socket.socket, answers: dict[int, bytes], i: int) -> bool:
+    """Read what the server sent without blocking; whether it closed the connection."""
+    sock.setblocking(False)
+    try:
+        while chunk := sock.recv(65536):
+            answers[i] = answers.get(i, b"") + chunk
+        return True
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_big_heads_idle_and_kept_alive_connections_are_closed(start_server: StartServer) -> None:
+    url = start_server({"JITSERVE_HEADER_TIMEOUT_S": "2", "JITSERVE_MAX_HEAD_BYTES": "4096",
+                        "JITSERVE_KEEPALIVE_TIMEOUT_S": "1"}, "heads")
+    with socket.create_connection(_address(url)) as big:
+        big.sendall(b"GET /healthz HTTP/1.1\r\nHost: e2e\r\nX-Big: " + b"a" * 8000)
+        answer, _ = _read_until_closed(big, timeout_s=10)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert "JITSERVE_MAX_HEAD_BYTES" in _error(answer)["message"]
+    with socket.create_connection(_address(url)) as idle:
+        answer, seconds = _read_until_closed(idle, timeout_s=10)
+    assert answer == b"" and 1.5 <= seconds <= 4.5
+    with socket.create_connection(_address(url)) as kept:
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: e2e\r\n\r\n")
+        answer, seconds = _read_until_closed(kept, timeout_s=10)
+    assert answer.startswith(b"HTTP/1.1 200 ") and 0.5 <= seconds <= 3.5
+    with httpx.Client(base_url=url, timeout=10) as http:
+        samples = _metrics(http)
+    assert samples['jitserve_connections_closed_total{reason="header_too_large"}'] == 1
+    assert samples['jitserve_connections_closed_total{reason="header_timeout"}'] >= 1
+    _no_500(samples)
+
+
+def _carry_1gib(x: jax.Array) -> jax.Array:
+    """A loop that carries 1 GiB of float32 and outputs 4 bytes."""
+    big = jnp.full((GiB // 4,), x, jnp.float32)
+    return lax.fori_loop(0, 3, lambda i, c: c * 1.5 + 1.0, big)[0]
+
+
+def test_big_intermediates_are_refused_before_they_run(start_server: StartServer) -> None:
+    url = start_server({"JITSERVE_MAX_EXECUTION_BYTES": str(256 * MiB)}, "temp")
+    pid = _server_pid(url)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        program_id = _upload(http, _export(_carry_1gib, ()))
+        before = _rss(pid)
+        r = http.post(f"/v1/programs/{program_id}/execute", params={"wait": 30_000},
+                      content=wire.packb({"args": [np.float32(1)]}),
+                      headers={"content-type": wire.MSGPACK})
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["code"] == "limit_exceeded"
+        assert "1,073,741," in error["message"] and "268,435,456" in error["message"]
+        assert "JITSERVE_MAX_EXECUTION_BYTES" in error["message"]
+        assert _rss(pid) - before < 256 * MiB  # the loop never ran
+        assert http.get("/healthz").status_code == 200
+        _add_one(http)  # and the server still runs programs
+        _no_500(_metrics(http))
