@@ -25,11 +25,14 @@ from jitserve.service.executor import Executor
 from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics, RequestMetricsMiddleware
 from jitserve.service.programs import ProgramStore
+from jitserve.service.quotas import Quotas
 from jitserve.service.routes import executables as executables_routes
 from jitserve.service.routes import futures as futures_routes
 from jitserve.service.routes import health as health_routes
 from jitserve.service.routes import programs as programs_routes
+from jitserve.service.scheduler import FairScheduler
 from jitserve.service.settings import Settings
+from jitserve.service.tenants import Tenants
 
 __all__ = ["create_app", "make_compiler"]
 
@@ -46,7 +49,8 @@ def make_compiler(settings: Settings) -> Compiler:
         programs_max_entries=settings.programs_max_entries,
         programs_max_bytes=settings.programs_max_bytes,
         compile_timeout_s=settings.compile_timeout_s, compile_workers=settings.compile_workers,
-        limits=limits, redis=settings.redis_settings()))
+        limits=limits, redis=settings.redis_settings(),
+        cache_secret=settings.compiler_cache_secret()))
 
 
 def create_app(settings: Settings | None = None, *, compiler: Compiler | None = None) -> FastAPI:
@@ -93,16 +97,25 @@ def _lifespan_for(shared: Compiler | None):  # noqa: ANN202 - FastAPI's lifespan
 async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> AsyncIterator[None]:
     """Everything that lives as long as the server, on ``app.state``."""
     metrics: Metrics = app.state.metrics
+    # Tenants: scoping and quotas
+    workers = compiler.config.compile_workers
+    quotas = Quotas.from_settings(settings, workers)
+    tenants = Tenants(quotas, scoped=settings.auth_enabled)
+    scheduler = FairScheduler(workers, quotas.compile_slots) if tenants.scoped else None
     futures = FutureStore(ttl_s=settings.future_ttl_s, max_live=settings.max_live_futures,
-                          max_device_bytes=settings.max_device_bytes)
+                          max_device_bytes=settings.max_device_bytes,
+                          owner_max_live=quotas.live_futures if tenants.scoped else None,
+                          owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None)
     futures.on_final = lambda fut: metrics.execution_finished(fut.status.value)
-    executor = Executor(compiler.device, futures, metrics, settings.executor_threads)
+    executor = Executor(compiler.device, futures, metrics, settings.executor_threads,
+                        max_run_bytes=settings.execution_bytes_limit)
     state = app.state
     state.compiler = compiler
-    state.programs = ProgramStore(compiler.programs)
+    state.tenants = tenants
+    state.programs = ProgramStore(compiler.programs, tenants)
     state.futures = futures
     state.executor = executor
-    state.calls = Calls(compiler, futures, executor, metrics)
+    state.calls = Calls(compiler, futures, executor, metrics, tenants, scheduler)
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
     shared = compiler.catalog.shared_url
     log.info("jitserve ready on %s (%s), cache %s%s", compiler.device, compiler.platform,

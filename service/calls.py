@@ -4,6 +4,11 @@
 HTTP layer: it turns the decoded arguments (numpy arrays and future references)
 into concrete avals, looks up (or compiles) the executable for them off the
 event loop, creates the future and hands the work to the executor.
+
+With tenants kept apart (API keys on), a lookup that no cache can answer waits
+for its tenant's turn at the compile pool (``service.scheduler``) and counts
+against the tenant's compiles per minute; every executable looked up becomes
+the tenant's (``service.tenants``), within its quota of executables.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from jitserve.service.errors import BadRequest, FutureCancelled, FutureFailed
 from jitserve.service.executor import Arg, Executor, FutureRef
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
-from jitserve.wire import Aval, FutureStatus
+from jitserve.service.scheduler import FairScheduler
+from jitserve.service.tenants import Tenants
+from jitserve.wire import Aval, FutureStatus, TierName
 
 if TYPE_CHECKING:
-    from jitserve.compiler import Compiler
+    from jitserve.compiler import Compiler, Lookup
 
 __all__ = ["Call", "Calls"]
 
@@ -45,24 +52,66 @@ class Calls:
       futures: where new futures go.
       executor: runs them.
       metrics: cache, compile and transfer counters.
+      tenants: who owns which executable, and the compile quota; omitted, one tenant.
+      scheduler: turns at the compile pool for the tenants' lookups; omitted, every
+        lookup goes straight to the thread pool (one tenant: nobody to be fair to).
     """
 
     def __init__(self, compiler: Compiler, futures: FutureStore, executor: Executor,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, tenants: Tenants | None = None,
+                 scheduler: FairScheduler | None = None) -> None:
         self._compiler = compiler
         self._futures = futures
         self._executor = executor
         self._metrics = metrics
+        self._tenants = tenants or Tenants()
+        self._scheduler = scheduler
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
-                      static_key: str = "") -> Any:
-        """The compiler's ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed)."""
+                      static_key: str = "", owner: str | None = None) -> Lookup:
+        """The compiler's ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed).
+
+        ``QuotaExceeded`` when ``owner`` would pass its executables or compiles quota.
+        """
         # An L1 hit needs no thread: only a miss may block on disk, Redis or XLA.
         lookup = self._compiler.cached(program, in_avals, static_key)
         if lookup is None:
-            lookup = await run_in_threadpool(self._compiler.lookup, program, in_avals, static_key)
+            lookup = await self._lookup(program, in_avals, static_key, owner)
+        self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
+
+    async def _lookup(self, program: Program, in_avals: Sequence[Aval] | None,
+                      static_key: str, owner: str | None) -> Lookup:
+        """A lookup past L1: straight to a thread, or, for a tenant, in its turn."""
+        lookup_args = (program, in_avals, static_key)
+        if self._scheduler is None or owner is None or not self._tenants.scoped:
+            return await run_in_threadpool(self._compiler.lookup, *lookup_args)
+        key = self._compiler.executable_id(*lookup_args)
+        self._tenants.check_executable_room(owner, key)  # before paying for a compile
+        budget = self._tenants.compiles
+        if await run_in_threadpool(self._in_l2, key):
+            # A cache answers: no turn to wait for, no compile to count (unless its
+            # entry turns out not to load here).
+            lookup = await run_in_threadpool(self._compiler.lookup, *lookup_args)
+            if lookup.tier == TierName.COMPILED:
+                budget.record(owner)
+            return lookup
+        token = budget.reserve(owner)
+        lookup = await self._scheduler.run(owner, self._compiler.lookup, *lookup_args)
+        if lookup.tier != TierName.COMPILED:  # another caller compiled it meanwhile
+            budget.give_back(owner, token)
+        return lookup
+
+    def _in_l2(self, key: str) -> bool:
+        """Whether a serialized tier (disk, Redis) holds ``key``; blocks. A failing tier: no."""
+        for tier in self._compiler.tiers:
+            try:
+                if tier.contains(key):
+                    return True
+            except Exception:  # a tier failure is a miss here as in the lookup itself
+                continue
+        return False
 
     async def execute(self, program: Program, args: Sequence[Any], static_key: str,
                       owner: str | None) -> Call:
@@ -73,8 +122,9 @@ class Calls:
         """
         resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
         avals = [aval for _, aval in resolved]
-        lookup = await self.compile(program, avals, static_key)
+        lookup = await self.compile(program, avals, static_key, owner)
         lookup.executable.check_inputs(avals)
+        self._executor.admit(lookup.executable)  # its intermediates count too (executor.py)
         fut = self._futures.create(
             owner=owner, executable_id=lookup.executable_id,
             out_avals=lookup.executable.out_avals, out_tree=lookup.executable.out_tree,

@@ -21,6 +21,7 @@ from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.service.programs import ProgramStore
 from jitserve.service.settings import Settings
+from jitserve.service.tenants import Tenants
 
 __all__ = [
     "AsJSON",
@@ -34,6 +35,7 @@ __all__ = [
     "ProgramBody",
     "ProgramStoreDep",
     "SettingsDep",
+    "TenantsDep",
     "WaitSeconds",
 ]
 
@@ -71,6 +73,11 @@ async def get_metrics(request: Request) -> Metrics:
     return _state(request).metrics
 
 
+async def get_tenants(request: Request) -> Tenants:
+    """Who owns which programs and executables (``service.tenants``)."""
+    return _state(request).tenants
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 CompilerDep = Annotated[Compiler, Depends(get_compiler)]
 ProgramStoreDep = Annotated[ProgramStore, Depends(get_programs)]
@@ -78,6 +85,7 @@ FutureStoreDep = Annotated[FutureStore, Depends(get_futures)]
 CallsDep = Annotated[Calls, Depends(get_calls)]
 CatalogDep = Annotated[Catalog, Depends(get_catalog)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+TenantsDep = Annotated[Tenants, Depends(get_tenants)]
 
 
 async def get_owner(settings: SettingsDep,
@@ -86,20 +94,23 @@ async def get_owner(settings: SettingsDep,
     return authenticate(authorization, settings)
 
 
-async def get_body(request: Request, settings: SettingsDep) -> BodyReader:
+async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> BodyReader:
     """A reader for the request body, bounded by ``max_body_bytes``.
 
     A reader rather than the bytes, so a handler can drop a big body as soon
     as it is decoded (FastAPI would hold a dependency's value until the end).
     """
-    return BodyReader(request, settings.max_body_bytes)
+    return BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                      metrics=metrics)
 
 
-async def get_program_body(request: Request, settings: SettingsDep) -> BodyReader:
+async def get_program_body(request: Request, settings: SettingsDep,
+                           metrics: MetricsDep) -> BodyReader:
     """A body reader for program uploads, bounded by ``max_program_bytes`` too."""
     if settings.max_program_bytes < settings.max_body_bytes:
-        return BodyReader(request, settings.max_program_bytes, "JITSERVE_MAX_PROGRAM_BYTES")
-    return BodyReader(request, settings.max_body_bytes)
+        return BodyReader(request, settings.max_program_bytes, "JITSERVE_MAX_PROGRAM_BYTES",
+                          timeout_s=settings.body_timeout_s, metrics=metrics)
+    return await get_body(request, settings, metrics)
 
 
 async def get_as_json(request: Request) -> bool:

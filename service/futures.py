@@ -6,14 +6,17 @@ until the future is deleted or expires. Every state change happens on the event
 loop and wakes long-pollers through an ``asyncio.Event``, so nobody busy-waits.
 
 The store bounds how many futures are alive and how many output bytes they may
-hold; past either limit ``create`` raises ``TooManyRequests`` (a 429 with
-``Retry-After``). Ids are ``secrets.token_urlsafe(24)`` (192 bits): unguessable,
-and only their creator (by API-key digest) can see them.
+hold, in all and per owner (each API key's quota, ``service.quotas``); past a
+limit ``create`` raises ``TooManyRequests`` (a 429 with ``Retry-After``; for an
+owner's quota, ``QuotaExceeded``, which names it). Ids are
+``secrets.token_urlsafe(24)`` (192 bits): unguessable, and only their creator (by
+API-key digest) can see them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 
 from jitserve.compiler.errors import LimitExceeded
 from jitserve.service.errors import NotFound, TooManyRequests
+from jitserve.service.quotas import QuotaExceeded
 from jitserve.wire import Aval, FutureStatus
 
 __all__ = ["Future", "FutureStore", "Job", "Timings"]
@@ -108,36 +112,81 @@ class FutureStore:
       ttl_s: how long a future lives after it is created or finishes.
       max_live: most futures alive at once.
       max_device_bytes: most output bytes held (or promised) by live futures.
+      owner_max_live, owner_max_device_bytes: the same for the futures of one owner
+        (an API key); ``None`` for no such limit. A future without an owner (no
+        auth) has only the store's limits.
       clock: wall-clock seconds (injectable for tests).
     """
 
     def __init__(self, *, ttl_s: float, max_live: int, max_device_bytes: int,
+                 owner_max_live: int | None = None, owner_max_device_bytes: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.ttl_s = ttl_s
         self.max_live = max_live
         self.max_device_bytes = max_device_bytes
+        self.owner_max_live = owner_max_live
+        self.owner_max_device_bytes = owner_max_device_bytes
         self._clock = clock
         self._futures: dict[str, Future] = {}
         self.device_bytes = 0
+        # Per owner: live futures, and the device bytes they hold (which a deleted
+        # running future holds until it ends).
+        self._live_of: collections.Counter[str | None] = collections.Counter()
+        self._bytes_of: collections.Counter[str | None] = collections.Counter()
         self.on_final: Callable[[Future], None] | None = None
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0) -> Future:
         """A new pending future; ``TooManyRequests`` when a limit is reached."""
         need = sum(a.nbytes for a in out_avals)
-        if not self._fits(need):
+        if not self._fits(need, owner):
             self.sweep()  # expired futures may make room; sweeping every call would cost O(n)
+        self._check_owner_limits(need, owner)
         self._check_limits(need)
         now = self._clock()
         fut = Future(secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
                      out_tree, now, now + self.ttl_s, need, timings=Timings(compile_s=compile_s))
         self._futures[fut.future_id] = fut
         self.device_bytes += need
+        self._live_of[owner] += 1
+        self._bytes_of[owner] += need
         return fut
 
-    def _fits(self, need: int) -> bool:
+    def live_of(self, owner: str | None) -> int:
+        """How many live futures ``owner`` has."""
+        return self._live_of[owner]
+
+    def device_bytes_of(self, owner: str | None) -> int:
+        """How many device bytes ``owner``'s futures hold (or are promised)."""
+        return self._bytes_of[owner]
+
+    def _fits(self, need: int, owner: str | None) -> bool:
+        if owner is not None and (
+                (self.owner_max_live is not None and self._live_of[owner] >= self.owner_max_live)
+                or (self.owner_max_device_bytes is not None
+                    and self._bytes_of[owner] + need > self.owner_max_device_bytes)):
+            return False
         return (len(self._futures) < self.max_live
                 and self.device_bytes + need <= self.max_device_bytes)
+
+    def _check_owner_limits(self, need: int, owner: str | None) -> None:
+        if owner is None:
+            return
+        live, held = self._live_of[owner], self._bytes_of[owner]
+        cap = self.owner_max_device_bytes
+        if cap is not None and need > cap:
+            raise LimitExceeded(f"the outputs need {need:,} bytes of device memory, over this "
+                                f"API key's quota of {cap:,} (JITSERVE_TENANT_MAX_DEVICE_BYTES)")
+        if self.owner_max_live is not None and live >= self.owner_max_live:
+            raise QuotaExceeded(
+                "live_futures", f"this API key has {live} live futures, its quota "
+                "(JITSERVE_TENANT_MAX_LIVE_FUTURES); fetch and DELETE finished ones",
+                self._retry_after(owner))
+        if cap is not None and held + need > cap:
+            raise QuotaExceeded(
+                "device_bytes", f"this API key's live futures hold {held:,} of its {cap:,} "
+                f"device bytes (JITSERVE_TENANT_MAX_DEVICE_BYTES) and this call needs "
+                f"{need:,}; DELETE futures you no longer need", self._retry_after(owner))
 
     def _check_limits(self, need: int) -> None:
         if need > self.max_device_bytes:
@@ -152,9 +201,11 @@ class FutureStore:
                 f"bytes and this call needs {need:,}; DELETE futures you no longer need",
                 self._retry_after())
 
-    def _retry_after(self) -> float:
-        # When the first future expires, space frees up for sure.
-        soonest = min((f.expires_at for f in self._futures.values()), default=self._clock())
+    def _retry_after(self, owner: str | None = None) -> float:
+        # When the first future (of the owner, for its quota) expires, space frees up for sure.
+        futures = self._futures.values()
+        soonest = min((f.expires_at for f in futures if owner is None or f.owner == owner),
+                      default=self._clock())
         return min(max(soonest - self._clock(), 1.0), 60.0)
 
     def get(self, future_id: str, owner: str | None) -> Future:
@@ -210,7 +261,8 @@ class FutureStore:
             self.on_final(fut)
 
     def _remove(self, fut: Future, why: str) -> None:
-        self._futures.pop(fut.future_id, None)
+        if self._futures.pop(fut.future_id, None) is not None:
+            self._uncount(self._live_of, fut.owner, 1)
         if fut.removed is None:
             fut.removed = why
         if fut.status is not FutureStatus.RUNNING:
@@ -220,7 +272,14 @@ class FutureStore:
     def _release(self, fut: Future) -> None:
         fut.outputs = None
         self.device_bytes -= fut.reserved_bytes
+        self._uncount(self._bytes_of, fut.owner, fut.reserved_bytes)
         fut.reserved_bytes = 0
+
+    @staticmethod
+    def _uncount(counter: collections.Counter[str | None], owner: str | None, n: int) -> None:
+        counter[owner] -= n
+        if counter[owner] <= 0:
+            del counter[owner]  # owners come and go: keep only those holding something
 
     def _expired(self, fut: Future, now: float) -> bool:
         # A running execution cannot be stopped; it gets a fresh TTL when it ends.

@@ -23,6 +23,7 @@ __all__ = [
     "ExecuteAccepted",
     "ExecuteRequest",
     "FutureView",
+    "ProgramDeleted",
     "ProgramInfo",
     "TimingsView",
     "parse",
@@ -145,6 +146,13 @@ class FutureView(BaseModel):
                    out_avals=[a.to_json() for a in fut.out_avals], out_tree=fut.out_tree,
                    error=fut.error, created=fut.created, expires_at=fut.expires_at,
                    timings=TimingsView(queued_s=t.queued_s, compile_s=t.compile_s, run_s=t.run_s))
+
+
+class ProgramDeleted(BaseModel):
+    """Answer of ``DELETE /v1/programs/{id}``: the program is no longer the caller's."""
+
+    program_id: str
+    status: str = "deleted"
 
 
 class DeleteResult(BaseModel):

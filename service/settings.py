@@ -13,10 +13,10 @@ import hashlib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from jitserve.compiler import Limits, RedisSettings
+from jitserve.compiler import CacheSecret, Limits, RedisSettings
 from jitserve.compiler.jaxpr import JaxprLimits
 
 __all__ = ["PLACEHOLDER_SECRETS", "Settings"]
@@ -34,8 +34,11 @@ PLACEHOLDER_SECRETS = frozenset(
 class Settings(BaseSettings):
     """Everything the server reads from its environment (prefix ``JITSERVE_``)."""
 
+    # hide_input_in_errors: a model-level error would otherwise print every input,
+    # secrets (JITSERVE_CACHE_SECRET, API keys, the Redis password) included.
     model_config = SettingsConfigDict(
-        env_prefix="JITSERVE_", extra="ignore", validate_default=True, populate_by_name=True
+        env_prefix="JITSERVE_", extra="ignore", validate_default=True, populate_by_name=True,
+        hide_input_in_errors=True,
     )
 
     env: Literal["development", "test", "production"] = "production"
@@ -93,6 +96,40 @@ class Settings(BaseSettings):
     max_live_futures: int = Field(10_000, gt=0)
     max_device_bytes: int = Field(8 * GiB, gt=0)
     executor_threads: int = Field(2, gt=0)
+
+    # Tenants: scoping and quotas
+    # Per API key, with keys on (service/quotas.py, docs/service.md "Tenants"). Unset:
+    # live futures and device bytes get a fair share of the totals above (divided by
+    # the number of keys), executables l1_max_entries, program bytes programs_max_bytes.
+    tenant_max_live_futures: int | None = Field(None, gt=0)
+    tenant_max_device_bytes: int | None = Field(None, gt=0)
+    tenant_compiles_per_minute: int = Field(120, gt=0)
+    tenant_max_executables: int | None = Field(None, gt=0)
+    tenant_max_program_bytes: int | None = Field(None, gt=0)
+    # Share of the compile workers one key's compiles may hold at once (rounded up).
+    tenant_compile_share: float = Field(0.5, gt=0, le=1)
+
+    # Memory and connections (docs/service.md, "Memory" and "Connections").
+    # Freed heap memory kept for reuse is capped (service/memory.py): 1 GiB keeps
+    # what a 256 MiB round trip frees (its body and msgpack's copy of the array).
+    retain_freed_max_bytes: int = Field(1 * GiB, ge=32 * MiB)
+    # Device bytes one execution may allocate (intermediates + outputs, from XLA's
+    # memory analysis); unset: max_device_bytes.
+    max_execution_bytes: int | None = Field(None, gt=0)
+    # No body bytes for this long: the request is answered 400 and its connection closed.
+    body_timeout_s: float = Field(30.0, gt=0)
+    # A request head (request line and headers) must arrive within this, and be at
+    # most max_head_bytes; an idle keep-alive connection is closed after keepalive_timeout_s.
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_head_bytes: int = Field(64 * 1024, ge=1024)
+    keepalive_timeout_s: float = Field(5.0, gt=0)
+    # Open connections plus running requests; past it new requests get 503. Unset: no limit.
+    max_connections: int | None = Field(None, gt=0)
+
+    @property
+    def execution_bytes_limit(self) -> int:
+        """``max_execution_bytes``, or ``max_device_bytes`` when it is unset."""
+        return self.max_execution_bytes or self.max_device_bytes
 
     @field_validator("cache_dir")
     @classmethod
@@ -155,3 +192,38 @@ class Settings(BaseSettings):
     def key_digests(self) -> tuple[bytes, ...]:
         """sha256 digests of the API keys, the form auth compares and owners store."""
         return tuple(hashlib.sha256(k.encode()).digest() for k in self.api_keys)
+
+    # Cache signing: the HMAC secret of executable entries on disk and in Redis, which
+    # binds each entry to its key (docs/redis.md, "Trust boundary"). Unset: the
+    # compiler keeps a random one in <cache_dir>/cache-secret (one per process with
+    # the disk tier off). Required with REDIS_URL: every process on the Redis must
+    # sign with the same one. Outside development a placeholder or short one is refused.
+    cache_secret: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _check_cache_secret(self) -> Settings:
+        value = self.cache_secret.get_secret_value() if self.cache_secret else ""
+        if not value and self.redis_url:
+            raise ValueError(
+                "JITSERVE_CACHE_SECRET is not set, but REDIS_URL is: every process sharing the "
+                "Redis signs and checks cache entries with this secret, so set the same long "
+                "random value in each (e.g. `openssl rand -hex 32`)")
+        if value and self.env != "development" and self._weak_secret(value):
+            raise ValueError(
+                "JITSERVE_CACHE_SECRET is a placeholder, too short (under 32 characters) or "
+                "too plain (under 8 distinct characters); set a long random value "
+                "(`openssl rand -hex 32`), or JITSERVE_ENV=development to allow it")
+        return self
+
+    @staticmethod
+    def _weak_secret(value: str) -> bool:
+        words = value.lower()
+        for word in sorted(PLACEHOLDER_SECRETS, key=len, reverse=True):
+            words = words.replace(word, "")  # "changemechangeme..." is still a placeholder
+        return (len(value) < 32 or len(set(value)) < 8
+                or not any(c.isalnum() for c in words))
+
+    def compiler_cache_secret(self) -> CacheSecret | None:
+        """The secret that signs cache entries; ``None`` lets the compiler keep its own."""
+        value = self.cache_secret.get_secret_value() if self.cache_secret else ""
+        return CacheSecret.from_value(value, "JITSERVE_CACHE_SECRET") if value else None

@@ -6,16 +6,23 @@ with Redis configured they are the shared ones, kept beside each entry in Redis
 executables loaded in this process. Redis configured but down is a 503
 ``unavailable`` (the catalog's ``CacheUnavailable``, mapped in ``service.errors``):
 a local listing would silently answer another question.
+
+With API keys on, a key lists and reads only its own executables (those looked
+up for its programs, ``service.tenants``); another key's is ``404 not_found``,
+worded as for an unknown id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from starlette.concurrency import run_in_threadpool
 
-from jitserve.service.deps import CatalogDep, get_owner
+from jitserve.compiler import Catalog, EntryPage
+from jitserve.compiler.catalog import parse_cursor
+from jitserve.service.deps import CatalogDep, Owner, TenantsDep, get_owner
 from jitserve.service.errors import BadRequest, NotFound
 from jitserve.service.schemas import ExecutableInfo, ExecutablePage
 
@@ -29,11 +36,15 @@ Limit = Annotated[int, Query(ge=1, le=1000, description="about this many records
 
 
 @router.get("", response_model=ExecutablePage)
-async def list_executables(catalog: CatalogDep, cursor: Cursor = None,
-                           limit: Limit = 100) -> ExecutablePage:
+async def list_executables(catalog: CatalogDep, tenants: TenantsDep, owner: Owner,
+                           cursor: Cursor = None, limit: Limit = 100) -> ExecutablePage:
     """A page of cached executables; follow ``next_cursor`` until it is null."""
     try:
-        page = await run_in_threadpool(catalog.page, cursor, limit)
+        if tenants.sees_everything(owner):
+            page = await run_in_threadpool(catalog.page, cursor, limit)
+        else:
+            owned = tenants.executables_of(owner)  # on the loop, where the index changes
+            page = await run_in_threadpool(_owned_page, catalog, owned, cursor, limit)
     except ValueError as e:  # a cursor this listing never returned
         raise BadRequest(str(e)) from e
     return ExecutablePage(executables=[_info(r) for r in page.entries],
@@ -41,12 +52,27 @@ async def list_executables(catalog: CatalogDep, cursor: Cursor = None,
 
 
 @router.get("/{executable_id}", response_model=ExecutableInfo)
-async def get_executable(executable_id: str, catalog: CatalogDep) -> ExecutableInfo:
-    """One cached executable's record; 404 when no tier has it."""
-    record = await run_in_threadpool(catalog.describe, executable_id)
+async def get_executable(executable_id: str, catalog: CatalogDep, tenants: TenantsDep,
+                         owner: Owner) -> ExecutableInfo:
+    """One cached executable's record; 404 when no tier has it (or it is another key's)."""
+    record = None
+    if tenants.sees_executable(owner, executable_id):
+        record = await run_in_threadpool(catalog.describe, executable_id)
     if record is None:
         raise NotFound(f"no cached executable {executable_id!r:.80}")
     return _info(record)
+
+
+def _owned_page(catalog: Catalog, owned: Sequence[str], cursor: str | None,
+                limit: int) -> EntryPage:
+    """A page of the records of ``owned`` (sorted ids); the cursor is an offset into them.
+
+    Ids no tier describes any more (evicted) are left out, so a page may be short.
+    """
+    start = parse_cursor(cursor)
+    records = [catalog.describe(i) for i in owned[start:start + limit]]
+    more = start + limit < len(owned)
+    return EntryPage([r for r in records if r is not None], str(start + limit) if more else None)
 
 
 def _info(record: dict[str, Any]) -> ExecutableInfo:

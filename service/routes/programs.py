@@ -1,4 +1,8 @@
-"""``/v1/programs``: upload, describe, compile and execute programs."""
+"""``/v1/programs``: upload, describe, compile, execute and delete programs.
+
+Each API key sees only the programs it uploaded (``service.programs``); another
+key's program is ``404 not_found``, worded as for an unknown id.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from jitserve.service.schemas import (
     CompileResult,
     ExecuteAccepted,
     ExecuteRequest,
+    ProgramDeleted,
     ProgramInfo,
     parse,
 )
@@ -46,30 +51,44 @@ _MESSAGE_BODY = {"requestBody": {"content": {
 @router.post("", status_code=201, response_model=ProgramInfo, openapi_extra=_RAW_BODY,
              responses={200: {"model": ProgramInfo, "description": "already known"}})
 async def upload_program(
-    programs: ProgramStoreDep, body: ProgramBody, response: Response,
+    programs: ProgramStoreDep, body: ProgramBody, response: Response, owner: Owner,
     format: Annotated[ProgramFormat | None, Query(description="detected when omitted")] = None,
 ) -> dict[str, Any]:
-    """Upload program bytes; idempotent (the id is the sha256 of the bytes)."""
+    """Upload program bytes; idempotent (the id is the sha256 of the bytes).
+
+    ``201`` for the caller's first upload of these bytes, ``200`` for its re-upload.
+    """
     fmt = format.value if format else None
-    program, created = await programs.put(bytes(await body.read()), fmt)
+    program, created = await programs.put(bytes(await body.read()), fmt, owner)
     response.status_code = 201 if created else 200
     return program.to_json()
 
 
 @router.get("/{program_id}", response_model=ProgramInfo)
-async def get_program(program_id: str, programs: ProgramStoreDep) -> dict[str, Any]:
+async def get_program(program_id: str, programs: ProgramStoreDep, owner: Owner) -> dict[str, Any]:
     """The program's signature and metadata."""
-    return (await programs.get(program_id)).to_json()
+    return (await programs.get(program_id, owner)).to_json()
+
+
+@router.delete("/{program_id}", response_model=ProgramDeleted)
+async def delete_program(program_id: str, programs: ProgramStoreDep,
+                         owner: Owner) -> ProgramDeleted:
+    """Forget the caller's program (and its executables, for the caller's listing).
+
+    Its bytes may stay stored for other keys that uploaded them too.
+    """
+    await programs.delete(program_id, owner)
+    return ProgramDeleted(program_id=program_id)
 
 
 @router.post("/{program_id}/compile", response_model=CompileResult, openapi_extra=_MESSAGE_BODY)
 async def compile_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
-                          body: Body) -> CompileResult:
+                          body: Body, owner: Owner) -> CompileResult:
     """Compile (or find in a cache) the executable for the given input avals."""
-    program = await programs.get(program_id)
+    program = await programs.get(program_id, owner)
     req = parse(CompileRequest, await body.message(), "compile request")
     in_avals = None if req.in_avals is None else [Aval.from_json(a) for a in req.in_avals]
-    lookup = await calls.compile(program, in_avals, req.static_key)
+    lookup = await calls.compile(program, in_avals, req.static_key, owner)
     exe = lookup.executable
     return CompileResult(
         executable_id=lookup.executable_id, tier=lookup.tier,
@@ -87,7 +106,7 @@ async def execute_program(program_id: str, programs: ProgramStoreDep, calls: Cal
 
     With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time.
     """
-    program = await programs.get(program_id)
+    program = await programs.get(program_id, owner)
     req = parse(ExecuteRequest, await _message(body), "execute request")
     call = await calls.execute(program, req.args, req.static_key, owner)
     del req  # the executor holds the input arrays now; do not pin them while we wait

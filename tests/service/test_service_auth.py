@@ -45,8 +45,11 @@ async def test_futures_belong_to_their_creator(make_api) -> None:
         assert r.status_code == 200
         fid = (await api.execute(add_mul, [X, X])).json()["future_id"]
         bob = bearer(BOB)
-        # Bob sees the (shared) program but not Alice's future.
-        assert (await api.http.get(f"/v1/programs/{add_mul}", headers=bob)).status_code == 200
+        # Bob sees neither Alice's program nor her future; his own upload of the same
+        # bytes is his (tests/service/test_service_tenants.py has the rest).
+        assert (await api.http.get(f"/v1/programs/{add_mul}", headers=bob)).status_code == 404
+        r = await api.http.post("/v1/programs", content=api.programs["triple"], headers=bob)
+        assert r.status_code == 201 and r.json()["program_id"] == triple
         for method, path in [("GET", f"/v1/futures/{fid}"), ("GET", f"/v1/futures/{fid}/result"),
                              ("DELETE", f"/v1/futures/{fid}")]:
             r = await api.http.request(method, path, headers=bob)
@@ -63,6 +66,7 @@ def test_api_keys_parse_from_a_comma_separated_env(monkeypatch) -> None:
     monkeypatch.setenv("JITSERVE_API_KEYS", f" {ALICE}, {BOB} ,")
     monkeypatch.setenv("JITSERVE_MAX_LIVE_FUTURES", "7")
     monkeypatch.setenv("REDIS_URL", "redis://example:6379/0")
+    monkeypatch.setenv("JITSERVE_CACHE_SECRET", "0123456789abcdef" * 4)  # required with Redis
     s = Settings()
     assert s.api_keys == (ALICE, BOB) and s.auth_enabled
     assert s.max_live_futures == 7

@@ -1,0 +1,294 @@
+"""Tenants against real ``jitserve serve`` processes with two API keys.
+
+Each key sees only its own programs and executables (the other's are 404, worded
+as an unknown id); each quota is reached by one key while the other's calls still
+succeed; one key's slow compiles do not hold up the other's first call.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jitserve import wire
+
+pytestmark = pytest.mark.timeout(300)
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+UNKNOWN = "0" * 64
+
+
+def _export(fn: Callable[..., Any], shape: tuple[int, ...] = (2, 3)) -> bytes:
+    spec = jax.ShapeDtypeStruct(shape, np.float32)
+    return bytes(export.export(jax.jit(fn))(spec).serialize())
+
+
+@functools.cache
+def _scale(k: float) -> bytes:
+    """x * k on float32[2, 3]: one program per ``k``, 24 bytes out.
+
+    Cached: an export's bytes carry source locations of the tracing call stack, so
+    a fresh export from elsewhere could differ.
+    """
+    return _export(lambda x: x * np.float32(k))
+
+
+def _slow(k: float, steps: int) -> bytes:
+    """An unrolled chain of ``steps`` matmuls on float32[8, 8]: seconds to compile.
+
+    Measured on 2 CPU cores: 200 steps compile in about 5 s, 300 in 7 s, 500 in 21 s.
+    """
+    def chain(x: jax.Array) -> jax.Array:
+        for i in range(steps):
+            x = jnp.sin(x) @ x + jnp.float32(k + i)
+        return x
+    return _export(chain, (8, 8))
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+class Caller:
+    """One API key's view of a server."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=120, headers=_bearer(key))
+
+    def upload(self, data: bytes) -> httpx.Response:
+        return self.http.post("/v1/programs", content=data,
+                              headers={"content-type": "application/octet-stream"})
+
+    def pid(self, data: bytes) -> str:
+        r = self.upload(data)
+        assert r.status_code in (200, 201), r.text
+        return str(r.json()["program_id"])
+
+    def execute(self, pid: str, args: list[Any] | None = None,
+                wait: int | None = 60_000) -> httpx.Response:
+        params = {} if wait is None else {"wait": wait}
+        return self.http.post(f"/v1/programs/{pid}/execute", params=params,
+                              content=wire.packb({"args": [X] if args is None else args}),
+                              headers={"content-type": wire.MSGPACK})
+
+    def compile(self, pid: str) -> httpx.Response:
+        return self.http.post(f"/v1/programs/{pid}/compile", json={})
+
+    def executables(self) -> set[str]:
+        ids: set[str] = set()
+        cursor = None
+        while True:
+            params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+            page = self.http.get("/v1/executables", params=params).json()
+            ids |= {e["executable_id"] for e in page["executables"]}
+            if (cursor := page["next_cursor"]) is None:
+                return ids
+
+
+@pytest.fixture
+def callers(auth_server_url: str, auth_keys: tuple[str, ...]) -> Any:
+    alice, bob = Caller(auth_server_url, auth_keys[0]), Caller(auth_server_url, auth_keys[1])
+    yield alice, bob
+    alice.http.close()
+    bob.http.close()
+
+
+def _same_404(r: httpx.Response, unknown: httpx.Response, real_id: str, fake_id: str) -> None:
+    """``r`` reads exactly like the answer for an id nobody has (no oracle)."""
+    assert r.status_code == unknown.status_code == 404, (r.text, unknown.text)
+    mine, other = r.json()["error"], unknown.json()["error"]
+    assert mine["code"] == other["code"] == "not_found"
+    assert mine["message"].replace(real_id, "ID") == other["message"].replace(fake_id, "ID")
+
+
+# -- scoping ---------------------------------------------------------------------------------
+
+
+def test_uploads_answer_201_per_key(callers: Any) -> None:
+    alice, bob = callers
+    data = _scale(11.5)
+    assert alice.upload(data).status_code == 201
+    assert alice.upload(data).status_code == 200  # her re-upload
+    assert bob.upload(data).status_code == 201  # his first, though the bytes are stored
+    assert bob.upload(data).status_code == 200
+
+
+def test_another_keys_program_is_not_found(callers: Any) -> None:
+    alice, bob = callers
+    pid = alice.pid(_scale(12.5))
+    assert alice.execute(pid).status_code == 200
+    body = {"args": [X]}
+    for method, path, kw in [
+        ("GET", "/v1/programs/{}", {}),
+        ("POST", "/v1/programs/{}/compile", {"json": {}}),
+        ("POST", "/v1/programs/{}/execute", {"content": wire.packb(body),
+                                             "headers": {"content-type": wire.MSGPACK}}),
+        ("DELETE", "/v1/programs/{}", {}),
+    ]:
+        r = bob.http.request(method, path.format(pid), **kw)
+        _same_404(r, bob.http.request(method, path.format(UNKNOWN), **kw), pid, UNKNOWN)
+    assert alice.http.get(f"/v1/programs/{pid}").status_code == 200  # still hers
+
+
+def test_executables_are_listed_and_read_per_key(callers: Any) -> None:
+    alice, bob = callers
+    hers = alice.execute(alice.pid(_scale(13.5)), wait=None).json()["executable_id"]
+    shared = _scale(14.5)
+    his = bob.execute(bob.pid(shared), wait=None).json()["executable_id"]
+    assert alice.http.get(f"/v1/executables/{hers}").status_code == 200
+    _same_404(bob.http.get(f"/v1/executables/{hers}"),
+              bob.http.get(f"/v1/executables/{UNKNOWN}"), hers, UNKNOWN)
+    assert hers in alice.executables() and his not in alice.executables()
+    assert his in bob.executables() and hers not in bob.executables()
+    # The same bytes uploaded by Alice too: the cached executable is hers once she runs it.
+    r = alice.execute(alice.pid(shared), wait=None).json()
+    assert r["executable_id"] == his and r["tier"] == "memory"
+    assert his in alice.executables()
+
+
+def test_delete_takes_the_program_from_one_key_only(callers: Any) -> None:
+    alice, bob = callers
+    data = _scale(15.5)
+    pid, _ = alice.pid(data), bob.pid(data)
+    assert alice.execute(pid).status_code == 200
+    exe_id = alice.compile(pid).json()["executable_id"]
+    assert exe_id in alice.executables()
+    r = alice.http.delete(f"/v1/programs/{pid}")
+    assert r.status_code == 200 and r.json() == {"program_id": pid, "status": "deleted"}
+    assert alice.http.get(f"/v1/programs/{pid}").status_code == 404
+    assert alice.execute(pid).status_code == 404
+    assert alice.http.delete(f"/v1/programs/{pid}").status_code == 404
+    assert exe_id not in alice.executables()
+    # Bob's copy is untouched; Alice's next upload is new to her again.
+    assert bob.execute(pid).status_code == 200
+    assert alice.upload(data).status_code == 201
+
+
+# -- quotas --------------------------------------------------------------------------------------
+
+
+def _refused(r: httpx.Response, quota: str) -> None:
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["code"] == "too_many_requests" and err["quota"] == quota
+    assert int(r.headers["retry-after"]) >= 1
+
+
+def _live_futures(alice: Caller, bob: Caller) -> None:
+    # JITSERVE_MAX_LIVE_FUTURES=4 and two keys: each key's fair share is 2.
+    data = _scale(21.5)
+    pid = alice.pid(data)
+    for _ in range(2):
+        assert alice.execute(pid).status_code == 200  # done, but alive until deleted
+    _refused(alice.execute(pid), "live_futures")
+    pid = bob.pid(data)
+    for _ in range(2):
+        assert bob.execute(pid).status_code == 200
+
+
+def _device_bytes(alice: Caller, bob: Caller) -> None:
+    data = _scale(22.5)
+    pid = alice.pid(data)
+    futures = [alice.execute(pid, wait=None).json()["future_id"] for _ in range(2)]  # 48 of 60 B
+    _refused(alice.execute(pid), "device_bytes")
+    assert bob.execute(bob.pid(data)).status_code == 200
+    alice.http.delete(f"/v1/futures/{futures[0]}")
+    assert alice.execute(pid).status_code == 200
+
+
+def _compiles_per_minute(alice: Caller, bob: Caller) -> None:
+    pids = [alice.pid(_scale(k)) for k in (23.25, 23.5, 23.75)]
+    for pid in pids[:2]:
+        r = alice.compile(pid)
+        assert r.status_code == 200 and r.json()["tier"] == "compiled", r.text
+    _refused(alice.compile(pids[2]), "compiles_per_minute")
+    assert alice.execute(pids[0]).status_code == 200  # a cache hit is no compile
+    r = bob.compile(bob.pid(_scale(23.75)))
+    assert r.status_code == 200 and r.json()["tier"] == "compiled"
+
+
+def _executables(alice: Caller, bob: Caller) -> None:
+    pids = [alice.pid(_scale(k)) for k in (24.25, 24.5, 24.75)]
+    for pid in pids[:2]:
+        assert alice.compile(pid).status_code == 200
+    _refused(alice.compile(pids[2]), "executables")
+    _refused(alice.execute(pids[2]), "executables")
+    assert bob.compile(bob.pid(_scale(24.75))).status_code == 200
+    assert alice.http.delete(f"/v1/programs/{pids[0]}").status_code == 200
+    assert alice.execute(pids[2]).status_code == 200  # the deleted program's executable went
+
+
+def _program_bytes(alice: Caller, bob: Caller) -> None:
+    first, second = _scale(25.25), _scale(25.5)
+    assert alice.upload(first).status_code == 201
+    _refused(alice.upload(second), "program_bytes")
+    assert alice.upload(first).status_code == 200  # a re-upload takes no room
+    assert bob.upload(second).status_code == 201
+    alice.http.delete(f"/v1/programs/{alice.pid(first)}")
+    assert alice.upload(second).status_code == 201
+
+
+def _program_bytes_env() -> dict[str, str]:
+    sizes = sorted(len(_scale(k)) for k in (25.25, 25.5))
+    return {"JITSERVE_TENANT_MAX_PROGRAM_BYTES": str(sizes[0] + sizes[1] - 1)}
+
+
+QUOTAS: dict[str, tuple[Callable[[], dict[str, str]], Callable[[Caller, Caller], None]]] = {
+    "live_futures": (lambda: {"JITSERVE_MAX_LIVE_FUTURES": "4"}, _live_futures),
+    "device_bytes": (lambda: {"JITSERVE_TENANT_MAX_DEVICE_BYTES": "60"}, _device_bytes),
+    "compiles_per_minute": (lambda: {"JITSERVE_TENANT_COMPILES_PER_MINUTE": "2"},
+                            _compiles_per_minute),
+    "executables": (lambda: {"JITSERVE_TENANT_MAX_EXECUTABLES": "2"}, _executables),
+    "program_bytes": (_program_bytes_env, _program_bytes),
+}
+
+
+@pytest.mark.parametrize("quota", list(QUOTAS))
+def test_a_quota_stops_one_key_only(start_server: Callable[..., str],
+                                    auth_keys: tuple[str, ...], quota: str) -> None:
+    env, scenario = QUOTAS[quota]
+    url = start_server({"JITSERVE_API_KEYS": ",".join(auth_keys), **env()}, quota)
+    alice, bob = Caller(url, auth_keys[0]), Caller(url, auth_keys[1])
+    try:
+        scenario(alice, bob)
+    finally:
+        alice.http.close()
+        bob.http.close()
+
+
+# -- fair compiles ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_slow_compiles_of_one_key_do_not_hold_up_anothers_first_call(
+        start_server: Callable[..., str], auth_keys: tuple[str, ...]) -> None:
+    # Two compile workers (the default): each key may hold one of them.
+    url = start_server({"JITSERVE_API_KEYS": ",".join(auth_keys)}, "fair")
+    alice, bob = Caller(url, auth_keys[0]), Caller(url, auth_keys[1])
+    slow = [alice.pid(_slow(k, 300)) for k in (0.5, 1.5)]
+    small = bob.pid(_scale(31.5))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        compiling = [pool.submit(alice.compile, pid) for pid in slow]
+        time.sleep(1.0)  # let Alice's requests reach the server first
+        r = bob.execute(small)
+        # Bob's first call (a compile, then a run) is done while neither of Alice's
+        # compiles is: without fair turns it would queue behind both.
+        unfinished = [not c.done() for c in compiling]
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], X * np.float32(31.5))
+        assert all(unfinished), "Alice's compile finished before Bob's first call"
+        for c in compiling:
+            done = c.result(timeout=240)
+            assert done.status_code == 200 and done.json()["tier"] == "compiled", done.text
+    alice.http.close()
+    bob.http.close()
