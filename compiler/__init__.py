@@ -19,72 +19,97 @@ process, and keep programs and executables in tiered caches (``cache``)::
     errors         CompilerError and its subclasses
     trees          pytree structures as JSON
     _worker        compile worker processes (``_compile_worker``: their entry point)
+
+Every name below loads on first use: importing ``jitserve.compiler`` (for a file-only
+tool such as ``jitserve cache``, which uses ``compiler.disk``) does not import jax.
 """
 
-from jitserve.compiler.cache import (
-    EXECUTABLES,
-    PROGRAMS,
-    BlobKind,
-    CacheSecret,
-    CacheUnavailable,
-    DiskTier,
-    Entry,
-    MemoryCache,
-    SharedTier,
-    Tier,
-    TieredStore,
-)
-from jitserve.compiler.catalog import CacheState, Catalog, EntryPage
-from jitserve.compiler.compile import Compiler, CompilerConfig, Executable, Lookup
-from jitserve.compiler.errors import (
-    CompileFailed,
-    CompilerError,
-    CompileTimeout,
-    InvalidProgram,
-    LimitExceeded,
-    PlatformMismatch,
-    SignatureMismatch,
-    UnsafeProgram,
-)
-from jitserve.compiler.program_store import StoredPrograms
-from jitserve.compiler.programs import Program, ProgramFormat
-from jitserve.compiler.redis.settings import RedisSettings
-from jitserve.compiler.safety import ALLOWED_CUSTOM_CALLS, Limits
-from jitserve.wire import DTYPES, Aval
+from __future__ import annotations
 
-__all__ = [
-    "ALLOWED_CUSTOM_CALLS",
-    "Aval",
-    "BlobKind",
-    "CacheSecret",
-    "CacheState",
-    "CacheUnavailable",
-    "Catalog",
-    "CompileFailed",
-    "CompileTimeout",
-    "Compiler",
-    "CompilerConfig",
-    "CompilerError",
-    "DTYPES",
-    "DiskTier",
-    "EXECUTABLES",
-    "Entry",
-    "EntryPage",
-    "Executable",
-    "InvalidProgram",
-    "LimitExceeded",
-    "Limits",
-    "Lookup",
-    "MemoryCache",
-    "PROGRAMS",
-    "PlatformMismatch",
-    "Program",
-    "ProgramFormat",
-    "RedisSettings",
-    "SharedTier",
-    "SignatureMismatch",
-    "StoredPrograms",
-    "Tier",
-    "TieredStore",
-    "UnsafeProgram",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jitserve.compiler.cache import (
+        EXECUTABLES,
+        PROGRAMS,
+        BlobKind,
+        CacheSecret,
+        CacheUnavailable,
+        DiskTier,
+        Entry,
+        MemoryCache,
+        SharedTier,
+        Tier,
+        TieredStore,
+    )
+    from jitserve.compiler.catalog import CacheState, Catalog, EntryPage
+    from jitserve.compiler.compile import Compiler, CompilerConfig, Executable, Lookup
+    from jitserve.compiler.errors import (
+        CompileFailed,
+        CompilerError,
+        CompileTimeout,
+        InvalidProgram,
+        LimitExceeded,
+        PlatformMismatch,
+        SignatureMismatch,
+        UnsafeProgram,
+    )
+    from jitserve.compiler.program_store import StoredPrograms
+    from jitserve.compiler.programs import Program, ProgramFormat
+    from jitserve.compiler.redis.settings import RedisSettings
+    from jitserve.compiler.safety import ALLOWED_CUSTOM_CALLS, Limits
+    from jitserve.wire import DTYPES, Aval
+
+# Each public name and the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "ALLOWED_CUSTOM_CALLS": "jitserve.compiler.safety",
+    "Aval": "jitserve.wire",
+    "BlobKind": "jitserve.compiler.cache",
+    "CacheSecret": "jitserve.compiler.cache",
+    "CacheState": "jitserve.compiler.catalog",
+    "CacheUnavailable": "jitserve.compiler.cache",
+    "Catalog": "jitserve.compiler.catalog",
+    "CompileFailed": "jitserve.compiler.errors",
+    "CompileTimeout": "jitserve.compiler.errors",
+    "Compiler": "jitserve.compiler.compile",
+    "CompilerConfig": "jitserve.compiler.compile",
+    "CompilerError": "jitserve.compiler.errors",
+    "DTYPES": "jitserve.wire",
+    "DiskTier": "jitserve.compiler.cache",
+    "EXECUTABLES": "jitserve.compiler.cache",
+    "Entry": "jitserve.compiler.cache",
+    "EntryPage": "jitserve.compiler.catalog",
+    "Executable": "jitserve.compiler.compile",
+    "InvalidProgram": "jitserve.compiler.errors",
+    "LimitExceeded": "jitserve.compiler.errors",
+    "Limits": "jitserve.compiler.safety",
+    "Lookup": "jitserve.compiler.compile",
+    "MemoryCache": "jitserve.compiler.cache",
+    "PROGRAMS": "jitserve.compiler.cache",
+    "PlatformMismatch": "jitserve.compiler.errors",
+    "Program": "jitserve.compiler.programs",
+    "ProgramFormat": "jitserve.compiler.programs",
+    "RedisSettings": "jitserve.compiler.redis.settings",
+    "SharedTier": "jitserve.compiler.cache",
+    "SignatureMismatch": "jitserve.compiler.errors",
+    "StoredPrograms": "jitserve.compiler.program_store",
+    "Tier": "jitserve.compiler.cache",
+    "TieredStore": "jitserve.compiler.cache",
+    "UnsafeProgram": "jitserve.compiler.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jitserve.compiler' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

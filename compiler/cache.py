@@ -36,6 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import zstandard
 
+from jitserve.compiler.disk import DiskBudget
 from jitserve.wire import TierName
 
 __all__ = [
@@ -304,13 +305,16 @@ class DiskTier:
     """Blobs of one kind in a directory, ``<root>/<kind>/<key[:2]>/<key>``: the embedded L2.
 
     Writes are ``atomic_write``: a reader sees a whole blob or none, even if the
-    writer dies.
+    writer dies. With a ``budget`` (``compiler.disk.DiskBudget``, one per
+    directory, shared by its kinds) the directory is bounded: a hit marks the
+    blob used, a put that goes over the bound evicts the least recently used.
     """
 
     name = TierName.DISK
 
-    def __init__(self, root: Path, kind: BlobKind) -> None:
+    def __init__(self, root: Path, kind: BlobKind, budget: DiskBudget | None = None) -> None:
         self.kind = kind
+        self.budget = budget
         self.root = Path(root) / kind.name
         self.root.mkdir(parents=True, exist_ok=True)
         self._sweep_temporaries()
@@ -321,15 +325,23 @@ class DiskTier:
         return self.root / key[:2] / key
 
     def get(self, key: str) -> bytes | None:
+        path = self.path(key)
         try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
+            with path.open("rb") as f:
+                last_used = os.fstat(f.fileno()).st_mtime
+                data = f.read()
+        except FileNotFoundError:  # never written, or evicted
             return None
+        if self.budget is not None:
+            self.budget.used(path, last_used)
+        return data
 
     def put(self, key: str, data: bytes) -> None:
         path = self.path(key)
         path.parent.mkdir(exist_ok=True)
         atomic_write(path, data)
+        if self.budget is not None:
+            self.budget.added(len(data))
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

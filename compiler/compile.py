@@ -47,6 +47,7 @@ from jitserve.compiler.cache import (
     encode_entry,
 )
 from jitserve.compiler.catalog import Catalog
+from jitserve.compiler.disk import DEFAULT_MAX_BYTES, DiskBudget
 from jitserve.compiler.errors import LimitExceeded, SignatureMismatch
 from jitserve.compiler.keys import Backend, cache_key, key_parts, options_digest
 from jitserve.compiler.program_store import StoredPrograms
@@ -86,6 +87,9 @@ class CompilerConfig:
         ``cache_dir`` (made once, mode 0600, reused after restarts), or one of
         this process alone without a ``cache_dir``. Required with ``redis``:
         every process sharing the Redis must sign with the same secret.
+      disk_max_bytes: bound of the disk tier's blobs (executables and programs
+        together); past it the least recently used are evicted
+        (``compiler.disk.DiskBudget``), and a lookup of one recompiles.
     """
 
     cache_dir: Path | None = None
@@ -98,6 +102,7 @@ class CompilerConfig:
     limits: Limits = Limits()
     redis: RedisSettings | None = None
     cache_secret: CacheSecret | None = None
+    disk_max_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.redis is not None and self.cache_secret is None:
@@ -232,6 +237,8 @@ class Compiler:
             device_count=1, options_digest=options_digest(self._options))
         self._secret = _cache_secret(self.config)
         self._shared = _open_redis(self.config.redis, self._secret)
+        self._disk_budget = (DiskBudget(self.config.cache_dir, self.config.disk_max_bytes)
+                             if self.config.cache_dir else None)
         self._executables: TieredStore[Executable] = TieredStore(
             EXECUTABLES, self._l2_tiers(EXECUTABLES),
             MemoryCache(self.config.l1_max_entries, self.config.l1_max_bytes),
@@ -433,7 +440,8 @@ class Compiler:
 
     def _l2_tiers(self, kind: BlobKind) -> tuple[Tier, ...]:
         """The serialized tiers of ``kind``, fastest first: the disk, then Redis."""
-        disk = (DiskTier(self.config.cache_dir, kind),) if self.config.cache_dir else ()
+        disk = ((DiskTier(self.config.cache_dir, kind, self._disk_budget),)
+                if self.config.cache_dir else ())
         shared = (self._shared.tier(kind),) if self._shared is not None else ()
         return (*disk, *shared)
 

@@ -2,6 +2,7 @@
 
     jitserve --version
     jitserve serve --host 0.0.0.0 --port 8000 --cache-dir /var/cache/jitserve
+    jitserve cache ls | stats | prune --max-bytes 1G | clear   [--cache-dir DIR]
 
 Flags override the ``JITSERVE_*`` environment; everything else (limits, API keys)
 comes from the environment. One process; Redis is optional (``--redis-url``, docs/redis.md).
@@ -20,6 +21,8 @@ import logging
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from jitserve.service import cache_cli
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -53,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="Redis for shared caches (REDIS_URL); optional")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                        help="JITSERVE_LOG_LEVEL, default info")
+    cache_cli.add_commands(commands)
     return parser
 
 
@@ -139,4 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     if args.command == "serve":
         return serve(args)
+    if args.command == "cache":
+        return cache_cli.run(args)
     return 2

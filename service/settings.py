@@ -17,6 +17,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from jitserve.compiler import CacheSecret, Limits, RedisSettings
+from jitserve.compiler.disk import DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES
 from jitserve.compiler.jaxpr import JaxprLimits
 
 __all__ = ["PLACEHOLDER_SECRETS", "Settings"]
@@ -44,7 +45,7 @@ class Settings(BaseSettings):
     env: Literal["development", "test", "production"] = "production"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    cache_dir: Path = Path("~/.cache/jitserve")
+    cache_dir: Path = DEFAULT_CACHE_DIR
     # The shared L2 cache of programs and executables (docs/redis.md); REDIS_URL is
     # the common name. Unset: everything stays on this host.
     redis_url: str | None = Field(
@@ -57,6 +58,10 @@ class Settings(BaseSettings):
     # The disk tier (executables and programs under cache_dir); off for pods whose disk
     # dies with them, where Redis is the shared tier.
     disk_cache: bool = True
+    # Disk cache bound
+    # The disk tier's blobs (executables and programs) stay under this many bytes; past
+    # it the least recently used are evicted (compiler/disk.py), and recompiled on need.
+    disk_cache_max_bytes: int = Field(DEFAULT_MAX_BYTES, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     # Keep freed big blocks for reuse (service/memory.py): big requests skip fresh
     # page faults, at the price of an RSS that does not shrink after them.
