@@ -98,8 +98,9 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
         if format or fmt is not ProgramFormat.JAX_EXPORT:
             raise
         raise InvalidProgram(  # detection fell through: say what was tried
-            "unrecognized program: not MLIR text or bytecode, not a JSON jaxpr document, and "
-            f"not a jax.export artifact ({e}); pass format= to name it") from None
+            "unrecognized program: not StableHLO (MLIR text or bytecode), not a JSON jaxpr "
+            "document, and not a jax_export artifact (Exported.serialize() bytes); pass "
+            "format= to name it") from e
 
 
 def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: Limits) -> ir.Module:
@@ -195,8 +196,11 @@ def _deserialize_export(data: bytes) -> Any:
     try:
         return jax.export.deserialize(bytearray(data))
     except Exception as e:  # a flatbuffer reader on hostile bytes fails in many ways
+        # The reader's own words describe its internals (struct sizes, offsets), not the
+        # caller's mistake; they stay in the chained exception, out of the answer.
         raise InvalidProgram(
-            f"not a jax.export artifact (Exported.serialize() bytes): {message_of(e)}") from None
+            "not a valid jax_export artifact (the bytes of jax.export's "
+            "Exported.serialize())") from e
 
 
 def _export_as_flat_function(exp: Any) -> Callable[..., list[Any]]:

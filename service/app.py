@@ -24,6 +24,7 @@ from jitserve.service.errors import install_error_handlers
 from jitserve.service.executor import Executor
 from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics, RequestMetricsMiddleware
+from jitserve.service.openapi import install_docs
 from jitserve.service.programs import ProgramStore
 from jitserve.service.quotas import Quotas
 from jitserve.service.routes import executables as executables_routes
@@ -49,6 +50,7 @@ def make_compiler(settings: Settings) -> Compiler:
         programs_max_entries=settings.programs_max_entries,
         programs_max_bytes=settings.programs_max_bytes,
         compile_timeout_s=settings.compile_timeout_s, compile_workers=settings.compile_workers,
+        disk_max_bytes=settings.disk_cache_max_bytes,
         limits=limits, redis=settings.redis_settings(),
         cache_secret=settings.compiler_cache_secret()))
 
@@ -64,12 +66,14 @@ def create_app(settings: Settings | None = None, *, compiler: Compiler | None = 
     settings = settings or Settings()
     metrics = Metrics()
     app = FastAPI(title="jitserve", version="0.1.0", lifespan=_lifespan_for(compiler),
+                  docs_url=None, redoc_url=None,  # served by install_docs, without a CDN
                   description="JIT-as-a-service for JAX and XLA: send programs, get array "
                               "futures back. See docs/api.md.")
     app.state.settings = settings
     app.state.metrics = metrics
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
+    install_docs(app)
     app.include_router(health_routes.router)
     app.include_router(health_routes.devices_router)
     app.include_router(programs_routes.router)

@@ -15,7 +15,8 @@ arriving for ``JITSERVE_BODY_TIMEOUT_S`` is a 400 that closes the connection; a
 client that disconnects mid-body raises Starlette's ``ClientDisconnect``, which
 ``service.errors`` logs as such.
 
-Array answers are msgpack unless the caller ``Accept``s only JSON. A msgpack answer
+Array answers are msgpack unless the caller asks for JSON: an ``Accept`` of JSON
+without msgpack, or a JSON request body and no msgpack ``Accept``. A msgpack answer
 is streamed: small msgpack pieces for the structure and, for each array, a ``bin``
 header followed by slices of the array's own buffer, so a large result is never
 copied into one big byte string.
@@ -152,8 +153,8 @@ class BodyReader:
                            timeout_s=self.timeout_s)
 
     def _content_kind(self) -> str:
-        ctype = self.request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype == wire.JSON or ctype.endswith("+json"):
+        ctype = _media_type(self.request.headers.get("content-type", ""))
+        if _is_json(ctype):
             return "json"
         if ctype in ("", wire.OCTET_STREAM, *wire.MSGPACK_TYPES):
             return "msgpack"
@@ -202,9 +203,23 @@ def _got(received: int, declared: int | None) -> str:
 
 
 def wants_json(request: Request) -> bool:
-    """Whether the caller asked for JSON answers (``Accept: application/json``)."""
+    """Whether the caller wants JSON answers: JSON in gives JSON out unless ``Accept`` differs.
+
+    An ``Accept`` naming msgpack wins; one naming JSON asks for JSON; otherwise a
+    request whose body is JSON (``Content-Type``) gets JSON, and any other msgpack.
+    """
     accept = request.headers.get("accept", "").lower()
-    return wire.JSON in accept and not any(t in accept for t in wire.MSGPACK_TYPES)
+    if any(t in accept for t in wire.MSGPACK_TYPES):
+        return False
+    return wire.JSON in accept or _is_json(_media_type(request.headers.get("content-type", "")))
+
+
+def _media_type(header: str) -> str:
+    return header.split(";")[0].strip().lower()
+
+
+def _is_json(media_type: str) -> bool:
+    return media_type == wire.JSON or media_type.endswith("+json")
 
 
 def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200) -> Response:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Query, Request
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from jitserve.compiler import Catalog, Compiler
 from jitserve.service.auth import authenticate
@@ -88,10 +89,15 @@ MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 TenantsDep = Annotated[Tenants, Depends(get_tenants)]
 
 
-async def get_owner(settings: SettingsDep,
-              authorization: Annotated[str | None, Header()] = None) -> str | None:
+# The OpenAPI's bearer scheme (Swagger's Authorize button); ``auth.authenticate``
+# words the 401, so a missing or non-bearer header reaches it as ``None``.
+_bearer = HTTPBearer(auto_error=False, description="an API key (JITSERVE_API_KEYS), when set")
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+async def get_owner(settings: SettingsDep, credentials: Bearer) -> str | None:
     """The caller's owner id (API-key digest), or ``None`` when auth is off."""
-    return authenticate(authorization, settings)
+    return authenticate(None if credentials is None else credentials.credentials, settings)
 
 
 async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> BodyReader:

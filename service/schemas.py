@@ -15,14 +15,23 @@ from jitserve.service.errors import BadRequest
 from jitserve.service.futures import Future
 
 __all__ = [
+    "ArrayJSON",
+    "ArrayMsgpack",
+    "AvalModel",
     "CompileRequest",
     "CompileResult",
     "DeleteResult",
+    "ErrorBody",
+    "ErrorDetail",
     "ExecutableInfo",
     "ExecutablePage",
     "ExecuteAccepted",
+    "ExecuteJSON",
+    "ExecuteMsgpack",
     "ExecuteRequest",
+    "FutureRef",
     "FutureView",
+    "OutputsJSON",
     "ProgramDeleted",
     "ProgramInfo",
     "TimingsView",
@@ -35,6 +44,78 @@ M = TypeVar("M", bound="BaseModel")
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` of an error answer; some codes add fields (``quota``, ``limit``, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    code: str = Field(description="one of jitserve.wire.ErrorCode (docs/api.md, Errors)")
+    message: str = Field(description="what was wrong, in the caller's terms")
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx answer: ``{"error": {"code", "message", ...}}``."""
+
+    error: ErrorDetail
+
+
+# Request bodies as documented in the OpenAPI. The handlers parse the decoded
+# message with ``ExecuteRequest``/``CompileRequest`` (arrays arrive decoded by the
+# wire codec); these models only describe the bytes a caller sends.
+class AvalModel(BaseModel):
+    """An abstract value: ``null`` for a raw ``?`` dimension, a string for a symbolic one."""
+
+    shape: list[int | str | None]
+    dtype: str = Field(description="a name in jitserve.wire.DTYPES, e.g. float32")
+    weak_type: bool = False
+
+
+class ArrayJSON(BaseModel):
+    """An array in JSON: ``data`` is base64 of the C-order little-endian bytes, or nested lists."""
+
+    dtype: str = Field(description="a name in jitserve.wire.DTYPES, e.g. float32")
+    shape: list[int] = Field(description="[] for a scalar")
+    data: str | list[Any] | float | bool = Field(
+        description="base64 of the buffer, or nested lists of numbers ([re, im] for complex)")
+
+
+class ArrayMsgpack(BaseModel):
+    """An array in msgpack: ``data`` is a ``bin`` of the C-order little-endian bytes."""
+
+    dtype: str = Field(description="a name in jitserve.wire.DTYPES, e.g. float32")
+    shape: list[int] = Field(description="[] for a scalar")
+    data: bytes = Field(description="msgpack bin: the C-order little-endian buffer")
+
+
+class FutureRef(_Strict):
+    """An input that is output ``output`` of an earlier future, kept on the device."""
+
+    future: str = Field(description="a future_id of the same API key")
+    output: int = Field(ge=0, description="which output of that future")
+
+
+class ExecuteJSON(_Strict):
+    """Body of an execute, in JSON: the flattened input leaves, in order."""
+
+    args: list[ArrayJSON | FutureRef]
+    static_key: str = Field("", max_length=4096)
+
+
+class ExecuteMsgpack(_Strict):
+    """Body of an execute, in msgpack: the flattened input leaves, in order."""
+
+    args: list[ArrayMsgpack | FutureRef]
+    static_key: str = Field("", max_length=4096)
+
+
+class OutputsJSON(BaseModel):
+    """The outputs of a done future (``200`` of a result, or of an execute that waited)."""
+
+    future_id: str
+    outputs: list[ArrayJSON]
+    out_tree: Any = None
 
 
 class ProgramInfo(BaseModel):
@@ -82,7 +163,8 @@ class ExecutablePage(BaseModel):
 class CompileRequest(_Strict):
     """Body of ``POST /v1/programs/{id}/compile``; all optional."""
 
-    in_avals: list[AvalJSON] | None = None
+    in_avals: list[AvalModel] | None = Field(
+        None, description="needed only when the program has dynamic dimensions")
     static_key: str = Field("", max_length=4096)
 
 

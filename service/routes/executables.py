@@ -24,18 +24,21 @@ from jitserve.compiler import Catalog, EntryPage
 from jitserve.compiler.catalog import parse_cursor
 from jitserve.service.deps import CatalogDep, Owner, TenantsDep, get_owner
 from jitserve.service.errors import BadRequest, NotFound
+from jitserve.service.openapi import errors
 from jitserve.service.schemas import ExecutableInfo, ExecutablePage
+from jitserve.wire import ErrorCode
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/executables", tags=["executables"],
-                   dependencies=[Depends(get_owner)])
+                   dependencies=[Depends(get_owner)],
+                   responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.UNAVAILABLE))
 
 Cursor = Annotated[str | None, Query(max_length=40, description="next_cursor of the last page")]
 Limit = Annotated[int, Query(ge=1, le=1000, description="about this many records per page")]
 
 
-@router.get("", response_model=ExecutablePage)
+@router.get("", response_model=ExecutablePage, responses=errors(ErrorCode.BAD_REQUEST))
 async def list_executables(catalog: CatalogDep, tenants: TenantsDep, owner: Owner,
                            cursor: Cursor = None, limit: Limit = 100) -> ExecutablePage:
     """A page of cached executables; follow ``next_cursor`` until it is null."""
@@ -51,7 +54,8 @@ async def list_executables(catalog: CatalogDep, tenants: TenantsDep, owner: Owne
                           next_cursor=page.next_cursor)
 
 
-@router.get("/{executable_id}", response_model=ExecutableInfo)
+@router.get("/{executable_id}", response_model=ExecutableInfo,
+            responses=errors(ErrorCode.NOT_FOUND))
 async def get_executable(executable_id: str, catalog: CatalogDep, tenants: TenantsDep,
                          owner: Owner) -> ExecutableInfo:
     """One cached executable's record; 404 when no tier has it (or it is another key's)."""

@@ -8,15 +8,17 @@ from jitserve.service.bodies import outputs_response
 from jitserve.service.deps import AsJSON, FutureStoreDep, MetricsDep, Owner, WaitSeconds, get_owner
 from jitserve.service.errors import FutureCancelled, FutureFailed, FuturePending, NotFound
 from jitserve.service.futures import Future
+from jitserve.service.openapi import errors, outputs_content
 from jitserve.service.schemas import DeleteResult, FutureView
-from jitserve.wire import FutureStatus
+from jitserve.wire import ErrorCode, FutureStatus
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)])
+router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)],
+                   responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND))
 
 
-@router.get("/{future_id}", response_model=FutureView)
+@router.get("/{future_id}", response_model=FutureView, responses=errors(ErrorCode.BAD_REQUEST))
 async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
                      wait: WaitSeconds) -> FutureView:
     """The future's status; ``?wait=<ms>`` long-polls until the status changes."""
@@ -27,7 +29,10 @@ async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
 
 
 @router.get("/{future_id}/result",
-            responses={200: {"description": "the outputs (msgpack, or JSON on Accept)"}})
+            responses={200: {"description": "the outputs (msgpack, or JSON on Accept)",
+                             "content": outputs_content()},
+                       **errors(ErrorCode.BAD_REQUEST, ErrorCode.FUTURE_PENDING,
+                                ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED)})
 async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDep, owner: Owner,
                      wait: WaitSeconds, as_json: AsJSON) -> Response:
     """The outputs of a done future; ``?wait=<ms>`` waits for them first."""

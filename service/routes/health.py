@@ -20,11 +20,15 @@ from jitserve.service.deps import (
 )
 from jitserve.service.errors import error_body
 from jitserve.service.metrics import CONTENT_TYPE_LATEST
+from jitserve.service.openapi import errors
+from jitserve.service.schemas import ErrorBody
+from jitserve.wire import ErrorCode
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["health"])
-devices_router = APIRouter(prefix="/v1", tags=["devices"], dependencies=[Depends(get_owner)])
+devices_router = APIRouter(prefix="/v1", tags=["devices"], dependencies=[Depends(get_owner)],
+                           responses=errors(ErrorCode.UNAUTHORIZED))
 
 
 @router.get("/healthz")
@@ -33,7 +37,8 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "not ready, with the failed checks"}})
+@router.get("/readyz", responses={503: {"model": ErrorBody, "description":
+                                       "error: not_ready, with the failed checks"}})
 async def readyz(request: Request, settings: SettingsDep) -> Response:
     """Ready for work: the backend is up and the cache directory (if used) is writable.
 

@@ -26,30 +26,39 @@ from jitserve.service.deps import (
     get_owner,
 )
 from jitserve.service.errors import BadRequest
+from jitserve.service.openapi import errors, message_body, outputs_content
 from jitserve.service.schemas import (
     CompileRequest,
     CompileResult,
     ExecuteAccepted,
+    ExecuteJSON,
+    ExecuteMsgpack,
     ExecuteRequest,
     ProgramDeleted,
     ProgramInfo,
     parse,
 )
-from jitserve.wire import Aval
+from jitserve.wire import Aval, ErrorCode
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/programs", tags=["programs"], dependencies=[Depends(get_owner)])
+router = APIRouter(prefix="/v1/programs", tags=["programs"], dependencies=[Depends(get_owner)],
+                   responses=errors(ErrorCode.UNAUTHORIZED))
 
 _RAW_BODY = {"requestBody": {"required": True, "content": {
     wire.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}}}}}
-_MESSAGE_BODY = {"requestBody": {"content": {
-    wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}},
-    wire.JSON: {"schema": {"type": "object"}}}}}
+# What a program can be refused for, once decoded (upload) or compiled (compile, execute).
+_PROGRAM_ERRORS = (ErrorCode.BAD_REQUEST, ErrorCode.INVALID_PROGRAM, ErrorCode.PAYLOAD_TOO_LARGE,
+                   ErrorCode.UNSAFE_PROGRAM, ErrorCode.LIMIT_EXCEEDED,
+                   ErrorCode.PLATFORM_MISMATCH, ErrorCode.TOO_MANY_REQUESTS)
+_CALL_ERRORS = (*_PROGRAM_ERRORS, ErrorCode.NOT_FOUND, ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                ErrorCode.SIGNATURE_MISMATCH, ErrorCode.COMPILE_FAILED,
+                ErrorCode.COMPILE_TIMEOUT, ErrorCode.COMPILER_ERROR)
 
 
 @router.post("", status_code=201, response_model=ProgramInfo, openapi_extra=_RAW_BODY,
-             responses={200: {"model": ProgramInfo, "description": "already known"}})
+             responses={200: {"model": ProgramInfo, "description": "already known"},
+                        **errors(*_PROGRAM_ERRORS)})
 async def upload_program(
     programs: ProgramStoreDep, body: ProgramBody, response: Response, owner: Owner,
     format: Annotated[ProgramFormat | None, Query(description="detected when omitted")] = None,
@@ -64,13 +73,14 @@ async def upload_program(
     return program.to_json()
 
 
-@router.get("/{program_id}", response_model=ProgramInfo)
+@router.get("/{program_id}", response_model=ProgramInfo, responses=errors(ErrorCode.NOT_FOUND))
 async def get_program(program_id: str, programs: ProgramStoreDep, owner: Owner) -> dict[str, Any]:
     """The program's signature and metadata."""
     return (await programs.get(program_id, owner)).to_json()
 
 
-@router.delete("/{program_id}", response_model=ProgramDeleted)
+@router.delete("/{program_id}", response_model=ProgramDeleted,
+               responses=errors(ErrorCode.NOT_FOUND))
 async def delete_program(program_id: str, programs: ProgramStoreDep,
                          owner: Owner) -> ProgramDeleted:
     """Forget the caller's program (and its executables, for the caller's listing).
@@ -81,13 +91,15 @@ async def delete_program(program_id: str, programs: ProgramStoreDep,
     return ProgramDeleted(program_id=program_id)
 
 
-@router.post("/{program_id}/compile", response_model=CompileResult, openapi_extra=_MESSAGE_BODY)
+@router.post("/{program_id}/compile", response_model=CompileResult, responses=errors(*_CALL_ERRORS),
+             openapi_extra=message_body(CompileRequest, CompileRequest, required=False))
 async def compile_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
                           body: Body, owner: Owner) -> CompileResult:
     """Compile (or find in a cache) the executable for the given input avals."""
     program = await programs.get(program_id, owner)
     req = parse(CompileRequest, await body.message(), "compile request")
-    in_avals = None if req.in_avals is None else [Aval.from_json(a) for a in req.in_avals]
+    in_avals = None if req.in_avals is None else [Aval.from_json(a.model_dump())
+                                                   for a in req.in_avals]
     lookup = await calls.compile(program, in_avals, req.static_key, owner)
     exe = lookup.executable
     return CompileResult(
@@ -97,8 +109,11 @@ async def compile_program(program_id: str, programs: ProgramStoreDep, calls: Cal
 
 
 @router.post("/{program_id}/execute", status_code=202, response_model=ExecuteAccepted,
-             openapi_extra=_MESSAGE_BODY,
-             responses={200: {"description": "the outputs, when ?wait was long enough"}})
+             openapi_extra=message_body(ExecuteJSON, ExecuteMsgpack, required=True),
+             responses={200: {"description": "the outputs, when ?wait was long enough",
+                              "content": outputs_content()},
+                        **errors(*_CALL_ERRORS, ErrorCode.FUTURE_CANCELLED,
+                                 ErrorCode.FUTURE_FAILED)})
 async def execute_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
                           metrics: MetricsDep, body: Body, owner: Owner, wait: WaitSeconds,
                           as_json: AsJSON) -> Response:

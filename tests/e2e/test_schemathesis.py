@@ -1,9 +1,11 @@
-"""Schemathesis over the server's own OpenAPI document: no request makes a 5xx.
+"""Schemathesis over the server's own OpenAPI document: no 5xx, and answers as documented.
 
 Every route is fuzzed from ``/openapi.json`` (coverage and fuzzing phases) against
 a real ``jitserve serve`` process, once without auth and once as a tenant of a
-server with API keys, checking that the server never answers a server error: bad
-input is a 4xx, whatever its shape.
+server with API keys, checking that the server never answers a server error (bad
+input is a 4xx, whatever its shape) and that every answer's body fits the schema
+the document gives for its status (``response_schema_conformance``: the error
+envelope, the typed JSON answers).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ _ST = Path(sys.executable).with_name("st")
 
 
 def _fuzz(url: str, tmp_path: Path, *headers: str) -> subprocess.CompletedProcess[str]:
-    args = [str(_ST), "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
+    args = [str(_ST), "run", f"{url}/openapi.json",
+            "--checks", "not_a_server_error,response_schema_conformance",
             "--phases", "examples,coverage,fuzzing", "--max-examples", "25", "--workers", "1",
             "--seed", "20261123", "--request-timeout", "30"]
     for header in headers:
