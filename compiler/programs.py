@@ -53,6 +53,8 @@ class Program:
       out_avals: flat output leaves, when known before compiling.
       in_tree, out_tree: the pytree structures (``compiler.trees``), when known.
       platforms: platforms the program was made for; empty when it does not say.
+      name: the exported function's name, when the artifact says (jax_export); for
+        logs, untrusted.
     """
 
     program_id: str
@@ -63,6 +65,7 @@ class Program:
     in_tree: Any = None
     out_tree: Any = None
     platforms: tuple[str, ...] = ()
+    name: str = ""
 
     @property
     def is_static(self) -> bool:
@@ -178,7 +181,7 @@ def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
         data, ProgramFormat.JAX_EXPORT, in_avals=in_avals,
         out_avals=tuple(_export_aval(a) for a in exp.out_avals),
         in_tree=treedef_to_json(exp.in_tree), out_tree=treedef_to_json(exp.out_tree),
-        platforms=tuple(exp.platforms))
+        platforms=tuple(exp.platforms), name=str(exp.fun_name)[:200])
 
 
 def _decode_jaxpr(data: bytes, platform: str, limits: Limits) -> Program:

@@ -121,13 +121,31 @@ async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> Asyn
     state.executor = executor
     state.calls = Calls(compiler, futures, executor, metrics, tenants, scheduler)
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
-    shared = compiler.catalog.shared_url
-    log.info("jitserve ready on %s (%s), cache %s%s", compiler.device, compiler.platform,
-             settings.cache_dir if settings.disk_cache else "memory only",
-             "" if shared is None else f", Redis {shared} ({compiler.catalog.state})")
+    _log_startup(settings, compiler)
     try:
         yield
     finally:
         sweeper.cancel()
         await executor.close()
         futures.clear()
+
+
+def _log_startup(settings: Settings, compiler: Compiler) -> None:
+    """One line: the device, the cache tiers, whether auth is on, the main limits."""
+    backend = compiler.backend_info()
+    shared = compiler.catalog.shared_url
+    tiers = ["memory", *([f"disk {settings.cache_dir}"] if settings.disk_cache else []),
+             *([f"redis {shared} ({compiler.catalog.state})"] if shared else [])]
+    auth = f"on ({len(settings.api_keys)} keys)" if settings.auth_enabled else "off"
+    limits = {"max_body_bytes": settings.max_body_bytes,
+              "max_program_bytes": settings.max_program_bytes,
+              "max_device_bytes": settings.max_device_bytes,
+              "max_live_futures": settings.max_live_futures,
+              "compile_timeout_s": settings.compile_timeout_s,
+              "future_ttl_s": settings.future_ttl_s}
+    log.info("jitserve ready on %s %s (%s), cache %s, auth %s, limits %s",
+             backend["platform"], backend["device_kind"], compiler.device, " + ".join(tiers),
+             auth, ", ".join(f"{k}={v}" for k, v in limits.items()),
+             extra={"fields": {"platform": backend["platform"],
+                               "device_kind": backend["device_kind"], "tiers": tiers,
+                               "auth": settings.auth_enabled, "limits": limits}})

@@ -14,6 +14,7 @@ the tenant's (``service.tenants``), within its quota of executables.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from jitserve.compiler import Compiler, Lookup
 
 __all__ = ["Call", "Calls"]
+
+compile_log = logging.getLogger("jitserve.compile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Calls:
         lookup = self._compiler.cached(program, in_avals, static_key)
         if lookup is None:
             lookup = await self._lookup(program, in_avals, static_key, owner)
+            _log_lookup(program, lookup)
         self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
@@ -164,3 +168,16 @@ def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return f"a map with keys {sorted(map(str, value))[:8]}"
     return type(value).__name__
+
+
+def _log_lookup(program: Program, lookup: Lookup) -> None:
+    """One line per lookup that L1 could not answer: what compiled (or loaded), and how long."""
+    exe = lookup.executable
+    signature = ", ".join(str(a) for a in exe.in_avals)
+    name = program.name or "program"
+    compile_log.info(
+        "%s %s %s(%s) tier=%s %.3fs", "compiled" if lookup.tier == TierName.COMPILED else "loaded",
+        program.program_id[:12], name, signature, lookup.tier, lookup.compile_seconds,
+        extra={"fields": {"program_id": program.program_id, "function": program.name or None,
+                          "executable_id": lookup.executable_id, "signature": signature,
+                          "tier": str(lookup.tier), "seconds": round(lookup.compile_seconds, 6)}})

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import logging
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,13 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="Redis for shared caches (REDIS_URL); optional")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                        help="JITSERVE_LOG_LEVEL, default info")
+    serve.add_argument("--log-format", choices=["text", "json"],
+                       help="JITSERVE_LOG_FORMAT: text, or one JSON object per line")
     cache_cli.add_commands(commands)
     return parser
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     given = {"host": args.host, "port": args.port, "cache_dir": args.cache_dir,
-             "redis_url": args.redis_url, "log_level": args.log_level}
+             "redis_url": args.redis_url, "log_level": args.log_level,
+             "log_format": args.log_format}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -96,15 +98,15 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"jitserve: bad configuration:\n{_describe(e)}", file=sys.stderr)
         return 2
-    # Our loggers at the chosen level; third parties (jax's backend probing) at warning.
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
-    logging.getLogger("jitserve").setLevel(level)
+    from jitserve.service import logs
+
+    logs.configure(settings.log_level, settings.log_format)
     if settings.retain_freed_memory:
         _retain_freed_memory(settings.retain_freed_max_bytes)
     app = create_app(settings)
+    log_config = logs.uvicorn_log_config(settings.log_format)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                **({"log_config": log_config} if log_config else {}),
                 timeout_graceful_shutdown=10, **_connection_options(settings, app.state.metrics))
     return 0
 

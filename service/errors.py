@@ -58,6 +58,9 @@ __all__ = [
     "install_error_handlers",
 ]
 
+refusal_log = logging.getLogger("jitserve.refusals")
+
+
 class ServiceError(Exception):
     """A request the service refuses; ``code`` (and its status) shape the answer."""
 
@@ -148,14 +151,26 @@ def _response(code: ErrorCode, message: str, headers: dict[str, str] | None = No
                         status_code=status or code.status, headers=headers)
 
 
+def _refused(request: Request, response: JSONResponse, code: ErrorCode, message: str) -> JSONResponse:
+    """Log one line for a refused request (4xx): the route, the code and the reason."""
+    if response.status_code < 500:
+        refusal_log.info("refused %s %s: %d %s: %.300s", request.method, request.url.path,
+                         response.status_code, code.value, message,
+                         extra={"fields": {"method": request.method, "path": request.url.path,
+                                           "status": response.status_code, "code": code.value}})
+    return response
+
+
 async def _service_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
-    return _response(exc.code, exc.message, exc.headers(), **exc.extra)
+    return _refused(request, _response(exc.code, exc.message, exc.headers(), **exc.extra),
+                    exc.code, exc.message)
 
 
 async def _compiler_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CompilerError)
-    return _response(ErrorCode(exc.code), str(exc))
+    code = ErrorCode(exc.code)
+    return _refused(request, _response(code, str(exc)), code, str(exc))
 
 
 async def _cache_unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -163,14 +178,18 @@ async def _cache_unavailable(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _wire_error(request: Request, exc: Exception) -> JSONResponse:
-    return _response(ErrorCode.BAD_REQUEST, f"bad request body: {exc}")
+    message = f"bad request body: {exc}"
+    return _refused(request, _response(ErrorCode.BAD_REQUEST, message), ErrorCode.BAD_REQUEST,
+                    message)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
     where = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details)
-    return _response(ErrorCode.BAD_REQUEST, f"invalid request: {where}", details=details)
+    message = f"invalid request: {where}"
+    return _refused(request, _response(ErrorCode.BAD_REQUEST, message, details=details),
+                    ErrorCode.BAD_REQUEST, message)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -63,6 +63,8 @@ class Settings(BaseSettings):
     # it the least recently used are evicted (compiler/disk.py), and recompiled on need.
     disk_cache_max_bytes: int = Field(DEFAULT_MAX_BYTES, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    # text for people; json: one object per line, for log shippers (service/logs.py)
+    log_format: Literal["text", "json"] = "text"
     # Keep freed big blocks for reuse (service/memory.py): big requests skip fresh
     # page faults, at the price of an RSS that does not shrink after them.
     retain_freed_memory: bool = True
