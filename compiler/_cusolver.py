@@ -29,14 +29,14 @@ from functools import partial
 
 from jax._src.lib.mlir import ir
 
-from jitserve.compiler._lapack import _ELEMENT, _REAL, Rule, Typ, _check_call, _matrix, _one
-from jitserve.compiler._lapack import _RULES as _LAPACK_RULES
+from jitserve.compiler._lapack import ELEMENT, REAL, Rule, Typ, check_call, expect_operands, matrix
+from jitserve.compiler._lapack import RULES as _LAPACK_RULES
 from jitserve.compiler.errors import UnsafeProgram
 
 __all__ = ["check_cusolver_call", "is_cusolver_target"]
 
 # The LAPACK rules take a kind letter; a cuSOLVER kernel takes any of the four types.
-_KIND = {element: kind for kind, element in _ELEMENT.items()}
+_KIND = {element: kind for kind, element in ELEMENT.items()}
 _GTSV2 = "cusparse_gtsv2_ffi"
 _PIVOTS = "cu_lu_pivots_to_permutation"
 
@@ -49,10 +49,10 @@ def check_cusolver_call(op: ir.Operation, target: str) -> None:
     """Raise ``UnsafeProgram`` unless ``op``'s result types are exactly what the kernel writes."""
     if target == _PIVOTS:
         rule = partial(_pivots_to_permutation, _permutation_size(op))
-        _check_call(op, target, rule, {"i32": ""}, core_rank=1)
+        check_call(op, target, rule, {"i32": ""}, core_rank=1)
     elif target in _RULES:
         core_rank = 1 if target == _GTSV2 else 2  # gtsv2's first operand is a vector
-        _check_call(op, target, _RULES[target], _KIND, core_rank)
+        check_call(op, target, _RULES[target], _KIND, core_rank)
     else:
         raise UnsafeProgram(f"custom_call target {target!r} has no shape rule")
 
@@ -66,12 +66,12 @@ def _flag(attrs: dict[str, int], name: str) -> bool:
 
 def _gesvdj(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
     """Jacobi SVD: always writes U and V (not V^T), m x k and n x k without full_matrices."""
-    _one(ops)
-    b, m, n = _matrix(ops[0])
+    expect_operands(ops)
+    b, m, n = matrix(ops[0])
     r = min(m, n)
     u, v = ((m, m), (n, n)) if _flag(attrs, "full_matrices") else ((m, r), (n, r))
-    e = _ELEMENT[k]
-    return [ops[0], ((*b, r), _REAL[k]), ((*b, *u), e), ((*b, *v), e), (b, "i32")]
+    e = ELEMENT[k]
+    return [ops[0], ((*b, r), REAL[k]), ((*b, *u), e), ((*b, *v), e), (b, "i32")]
 
 
 def _gesvd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
@@ -81,19 +81,19 @@ def _gesvd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
     then the kernel's U, written first, is jax's V^T. Without compute_uv, jax
     declares U and V^T as scalars, which the kernel leaves alone.
     """
-    _one(ops)
-    b, m, n = _matrix(ops[0])
+    expect_operands(ops)
+    b, m, n = matrix(ops[0])
     transposed = _flag(attrs, "transposed")
     if transposed != (m < n):
         raise ValueError(f"transposed must be {m < n} for a {m} x {n} matrix")
-    big, r, e = max(m, n), min(m, n), _ELEMENT[k]
+    big, r, e = max(m, n), min(m, n), ELEMENT[k]
     if not _flag(attrs, "compute_uv"):
         u = vt = ((), e)
     elif _flag(attrs, "full_matrices"):
         u, vt = ((*b, big, big), e), ((*b, r, r), e)
     else:
         u, vt = ((*b, *((r, big) if transposed else (big, r))), e), ((*b, r, r), e)
-    return [ops[0], ((*b, r), _REAL[k]), u, vt, (b, "i32")]
+    return [ops[0], ((*b, r), REAL[k]), u, vt, (b, "i32")]
 
 
 def _gtsv2(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
@@ -120,7 +120,7 @@ def _permutation_size(op: ir.Operation) -> int:
 
 
 def _pivots_to_permutation(size: int, k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
+    expect_operands(ops)
     shape = ops[0][0]
     if not shape or size < shape[-1]:
         raise ValueError("the permutation must be at least as long as the pivots")

@@ -19,11 +19,24 @@ from jax._src.lib.mlir import ir
 
 from jitserve.compiler.errors import UnsafeProgram
 
-__all__ = ["check_lapack_call", "is_lapack_target"]
+# ELEMENT, REAL, RULES, Rule, Typ, check_call, expect_operands and matrix are shared
+# with compiler._cusolver, whose kernels write the same results for the same inputs.
+__all__ = [
+    "ELEMENT",
+    "REAL",
+    "RULES",
+    "Rule",
+    "Typ",
+    "check_call",
+    "check_lapack_call",
+    "expect_operands",
+    "is_lapack_target",
+    "matrix",
+]
 
 _TARGET = re.compile(r"^lapack_([sdcz])([a-z]+)_ffi$")
-_ELEMENT = {"s": "f32", "d": "f64", "c": "complex<f32>", "z": "complex<f64>"}
-_REAL = {"s": "f32", "d": "f64", "c": "f32", "z": "f64"}
+ELEMENT = {"s": "f32", "d": "f64", "c": "complex<f32>", "z": "complex<f64>"}
+REAL = {"s": "f32", "d": "f64", "c": "f32", "z": "f64"}
 _COMPLEX = {"s": "complex<f32>", "d": "complex<f64>", "c": "complex<f32>", "z": "complex<f64>"}
 
 Shape = tuple[int, ...]
@@ -39,14 +52,14 @@ def is_lapack_target(target: str) -> bool:
 def check_lapack_call(op: ir.Operation, target: str) -> None:
     """Raise ``UnsafeProgram`` unless ``op``'s result types are exactly what the kernel writes."""
     m = _TARGET.match(target)
-    if m is None or m.group(2) not in _RULES:
+    if m is None or m.group(2) not in RULES:
         raise UnsafeProgram(f"custom_call target {target!r} has no shape rule")
     kind, family = m.groups()
     core_rank = 1 if family == "gtsv" else 2  # gtsv's first operand is a vector
-    _check_call(op, target, _RULES[family], {_ELEMENT[kind]: kind}, core_rank)
+    check_call(op, target, RULES[family], {ELEMENT[kind]: kind}, core_rank)
 
 
-def _check_call(op: ir.Operation, target: str, rule: Rule, kinds: dict[str, str], core_rank: int) -> None:
+def check_call(op: ir.Operation, target: str, rule: Rule, kinds: dict[str, str], core_rank: int) -> None:
     """Compare ``op``'s results with ``rule``'s; shared with compiler._cusolver.
 
     ``kinds`` maps each element type the first operand may have to the kind
@@ -116,7 +129,7 @@ def _check_batch_attr(op: ir.Operation, batch_rank: int, target: str) -> None:
             raise UnsafeProgram(f"{target}: num_batch_dims={declared} does not fit its operands")
 
 
-def _matrix(t: Typ, square: bool = False) -> tuple[Shape, int, int]:
+def matrix(t: Typ, square: bool = False) -> tuple[Shape, int, int]:
     shape = t[0]
     if len(shape) < 2:
         raise ValueError("expected a matrix operand")
@@ -126,62 +139,62 @@ def _matrix(t: Typ, square: bool = False) -> tuple[Shape, int, int]:
     return batch, m, n
 
 
-def _one(operands: list[Typ], count: int = 1) -> None:
+def expect_operands(operands: list[Typ], count: int = 1) -> None:
     if len(operands) != count:
         raise ValueError(f"expected {count} operand(s), got {len(operands)}")
 
 
 def _potrf(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, _, _ = _matrix(ops[0], square=True)
+    expect_operands(ops)
+    b, _, _ = matrix(ops[0], square=True)
     return [ops[0], (b, "i32")]
 
 
 def _getrf(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, m, n = _matrix(ops[0])
+    expect_operands(ops)
+    b, m, n = matrix(ops[0])
     return [ops[0], ((*b, min(m, n)), "i32"), (b, "i32")]
 
 
 def _geqrf(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, m, n = _matrix(ops[0])
-    return [ops[0], ((*b, min(m, n)), _ELEMENT[k])]
+    expect_operands(ops)
+    b, m, n = matrix(ops[0])
+    return [ops[0], ((*b, min(m, n)), ELEMENT[k])]
 
 
 def _orgqr(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops, 2)
-    b, m, n = _matrix(ops[0])
+    expect_operands(ops, 2)
+    b, m, n = matrix(ops[0])
     tau_shape, tau_el = ops[1]
-    if tau_el != _ELEMENT[k] or tau_shape[:-1] != b or not (tau_shape[-1] <= n <= m):
+    if tau_el != ELEMENT[k] or tau_shape[:-1] != b or not (tau_shape[-1] <= n <= m):
         raise ValueError("tau must be [..., k] with k <= n <= m")
     return [ops[0]]
 
 
 def _syevd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, n, _ = _matrix(ops[0], square=True)
-    return [ops[0], ((*b, n), _REAL[k]), (b, "i32")]
+    expect_operands(ops)
+    b, n, _ = matrix(ops[0], square=True)
+    return [ops[0], ((*b, n), REAL[k]), (b, "i32")]
 
 
 def _geev(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, n, _ = _matrix(ops[0], square=True)
+    expect_operands(ops)
+    b, n, _ = matrix(ops[0], square=True)
     vectors = [((*b, n, n), _COMPLEX[k])] * 2
-    values = [((*b, n), _ELEMENT[k])] * (2 if k in "sd" else 1)
+    values = [((*b, n), ELEMENT[k])] * (2 if k in "sd" else 1)
     return [*values, *vectors, (b, "i32")]
 
 
 def _gesdd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, m, n = _matrix(ops[0])
+    expect_operands(ops)
+    b, m, n = matrix(ops[0])
     mode, r = attrs.get("mode"), min(m, n)
     if mode not in (ord("A"), ord("S"), ord("N")):
         raise ValueError(f"unsupported mode {mode}")
-    e = _ELEMENT[k]
+    e = ELEMENT[k]
 
     def results(u: tuple[int, int], vt: tuple[int, int]) -> list[Typ]:
-        return [ops[0], ((*b, r), _REAL[k]), ((*b, *u), e), ((*b, *vt), e), (b, "i32")]
+        return [ops[0], ((*b, r), REAL[k]), ((*b, *u), e), ((*b, *vt), e), (b, "i32")]
 
     full, reduced = results((m, m), (n, n)), results((m, r), (r, n))
     if mode == ord("N"):  # no U or V^T is written: jax declares either layout
@@ -190,11 +203,11 @@ def _gesdd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
 
 
 def _trsm(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops, 2)
-    b, side_n, _ = _matrix(ops[0], square=True)
-    bb, m, n = _matrix(ops[1])
+    expect_operands(ops, 2)
+    b, side_n, _ = matrix(ops[0], square=True)
+    bb, m, n = matrix(ops[1])
     side = attrs.get("side")
-    if bb != b or ops[1][1] != _ELEMENT[k] or side not in (ord("L"), ord("R")):
+    if bb != b or ops[1][1] != ELEMENT[k] or side not in (ord("L"), ord("R")):
         raise ValueError("b must share a's batch and dtype; side must be L or R")
     if side_n != (m if side == ord("L") else n):
         raise ValueError("a's size must match b on the solved side")
@@ -202,37 +215,37 @@ def _trsm(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
 
 
 def _gtsv(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops, 4)
-    b, m, _ = _matrix(ops[3])
-    if any(t != ((*b, m), _ELEMENT[k]) for t in ops[:3]):
+    expect_operands(ops, 4)
+    b, m, _ = matrix(ops[3])
+    if any(t != ((*b, m), ELEMENT[k]) for t in ops[:3]):
         raise ValueError("dl, d, du must be [..., m] with b [..., m, n]")
     return [*ops, (b, "i32")]
 
 
 def _gees(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, n, _ = _matrix(ops[0], square=True)
-    values = [((*b, n), _ELEMENT[k])] * (2 if k in "sd" else 1)
+    expect_operands(ops)
+    b, n, _ = matrix(ops[0], square=True)
+    values = [((*b, n), ELEMENT[k])] * (2 if k in "sd" else 1)
     return [ops[0], ops[0], *values, (b, "i32"), (b, "i32")]
 
 
 def _gehrd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, n, _ = _matrix(ops[0], square=True)
+    expect_operands(ops)
+    b, n, _ = matrix(ops[0], square=True)
     low, high = attrs.get("low"), attrs.get("high")
     if low is None or high is None or not 1 <= low <= high <= max(n, 1):
         raise ValueError(f"need 1 <= low <= high <= n, got low={low} high={high}")
-    return [ops[0], ((*b, max(n - 1, 0)), _ELEMENT[k]), (b, "i32")]
+    return [ops[0], ((*b, max(n - 1, 0)), ELEMENT[k]), (b, "i32")]
 
 
 def _sytrd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
-    _one(ops)
-    b, n, _ = _matrix(ops[0], square=True)
+    expect_operands(ops)
+    b, n, _ = matrix(ops[0], square=True)
     off = max(n - 1, 0)
-    return [ops[0], ((*b, n), _REAL[k]), ((*b, off), _REAL[k]), ((*b, off), _ELEMENT[k]), (b, "i32")]
+    return [ops[0], ((*b, n), REAL[k]), ((*b, off), REAL[k]), ((*b, off), ELEMENT[k]), (b, "i32")]
 
 
-_RULES: dict[str, Rule] = {
+RULES: dict[str, Rule] = {
     "potrf": _potrf, "getrf": _getrf, "geqrf": _geqrf, "orgqr": _orgqr, "ungqr": _orgqr,
     "syevd": _syevd, "heevd": _syevd, "geev": _geev, "gesdd": _gesdd, "trsm": _trsm,
     "gtsv": _gtsv, "gees": _gees, "gehrd": _gehrd, "sytrd": _sytrd, "hetrd": _sytrd,
