@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from jitserve.compiler._worker import _Pipe, _worker_main
+from jitserve.compiler._worker import Pipe, _worker_main
 
 if __name__ == "__main__":
-    _worker_main(_Pipe(int(sys.argv[1]), int(sys.argv[2])))  # type: ignore[arg-type]
+    _worker_main(Pipe(int(sys.argv[1]), int(sys.argv[2])))  # type: ignore[arg-type]

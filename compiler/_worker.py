@@ -22,7 +22,7 @@ from typing import Any
 
 from jitserve.compiler.errors import CompileFailed, CompileTimeout
 
-__all__ = ["CompilePool", "compile_options", "configure_jax"]
+__all__ = ["CompilePool", "Pipe", "compile_options", "configure_jax"]
 
 logger = logging.getLogger("jitserve.compiler.worker")
 
@@ -56,7 +56,7 @@ def compile_options() -> Any:
     return compiler.get_compile_options(num_replicas=1, num_partitions=1)
 
 
-def _worker_main(conn: _Pipe) -> None:
+def _worker_main(conn: Pipe) -> None:
     from jax._src.lib import xla_client as xc
     from jax.extend import backend as xb
 
@@ -97,7 +97,7 @@ class _Worker:
             env={**os.environ, **env})
         os.close(to_child_r)
         os.close(from_child_w)
-        self.conn = _Pipe(from_child_r, to_child_w)
+        self.conn = Pipe(from_child_r, to_child_w)
         self.ready = False
 
     def kill(self) -> None:
@@ -106,8 +106,11 @@ class _Worker:
         self.conn.close()
 
 
-class _Pipe:
-    """Both directions of a worker's pipes, framed as multiprocessing does."""
+class Pipe:
+    """Both directions between two processes: two pipes, framed as multiprocessing does.
+
+    The compile workers use it, and so do the service's runtime processes.
+    """
 
     def __init__(self, read_fd: int, write_fd: int) -> None:
         self._r = Connection(read_fd, writable=False)
@@ -123,8 +126,11 @@ class _Pipe:
         return self._r.poll(timeout)
 
     def close(self) -> None:
-        self._r.close()
-        self._w.close()
+        for conn in (self._r, self._w):
+            try:
+                conn.close()
+            except OSError:
+                pass
 
 
 class CompilePool:

@@ -59,7 +59,7 @@ from jitserve.wire import Aval, TierName
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
 
-__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats"]
+__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", "check_inputs"]
 
 logger = logging.getLogger("jitserve.compiler")
 
@@ -180,16 +180,21 @@ class Executable:
 
     def check_inputs(self, avals: Sequence[Aval]) -> None:
         """Raise ``SignatureMismatch`` naming the first input that does not fit."""
-        if len(avals) != len(self.in_avals):
-            raise SignatureMismatch(f"program takes {len(self.in_avals)} inputs, got {len(avals)}")
-        for i, (want, got) in enumerate(zip(self.in_avals, avals)):
-            if want.shape != got.shape or want.dtype != got.dtype:
-                raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
+        check_inputs(self.in_avals, avals)
 
     def run(self, args: Sequence[jax.Array]) -> list[jax.Array]:
         """Dispatch on the device; the outputs are device arrays, possibly not ready yet."""
         results = self._loaded.execute_sharded(list(args))
         return [shards[0] for shards in results.disassemble_into_single_device_arrays()]
+
+
+def check_inputs(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
+    """Raise ``SignatureMismatch`` naming the first of ``avals`` that does not fit ``expected``."""
+    if len(avals) != len(expected):
+        raise SignatureMismatch(f"program takes {len(expected)} inputs, got {len(avals)}")
+    for i, (want, got) in enumerate(zip(expected, avals)):
+        if want.shape != got.shape or want.dtype != got.dtype:
+            raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +316,10 @@ class Compiler:
         key = self._key(program, self._concrete_avals(program, in_avals), static_key)
         hit = self._executables.cached(key)
         return None if hit is None else Lookup(hit, key, TierName.MEMORY, 0.0)
+
+    def loaded_executable(self, executable_id: str) -> Executable | None:
+        """The executable ``executable_id`` if it is loaded here (L1), else ``None``; never blocks."""
+        return self._executables.cached(executable_id)
 
     def loaded(self) -> list[Executable]:
         """The executables loaded in this process (L1), least recently used first."""

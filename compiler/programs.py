@@ -71,6 +71,16 @@ class Program:
     def is_static(self) -> bool:
         return all(a.is_static for a in self.in_avals)
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], payload: bytes) -> Program:
+        """The program ``to_json`` (plus ``name``) described, around its ``payload``."""
+        out = doc.get("out_avals")
+        return cls(program_id=doc["program_id"], format=ProgramFormat(doc["format"]),
+                   payload=payload, in_avals=tuple(Aval.from_json(a) for a in doc["in_avals"]),
+                   out_avals=None if out is None else tuple(Aval.from_json(a) for a in out),
+                   in_tree=doc.get("in_tree"), out_tree=doc.get("out_tree"),
+                   platforms=tuple(doc.get("platforms") or ()), name=str(doc.get("name") or ""))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "program_id": self.program_id,

@@ -4,9 +4,11 @@
     app = create_app()              # settings from the JITSERVE_* environment
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
-The lifespan builds the shared objects (compiler, with its Redis tiers when
-``REDIS_URL`` is set, program store, future store, executor) on ``app.state``;
-route handlers reach them through ``service.deps``.
+The lifespan starts the runtime processes (``service.runtimes``: they decode,
+compile and run programs; this process never does) and builds the shared
+objects (program store, future store, executor, catalog, with Redis when
+``REDIS_URL`` is set) on ``app.state``; route handlers reach them through
+``service.deps``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from jitserve.compiler import Compiler, CompilerConfig
+from jitserve.compiler import Catalog, Compiler
 from jitserve.service.calls import Calls
 from jitserve.service.errors import install_error_handlers
+from jitserve.service.executables import ExecutableIndex
 from jitserve.service.executor import Executor
 from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics, RequestMetricsMiddleware
@@ -31,41 +35,47 @@ from jitserve.service.routes import executables as executables_routes
 from jitserve.service.routes import futures as futures_routes
 from jitserve.service.routes import health as health_routes
 from jitserve.service.routes import programs as programs_routes
+from jitserve.service.runtimes import RuntimePool, make_pool
 from jitserve.service.scheduler import FairScheduler
 from jitserve.service.settings import Settings
 from jitserve.service.tenants import Tenants
 
-__all__ = ["create_app", "make_compiler"]
+if TYPE_CHECKING:
+    from jitserve.compiler.redis.tiers import RedisTiers
+
+__all__ = ["create_app", "make_compiler", "start_pool"]
 
 log = logging.getLogger("jitserve")
 
 
 def make_compiler(settings: Settings) -> Compiler:
-    """A ``Compiler`` configured from ``settings``: L1, disk (unless off), Redis (if set)."""
-    limits = settings.compiler_limits()
-    # An unreachable Redis does not stop the start: its tiers begin degraded and retry.
-    return Compiler(CompilerConfig(
-        cache_dir=settings.cache_dir if settings.disk_cache else None,
-        l1_max_entries=settings.l1_max_entries, l1_max_bytes=settings.l1_max_bytes,
-        programs_max_entries=settings.programs_max_entries,
-        programs_max_bytes=settings.programs_max_bytes,
-        compile_timeout_s=settings.compile_timeout_s, compile_workers=settings.compile_workers,
-        disk_max_bytes=settings.disk_cache_max_bytes,
-        limits=limits, redis=settings.redis_settings(),
-        cache_secret=settings.compiler_cache_secret()))
+    """A ``Compiler`` configured from ``settings`` (what each runtime runs; tools use it too)."""
+    return Compiler(settings.compiler_config())
 
 
-def create_app(settings: Settings | None = None, *, compiler: Compiler | None = None) -> FastAPI:
+async def start_pool(settings: Settings) -> RuntimePool:
+    """Runtimes made from ``settings``, started and up (``close`` them when done)."""
+    pool = make_pool(settings)
+    pool.start()
+    try:
+        await pool.wait_ready()
+    except BaseException:
+        await asyncio.to_thread(pool.close)
+        raise
+    return pool
+
+
+def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None = None) -> FastAPI:
     """The jitserve app.
 
     Args:
       settings: configuration; read from the environment when omitted.
-      compiler: a compiler to share (tests reuse one); the app makes and closes
-        its own when omitted.
+      runtimes: started runtimes to share (tests reuse them); the app starts and
+        stops its own when omitted.
     """
     settings = settings or Settings()
     metrics = Metrics()
-    app = FastAPI(title="jitserve", version="0.1.0", lifespan=_lifespan_for(compiler),
+    app = FastAPI(title="jitserve", version="0.1.0", lifespan=_lifespan_for(runtimes),
                   docs_url=None, redoc_url=None,  # served by install_docs, without a CDN
                   description="JIT-as-a-service for JAX and XLA: send programs, get array "
                               "futures back. See docs/api.md.")
@@ -82,27 +92,39 @@ def create_app(settings: Settings | None = None, *, compiler: Compiler | None = 
     return app
 
 
-def _lifespan_for(shared: Compiler | None):  # noqa: ANN202 - FastAPI's lifespan type
+def _lifespan_for(shared: RuntimePool | None):  # noqa: ANN202 - FastAPI's lifespan type
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings: Settings = app.state.settings
-        compiler = shared or await asyncio.to_thread(make_compiler, settings)
+        pool = shared or await start_pool(settings)
         try:
-            async with _serving(app, settings, compiler):
+            async with _serving(app, settings, pool):
                 yield
         finally:
             if shared is None:
-                await asyncio.to_thread(compiler.close)  # and its Redis connection
+                await asyncio.to_thread(pool.close)
 
     return lifespan
 
 
+def _open_shared(settings: Settings) -> RedisTiers | None:
+    """The shared Redis, for the catalog's listing (the runtimes open their own)."""
+    redis = settings.redis_settings()
+    secret = settings.compiler_cache_secret()
+    if redis is None or secret is None:
+        return None
+    from jitserve.compiler.redis.tiers import RedisTiers
+
+    return RedisTiers(redis, secret)
+
+
 @contextlib.asynccontextmanager
-async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> AsyncIterator[None]:
+async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> AsyncIterator[None]:
     """Everything that lives as long as the server, on ``app.state``."""
     metrics: Metrics = app.state.metrics
+    loop = asyncio.get_running_loop()
     # Tenants: scoping and quotas
-    workers = compiler.config.compile_workers
+    workers = settings.compile_workers
     quotas = Quotas.from_settings(settings, workers)
     tenants = Tenants(quotas, scoped=settings.auth_enabled)
     scheduler = FairScheduler(workers, quotas.compile_slots) if tenants.scoped else None
@@ -111,41 +133,62 @@ async def _serving(app: FastAPI, settings: Settings, compiler: Compiler) -> Asyn
                           owner_max_live=quotas.live_futures if tenants.scoped else None,
                           owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None)
     futures.on_final = lambda fut: metrics.execution_finished(fut.status.value)
-    executor = Executor(compiler.device, futures, metrics, settings.executor_threads,
+    futures.on_release = pool.release
+
+    def lost(runtime: object, generation: int, why: str) -> None:  # a supervisor thread
+        loop.call_soon_threadsafe(futures.fail_lost, runtime, generation, why)
+
+    pool.add_lost_listener(lost)
+    executor = Executor(pool, futures, metrics, timeout_s=settings.execution_timeout_s,
                         max_run_bytes=settings.execution_bytes_limit)
+    index = ExecutableIndex(settings.l1_max_entries)
+    shared = await asyncio.to_thread(_open_shared, settings)
     state = app.state
-    state.compiler = compiler
+    state.runtimes = pool
+    state.catalog = Catalog(index.values, shared)
     state.tenants = tenants
-    state.programs = ProgramStore(compiler.programs, tenants)
+    state.programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
+                                  max_bytes=settings.programs_max_bytes,
+                                  timeout_s=settings.compile_timeout_s)
     state.futures = futures
     state.executor = executor
-    state.calls = Calls(compiler, futures, executor, metrics, tenants, scheduler)
+    state.calls = Calls(pool, futures, executor, metrics, index,
+                        lookup_timeout_s=2 * settings.compile_timeout_s + 60,
+                        tenants=tenants, scheduler=scheduler)
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
-    _log_startup(settings, compiler)
+    _log_startup(settings, pool, state.catalog)
     try:
         yield
     finally:
         sweeper.cancel()
+        pool.remove_lost_listener(lost)
         await executor.close()
         futures.clear()
+        if shared is not None:
+            await asyncio.to_thread(shared.close)
 
 
-def _log_startup(settings: Settings, compiler: Compiler) -> None:
-    """One line: the device, the cache tiers, whether auth is on, the main limits."""
-    backend = compiler.backend_info()
-    shared = compiler.catalog.shared_url
+def _log_startup(settings: Settings, pool: RuntimePool, catalog: Catalog) -> None:
+    """One line: the device, the runtimes, the cache tiers, whether auth is on, the main limits."""
+    backend = pool.backend.get("backend", {})
+    device = pool.backend.get("device", {})
+    shared = catalog.shared_url
     tiers = ["memory", *([f"disk {settings.cache_dir}"] if settings.disk_cache else []),
-             *([f"redis {shared} ({compiler.catalog.state})"] if shared else [])]
+             *([f"redis {shared} ({catalog.state})"] if shared else [])]
     auth = f"on ({len(settings.api_keys)} keys)" if settings.auth_enabled else "off"
     limits = {"max_body_bytes": settings.max_body_bytes,
               "max_program_bytes": settings.max_program_bytes,
               "max_device_bytes": settings.max_device_bytes,
               "max_live_futures": settings.max_live_futures,
               "compile_timeout_s": settings.compile_timeout_s,
+              "execution_timeout_s": settings.execution_timeout_s,
               "future_ttl_s": settings.future_ttl_s}
-    log.info("jitserve ready on %s %s (%s), cache %s, auth %s, limits %s",
-             backend["platform"], backend["device_kind"], compiler.device, " + ".join(tiers),
-             auth, ", ".join(f"{k}={v}" for k, v in limits.items()),
-             extra={"fields": {"platform": backend["platform"],
-                               "device_kind": backend["device_kind"], "tiers": tiers,
-                               "auth": settings.auth_enabled, "limits": limits}})
+    log.info("jitserve ready on %s %s (%d runtimes, pids %s), cache %s, auth %s, limits %s",
+             backend.get("platform"), backend.get("device_kind"), len(pool.runtimes),
+             ",".join(str(r.pid) for r in pool.runtimes), " + ".join(tiers), auth,
+             ", ".join(f"{k}={v}" for k, v in limits.items()),
+             extra={"fields": {"platform": backend.get("platform"),
+                               "device_kind": backend.get("device_kind"),
+                               "device": device, "runtimes": len(pool.runtimes),
+                               "tiers": tiers, "auth": settings.auth_enabled,
+                               "limits": limits}})

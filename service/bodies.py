@@ -31,21 +31,21 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from jitserve import wire
 from jitserve.service.errors import (
     BadRequest,
+    FutureFailed,
     PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
 )
 from jitserve.service.futures import Future
 from jitserve.service.metrics import Metrics
+from jitserve.service.runtimes import RemoteError, RuntimePool
 
 __all__ = ["BodyReader", "BodyTimeout", "array_response", "outputs_response", "wants_json"]
 
@@ -234,19 +234,20 @@ def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200
                              headers={"Content-Length": str(body.nbytes)})
 
 
-async def outputs_response(fut: Future, metrics: Metrics, as_json: bool) -> Response:
-    """The outputs of a done future as an answer; they stay on the device as well."""
+async def outputs_response(fut: Future, metrics: Metrics, as_json: bool,
+                           runtimes: RuntimePool) -> Response:
+    """The outputs of a done future as an answer; they stay on their runtime as well.
+
+    Big outputs arrive in a shared-memory segment and are answered from it in place.
+    """
     outputs = fut.outputs
     if outputs is None:
         raise BadRequest(f"future {fut.future_id} has no outputs")
-    small = sum(x.nbytes for x in outputs) < wire.STREAM_BYTES
-    # Small outputs come to the host in microseconds: a thread hop would cost more.
-    host = _to_host(outputs) if small else await run_in_threadpool(_to_host, outputs)
+    try:
+        host = await runtimes.fetch(outputs)
+    except RemoteError as e:
+        raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
+                           cause={"code": e.code, "message": str(e)}) from None
     metrics.transferred("out", sum(a.nbytes for a in host))
     return array_response({"future_id": fut.future_id, "outputs": host, "out_tree": fut.out_tree},
                           as_json)
-
-
-def _to_host(outputs: list[Any]) -> list[np.ndarray]:
-    # On CPU a view of the device buffer; on an accelerator a copy to the host.
-    return [np.asarray(x) for x in outputs]

@@ -2,11 +2,14 @@
 
 ``Calls.execute`` is the whole of ``POST /v1/programs/{id}/execute`` below the
 HTTP layer: it turns the decoded arguments (numpy arrays and future references)
-into concrete avals, looks up (or compiles) the executable for them off the
-event loop, creates the future and hands the work to the executor.
+into concrete avals, finds the executable for them, creates the future and
+hands the work to the executor. Finding the executable is a lookup on the
+runtime the call is placed on (``service.runtimes``), which decodes, compiles or
+loads it; the answer (its signature) is kept here by call (``ExecutableIndex``),
+so a cached call goes straight to its run.
 
 With tenants kept apart (API keys on), a lookup that no cache can answer waits
-for its tenant's turn at the compile pool (``service.scheduler``) and counts
+for its tenant's turn at the compilers (``service.scheduler``) and counts
 against the tenant's compiles per minute; every executable looked up becomes
 the tenant's (``service.tenants``), within its quota of executables.
 """
@@ -16,25 +19,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-from starlette.concurrency import run_in_threadpool
 
 from jitserve import wire
+from jitserve.compiler.errors import CompilerError
 from jitserve.compiler.programs import Program
-from jitserve.service.errors import BadRequest, FutureCancelled, FutureFailed
+from jitserve.service.errors import BadRequest, FutureCancelled, FutureFailed, Unavailable
+from jitserve.service.executables import ExecutableIndex, Lookup, RemoteExecutable, call_key
 from jitserve.service.executor import Arg, Executor, FutureRef
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
+from jitserve.service.runtimes import RemoteError, Runtime, RuntimeLost, RuntimePool
 from jitserve.service.scheduler import FairScheduler
 from jitserve.service.tenants import Tenants
-from jitserve.wire import Aval, FutureStatus, TierName
+from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
 
-if TYPE_CHECKING:
-    from jitserve.compiler import Compiler, Lookup
-
-__all__ = ["Call", "Calls"]
+__all__ = ["Call", "Calls", "RuntimeRefusal", "ask", "refusal"]
 
 compile_log = logging.getLogger("jitserve.compile")
 
@@ -47,86 +49,137 @@ class Call:
     tier: str
 
 
+class RuntimeRefusal(CompilerError):
+    """A runtime's refusal of a program, with the code it gave (or one for its death)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def refusal(e: RemoteError, during: str) -> Exception:
+    """The exception a route raises for a runtime's ``e`` while ``during`` (e.g. "compiling")."""
+    if e.code == "unavailable":
+        return Unavailable(str(e))
+    if isinstance(e, RuntimeLost):
+        if e.code == "execution_timeout":
+            return RuntimeRefusal(ErrorCode.COMPILE_TIMEOUT,
+                                  f"{during} ran past its time limit and was stopped")
+        code = ErrorCode.INVALID_PROGRAM if during == "decoding" else ErrorCode.COMPILE_FAILED
+        return RuntimeRefusal(code, f"{during} the program stopped its runtime: {e}")
+    try:
+        code = ErrorCode(e.code)
+    except ValueError:
+        code = ErrorCode.COMPILER_ERROR
+    return RuntimeRefusal(code, str(e))
+
+
+async def ask(runtime: Runtime, op: str, message: dict[str, Any], program: Program, *,
+              timeout_s: float | None = None) -> dict[str, Any]:
+    """A request about ``program``; a runtime that does not know it is sent it first."""
+    try:
+        return await runtime.request(op, message, timeout_s=timeout_s, retry=True)
+    except RemoteError as e:
+        if e.code != "unknown_program":
+            raise
+    await runtime.request("decode", {"data": program.payload, "format": program.format.value},
+                          timeout_s=timeout_s, retry=True)
+    return await runtime.request(op, message, timeout_s=timeout_s, retry=True)
+
+
 class Calls:
     """Compiles and runs programs for callers.
 
     Args:
-      compiler: decodes, compiles and caches (``compiler.Compiler``).
+      runtimes: where programs compile and run (``service.runtimes.RuntimePool``).
       futures: where new futures go.
       executor: runs them.
       metrics: cache, compile and transfer counters.
+      index: signatures of executables by call (shared with the catalog).
+      lookup_timeout_s: the longest a lookup (lowering, compile, load) may take.
       tenants: who owns which executable, and the compile quota; omitted, one tenant.
-      scheduler: turns at the compile pool for the tenants' lookups; omitted, every
-        lookup goes straight to the thread pool (one tenant: nobody to be fair to).
+      scheduler: turns at the compilers for the tenants' lookups; omitted, every
+        lookup goes straight to its runtime (one tenant: nobody to be fair to).
     """
 
-    def __init__(self, compiler: Compiler, futures: FutureStore, executor: Executor,
-                 metrics: Metrics, tenants: Tenants | None = None,
-                 scheduler: FairScheduler | None = None) -> None:
-        self._compiler = compiler
+    def __init__(self, runtimes: RuntimePool, futures: FutureStore, executor: Executor,
+                 metrics: Metrics, index: ExecutableIndex, *, lookup_timeout_s: float,
+                 tenants: Tenants | None = None, scheduler: FairScheduler | None = None) -> None:
+        self._runtimes = runtimes
         self._futures = futures
         self._executor = executor
         self._metrics = metrics
+        self._index = index
+        self._lookup_timeout_s = lookup_timeout_s
         self._tenants = tenants or Tenants()
         self._scheduler = scheduler
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
-                      static_key: str = "", owner: str | None = None) -> Lookup:
-        """The compiler's ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed).
+                      static_key: str = "", owner: str | None = None,
+                      runtime: Runtime | None = None) -> Lookup:
+        """The ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed).
 
         ``QuotaExceeded`` when ``owner`` would pass its executables or compiles quota.
         """
-        # An L1 hit needs no thread: only a miss may block on disk, Redis or XLA.
-        lookup = self._compiler.cached(program, in_avals, static_key)
-        if lookup is None:
-            lookup = await self._lookup(program, in_avals, static_key, owner)
+        key = call_key(program.program_id, in_avals, static_key)
+        known = self._index.get(key)
+        if known is not None:  # no round trip: the runs name the executable
+            lookup = Lookup(known, known.executable_id, TierName.MEMORY, 0.0)
+        else:
+            runtime = runtime or self._runtimes.place(owner, program.program_id)
+            lookup = await self._lookup(runtime, program, in_avals, static_key, owner)
+            self._index.put(key, lookup.executable)
             _log_lookup(program, lookup)
         self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
 
-    async def _lookup(self, program: Program, in_avals: Sequence[Aval] | None,
+    async def _lookup(self, runtime: Runtime, program: Program, in_avals: Sequence[Aval] | None,
                       static_key: str, owner: str | None) -> Lookup:
-        """A lookup past L1: straight to a thread, or, for a tenant, in its turn."""
-        lookup_args = (program, in_avals, static_key)
+        """A lookup on ``runtime``: straight away, or, for a tenant's compile, in its turn."""
+        message = {"program_id": program.program_id, "static_key": static_key,
+                   "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
         if self._scheduler is None or owner is None or not self._tenants.scoped:
-            return await run_in_threadpool(self._compiler.lookup, *lookup_args)
-        key = self._compiler.executable_id(*lookup_args)
-        self._tenants.check_executable_room(owner, key)  # before paying for a compile
-        budget = self._tenants.compiles
-        if await run_in_threadpool(self._in_l2, key):
-            # A cache answers: no turn to wait for, no compile to count (unless its
-            # entry turns out not to load here).
-            lookup = await run_in_threadpool(self._compiler.lookup, *lookup_args)
-            if lookup.tier == TierName.COMPILED:
-                budget.record(owner)
+            return _lookup_of(await self._ask(runtime, {**message, "compile": True}, program))
+        probe = await self._ask(runtime, {**message, "compile": False}, program)
+        if "miss" not in probe:  # a cache answers: no turn to wait for, no compile to count
+            lookup = _lookup_of(probe)
+            self._tenants.check_executable_room(owner, lookup.executable_id)
             return lookup
+        self._tenants.check_executable_room(owner, probe["miss"])  # before paying for a compile
+        budget = self._tenants.compiles
         token = budget.reserve(owner)
-        lookup = await self._scheduler.run(owner, self._compiler.lookup, *lookup_args)
+        try:
+            reply = await self._scheduler.run_async(owner, self._ask, runtime,
+                                                    {**message, "compile": True}, program)
+        except BaseException:
+            budget.give_back(owner, token)
+            raise
+        lookup = _lookup_of(reply)
         if lookup.tier != TierName.COMPILED:  # another caller compiled it meanwhile
             budget.give_back(owner, token)
         return lookup
 
-    def _in_l2(self, key: str) -> bool:
-        """Whether a serialized tier (disk, Redis) holds ``key``; blocks. A failing tier: no."""
-        for tier in self._compiler.tiers:
-            try:
-                if tier.contains(key):
-                    return True
-            except Exception:  # a tier failure is a miss here as in the lookup itself
-                continue
-        return False
+    async def _ask(self, runtime: Runtime, message: dict[str, Any],
+                   program: Program) -> dict[str, Any]:
+        try:
+            return await ask(runtime, "lookup", message, program,
+                             timeout_s=self._lookup_timeout_s)
+        except RemoteError as e:
+            raise refusal(e, "compiling") from None
 
     async def execute(self, program: Program, args: Sequence[Any], static_key: str,
-                      owner: str | None) -> Call:
+                      owner: str | None, timeout_s: float | None = None) -> Call:
         """Start running ``program`` on ``args``; returns before it runs.
 
         ``args`` are decoded wire values: numpy arrays or ``{"future", "output"}``
-        references to the caller's own futures.
+        references to the caller's own futures. ``timeout_s``: the caller's deadline
+        for the run (the server's ``execution_timeout_s`` caps it).
         """
         resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
         avals = [aval for _, aval in resolved]
-        lookup = await self.compile(program, avals, static_key, owner)
+        runtime = self._place(owner, program, [a for a, _ in resolved])
+        lookup = await self.compile(program, avals, static_key, owner, runtime)
         lookup.executable.check_inputs(avals)
         self._executor.admit(lookup.executable)  # its intermediates count too (executor.py)
         fut = self._futures.create(
@@ -135,8 +188,20 @@ class Calls:
             compile_s=lookup.compile_seconds)
         self._metrics.transferred("in", sum(a.nbytes for a, _ in resolved
                                             if isinstance(a, np.ndarray)))
-        self._executor.submit(fut, lookup.executable, [a for a, _ in resolved])
+        self._executor.submit(fut, runtime, program, lookup.executable, static_key,
+                              [a for a, _ in resolved], timeout_s)
         return Call(fut, lookup.tier)
+
+    def _place(self, owner: str | None, program: Program, args: Sequence[Arg]) -> Runtime:
+        """Callers by API key; without keys, where the first input future lives (its data
+        moves no further), else by program."""
+        if owner is None:
+            for arg in args:
+                runtime = getattr(arg, "runtime", None) or getattr(
+                    getattr(arg, "future", None), "runtime", None)
+                if runtime is not None:
+                    return runtime
+        return self._runtimes.place(owner, program.program_id)
 
     def _resolve(self, arg: Any, i: int, owner: str | None) -> tuple[Arg, Aval]:
         """One argument as something the executor takes, with its aval."""
@@ -155,13 +220,23 @@ class Calls:
                              f"which has {len(dep.out_avals)} outputs")
         aval = dep.out_avals[k]
         if dep.status is FutureStatus.DONE and dep.outputs is not None:
-            return dep.outputs[k], aval  # the device array itself: no transfer
+            return dep.outputs[k], aval  # a buffer on its runtime: no transfer if we go there
         if dep.status is FutureStatus.FAILED:
             msg = (dep.error or {}).get("message", "")
             raise FutureFailed(f"args[{i}] refers to future {dep.future_id}, which failed: {msg}")
         if dep.status is FutureStatus.CANCELLED:
             raise FutureCancelled(f"args[{i}] refers to future {dep.future_id}, which was cancelled")
         return FutureRef(dep, k), aval
+
+    def known(self) -> list[RemoteExecutable]:
+        """The executables this process has looked up (the catalog's local listing)."""
+        return self._index.values()
+
+
+def _lookup_of(reply: dict[str, Any]) -> Lookup:
+    doc = reply["executable"]
+    exe = RemoteExecutable.from_json(doc)
+    return Lookup(exe, exe.executable_id, doc["tier"], float(doc["compile_seconds"]))
 
 
 def _describe(value: Any) -> str:
@@ -171,7 +246,7 @@ def _describe(value: Any) -> str:
 
 
 def _log_lookup(program: Program, lookup: Lookup) -> None:
-    """One line per lookup that L1 could not answer: what compiled (or loaded), and how long."""
+    """One line per lookup the index could not answer: what compiled (or loaded), how long."""
     exe = lookup.executable
     signature = ", ".join(str(a) for a in exe.in_avals)
     name = program.name or "program"

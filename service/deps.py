@@ -14,13 +14,14 @@ from typing import Annotated, Any
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from jitserve.compiler import Catalog, Compiler
+from jitserve.compiler import Catalog
 from jitserve.service.auth import authenticate
 from jitserve.service.bodies import BodyReader, wants_json
 from jitserve.service.calls import Calls
 from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.service.programs import ProgramStore
+from jitserve.service.runtimes import RuntimePool
 from jitserve.service.settings import Settings
 from jitserve.service.tenants import Tenants
 
@@ -29,12 +30,12 @@ __all__ = [
     "Body",
     "CallsDep",
     "CatalogDep",
-    "CompilerDep",
     "FutureStoreDep",
     "MetricsDep",
     "Owner",
     "ProgramBody",
     "ProgramStoreDep",
+    "RuntimesDep",
     "SettingsDep",
     "TenantsDep",
     "WaitSeconds",
@@ -49,8 +50,8 @@ async def get_settings(request: Request) -> Settings:
     return _state(request).settings
 
 
-async def get_compiler(request: Request) -> Compiler:
-    return _state(request).compiler
+async def get_runtimes(request: Request) -> RuntimePool:
+    return _state(request).runtimes
 
 
 async def get_programs(request: Request) -> ProgramStore:
@@ -58,8 +59,8 @@ async def get_programs(request: Request) -> ProgramStore:
 
 
 async def get_catalog(request: Request) -> Catalog:
-    """What the compiler's executable caches hold, and whether the shared one is up."""
-    return _state(request).compiler.catalog
+    """What the executable caches hold, and whether the shared one is up."""
+    return _state(request).catalog
 
 
 async def get_futures(request: Request) -> FutureStore:
@@ -80,7 +81,7 @@ async def get_tenants(request: Request) -> Tenants:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-CompilerDep = Annotated[Compiler, Depends(get_compiler)]
+RuntimesDep = Annotated[RuntimePool, Depends(get_runtimes)]
 ProgramStoreDep = Annotated[ProgramStore, Depends(get_programs)]
 FutureStoreDep = Annotated[FutureStore, Depends(get_futures)]
 CallsDep = Annotated[Calls, Depends(get_calls)]

@@ -1,20 +1,23 @@
-"""Runs executions off the event loop and settles their futures.
+"""Sends executions to their runtimes and settles their futures.
 
-``Executor.submit`` takes a compiled executable and its arguments: host arrays
-(numpy, decoded from the request) or references to other futures' outputs. It
-returns at once; a task then waits for the referenced futures (on the loop, no
-polling), and a small thread pool puts host arrays on the device, runs, and
-blocks until the outputs are ready. Referenced outputs are passed as the device
-arrays they already are, so chaining moves no bytes through the host.
+``Executor.submit`` takes the runtime a call was placed on, the executable's
+signature and the arguments: host arrays (numpy, decoded from the request),
+buffers other futures left on a runtime, or references to futures still
+running. It returns at once; a task then waits for the referenced futures (on
+the loop, no polling), marshals the arguments (big host arrays into one
+shared-memory segment, buffers on the same runtime by handle, buffers on
+another runtime fetched and sent on: a move, counted in metrics) and sends the
+run. The runtime reports ``started`` (the future turns ``running`` and its
+deadline starts), then the output handles; the outputs stay on that runtime.
 
-An execution that has not started yet can be cancelled (``Future`` deletion calls
-``ExecutionJob.cancel``); one that is running always finishes.
+Cancel: a run not yet sent is dropped; one that is running is stopped (its
+runtime killed and restarted) only when nothing else is in flight there.
 
 Device memory: a future reserves its declared outputs in the ``FutureStore``, but
 a run also allocates intermediates (XLA's temp buffers: a loop's carry, say) that
-no output shows. Their size is known before the run (``Executable.memory``, XLA's
-memory analysis). ``Executor.admit`` refuses, before any future exists, a call
-whose intermediates and outputs exceed ``max_run_bytes``
+no output shows. Their size is known before the run (``RemoteExecutable.memory``,
+XLA's memory analysis). ``Executor.admit`` refuses, before any future exists, a
+call whose intermediates and outputs exceed ``max_run_bytes``
 (``JITSERVE_MAX_EXECUTION_BYTES``: 422 ``limit_exceeded``). While it runs, an
 execution holds its temp bytes against the same device-bytes budget as the
 futures' outputs (``TempBudget``); one that does not fit waits for running ones
@@ -26,28 +29,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import jax
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.compile import MemoryStats
-from jitserve.compiler.errors import LimitExceeded, first_line
+from jitserve.compiler.errors import LimitExceeded
+from jitserve.compiler.programs import Program
+from jitserve.service.executables import RemoteExecutable
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
+from jitserve.service.runtimes import Buffer, RemoteError, Runtime, RuntimePool, frames
 from jitserve.wire import FutureStatus
 
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
-
-
-# Inputs of at least this many host bytes are freed before the program runs; for
-# smaller ones the wait and the collection would cost more than they save.
-_FREE_INPUTS_EARLY_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +57,15 @@ class FutureRef:
     index: int
 
 
-Arg = np.ndarray | jax.Array | FutureRef
+Arg = np.ndarray | Buffer | FutureRef
+
+# Codes a runtime's failure of a run keeps; anything else is "future_failed".
+_RUN_CODES = frozenset({"execution_timeout", "runtime_crashed", "out_of_memory",
+                        "future_cancelled", "future_expired", "unavailable"})
 
 
 class _Cancelled(Exception):
-    """The job was cancelled before its thread picked it up."""
+    """The job was cancelled before it was sent."""
 
 
 class _DependencyFailed(Exception):
@@ -72,19 +75,19 @@ class _DependencyFailed(Exception):
 
 
 class ExecutionJob:
-    """One queued execution: the handshake between cancel and start is under a lock."""
+    """One execution: the handshake between cancel and send is under a lock."""
 
-    def __init__(self, future: Future, executable: Any, args: Sequence[Arg]) -> None:
+    def __init__(self, future: Future, runtime: Runtime, args: Sequence[Arg]) -> None:
         self.future = future
-        self.executable = executable
-        self.args: list[Arg] | None = list(args)
+        self.runtime = runtime
+        self.args: list[Any] | None = list(args)
         self.task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._started = False
         self._cancelled = False
 
     def cancel(self) -> bool:
-        """Cancel if not started yet; whether it was cancelled. Call on the event loop."""
+        """Cancel if not sent yet; whether it was cancelled. Call on the event loop."""
         with self._lock:
             if self._started:
                 return False
@@ -94,8 +97,17 @@ class ExecutionJob:
             self.task.cancel()
         return True
 
+    def stop(self) -> str | None:
+        """Stop a running execution; ``None`` if it was stopped, else why it cannot be."""
+        if self.runtime.stop_call(self):
+            return None
+        others = len(self.runtime.in_flight()) - 1
+        return (f"it keeps running: its runtime {self.runtime.index} has {others} other "
+                "execution(s) in flight, which stopping it would take down; it ends by "
+                "itself or at its deadline, and its outputs are dropped")
+
     def start(self) -> None:
-        """Claim the job for a worker thread; ``_Cancelled`` if it was cancelled."""
+        """Claim the job for sending; ``_Cancelled`` if it was cancelled."""
         with self._lock:
             if self._cancelled:
                 raise _Cancelled
@@ -142,35 +154,35 @@ class TempBudget:
 
 
 class Executor:
-    """A thread pool that runs executables on ``device`` and settles futures.
+    """Sends runs to runtimes and settles their futures.
 
     Args:
-      device: where inputs go and programs run (``compiler.device``).
+      runtimes: the pool (for moves between runtimes, and segment names).
       futures: the store whose futures this settles.
       metrics: where execution counts and timings go.
-      threads: concurrent executions.
+      timeout_s: the longest a run may take (``JITSERVE_EXECUTION_TIMEOUT_S``).
       max_run_bytes: the most device bytes (intermediates and outputs) one run may
         allocate; ``None``: the futures' ``max_device_bytes``.
     """
 
-    def __init__(self, device: Any, futures: FutureStore, metrics: Metrics, threads: int,
-                 *, max_run_bytes: int | None = None) -> None:
-        self.device = device
+    def __init__(self, runtimes: RuntimePool, futures: FutureStore, metrics: Metrics, *,
+                 timeout_s: float, max_run_bytes: int | None = None) -> None:
+        self.timeout_s = timeout_s
         self.max_run_bytes = max_run_bytes or futures.max_device_bytes
+        self._runtimes = runtimes
         self._futures = futures
         self._metrics = metrics
         self._budget = TempBudget(futures, metrics)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jitserve-exec")
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def admit(self, executable: Any) -> None:
+    def admit(self, executable: RemoteExecutable) -> None:
         """Refuse a run that may never fit; call it before the run's future is created.
 
         ``LimitExceeded`` (422) when the intermediates and outputs of one run exceed
         ``max_run_bytes``: retrying cannot help. A run that fits the limit but not
         beside what others hold now waits for its turn (``TempBudget``).
         """
-        mem: MemoryStats | None = getattr(executable, "memory", None)
+        mem = executable.memory
         if mem is None or mem.run_bytes <= self.max_run_bytes:
             return  # without a memory analysis (backend), only outputs are counted
         raise LimitExceeded(
@@ -178,72 +190,109 @@ class Executor:
             f"({_sizes(mem)}), over the limit of {self.max_run_bytes:,} bytes "
             "(JITSERVE_MAX_EXECUTION_BYTES)")
 
-    def submit(self, future: Future, executable: Any, args: Sequence[Arg]) -> ExecutionJob:
+    def submit(self, future: Future, runtime: Runtime, program: Program,
+               executable: RemoteExecutable, static_key: str, args: Sequence[Arg],
+               timeout_s: float | None = None) -> ExecutionJob:
         """Start running ``executable`` on ``args`` for ``future``; returns at once."""
-        job = ExecutionJob(future, executable, args)
+        job = ExecutionJob(future, runtime, args)
         future.job = job
-        job.task = asyncio.get_running_loop().create_task(self._run(job))
+        future.runtime = runtime
+        timeout = min(timeout_s or self.timeout_s, self.timeout_s)
+        job.task = asyncio.get_running_loop().create_task(
+            self._run(job, program, executable, static_key, timeout))
         self._tasks.add(job.task)
         job.task.add_done_callback(self._tasks.discard)
         return job
 
-    async def _run(self, job: ExecutionJob) -> None:
-        fut = job.future
-        memory: MemoryStats | None = getattr(job.executable, "memory", None)
+    async def _run(self, job: ExecutionJob, program: Program, executable: RemoteExecutable,
+                   static_key: str, timeout_s: float) -> None:
+        fut, runtime = job.future, job.runtime
+        memory = executable.memory
+        segment = None
+        held = [a for a in job.args or () if isinstance(a, Buffer)]
+        self._runtimes.retain(held)  # a DELETE of their futures must not free them under us
         try:
-            await self._resolve(job)
-            loop = asyncio.get_running_loop()
+            await self._resolve(job, held)
+            descs, segment = await self._marshal(job)
+            message = {"executable_id": executable.executable_id,
+                       "program_id": program.program_id, "static_key": static_key,
+                       "avals": [a.to_json() for a in executable.in_avals], "args": descs}
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
-                outputs, run_s = await loop.run_in_executor(self._pool, self._work, job, loop)
+                job.start()
+                reply = await runtime.request(
+                    "run", message, owner=fut.owner, timeout_s=timeout_s, tag=job,
+                    on_started=lambda: self._futures.mark_running(
+                        fut, max(time.time() - fut.created, 0.0)))
         except (asyncio.CancelledError, _Cancelled):
             return  # the store already marked it cancelled
         except _DependencyFailed as e:
             self._futures.fail(fut, e.code, str(e))
-        except Exception as e:  # the program failed on the device; the future says why
-            self._futures.fail(fut, "future_failed", f"execution failed: {first_line(e)}")
+        except RemoteError as e:
+            if not fut.status.is_final:  # a cancel that stopped it already said so
+                code = e.code if e.code in _RUN_CODES else "future_failed"
+                message_ = str(e) if code != "future_failed" else f"execution failed: {e}"
+                self._futures.fail(fut, code, message_)
         else:
-            self._metrics.execute_seconds.observe(run_s)
-            self._futures.complete(fut, outputs, run_s)
+            outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
+                       for h, a in zip(reply["handles"], fut.out_avals)]
+            if not all(b.alive for b in outputs):  # the runtime died right after answering
+                self._futures.fail(fut, "runtime_crashed",
+                                   f"runtime {runtime.index} {runtime.last_exit}: the outputs "
+                                   "were lost")
+            else:
+                run_s = float(reply["run_s"])
+                self._metrics.execute_seconds.observe(run_s)
+                self._futures.complete(fut, outputs, run_s)
+        finally:
+            self._runtimes.release(held)
+            if segment is not None:
+                segment.map.close()
+                frames.unlink(segment.name)
 
-    async def _resolve(self, job: ExecutionJob) -> None:
-        """Replace future references by the device arrays they name, waiting if needed."""
+    async def _resolve(self, job: ExecutionJob, held: list[Buffer]) -> None:
+        """Replace future references by the buffers they name, waiting if needed."""
         assert job.args is not None
         for i, arg in enumerate(job.args):
             if isinstance(arg, FutureRef):
                 await arg.future.wait_final()
-                job.args[i] = _output_of(arg, i)
+                buf = _output_of(arg, i)
+                self._runtimes.retain([buf])
+                held.append(buf)
+                job.args[i] = buf
 
-    def _work(self, job: ExecutionJob, loop: asyncio.AbstractEventLoop) -> tuple[list[Any], float]:
-        """In a worker thread: transfer, run, and wait for the outputs."""
-        job.start()
-        fut, args = job.future, job.args
+    async def _marshal(self, job: ExecutionJob) -> tuple[list[dict[str, Any]],
+                                                          frames.Segment | None]:
+        """The run's argument descriptions, and the segment that holds its big host arrays."""
+        assert job.args is not None
+        runtime = job.runtime
+        descs: list[dict[str, Any] | None] = []
+        host: list[np.ndarray] = []
+        for i, arg in enumerate(job.args):
+            if isinstance(arg, Buffer):
+                if arg.runtime is runtime and arg.alive:
+                    descs.append({"handle": arg.handle})
+                    continue
+                try:
+                    (arg,) = await self._runtimes.fetch([arg])  # noqa: PLW2901
+                except RemoteError as e:
+                    raise _DependencyFailed(e.code, f"args[{i}]: {e}") from None
+                self._runtimes.moved(arg.nbytes)
+            host.append(arg)
+            descs.append(None)
         job.args = None
-        queued_s = max(time.time() - fut.created, 0.0)
-        loop.call_soon_threadsafe(self._futures.mark_running, fut, queued_s)
-        assert args is not None
-        host_bytes = sum(a.nbytes for a in args if not isinstance(a, jax.Array))
-        on_device = [a if isinstance(a, jax.Array) else jax.device_put(a, self.device) for a in args]
-        del args
-        if host_bytes >= _FREE_INPUTS_EARLY_BYTES:
-            # Transfers are asynchronous: wait for them so the host copies are freed
-            # before the outputs are allocated (peak memory 2x, not 3x, of a big input).
-            jax.block_until_ready(on_device)
-            # jax lets go of the host buffers from a runtime thread, which takes effect
-            # at the next garbage collection (jax-ml/jax#14882). A young-generation
-            # collection runs that hook cheaply, so big inputs are freed before the
-            # outputs are allocated.
-            gc.collect(0)
-        t0 = time.perf_counter()
-        outputs = job.executable.run(on_device)
-        jax.block_until_ready(outputs)
-        return list(outputs), time.perf_counter() - t0
+        big = sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES
+        pack = frames.pack_arrays
+        packed, segment = (await run_in_threadpool(pack, host, self._runtimes.prefix) if big
+                           else pack(host, self._runtimes.prefix))
+        del host
+        it = iter(packed)
+        return [d if d is not None else next(it) for d in descs], segment
 
     async def close(self) -> None:
-        """Cancel what is queued and wait for running executions to end."""
+        """Cancel what is queued or running here, and wait for the tasks to end."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
 
 
 def _sizes(mem: MemoryStats) -> str:
@@ -253,7 +302,7 @@ def _sizes(mem: MemoryStats) -> str:
 
 
 def _output_of(ref: FutureRef, position: int) -> Any:
-    """The device array ``ref`` names, or ``_DependencyFailed`` saying why there is none."""
+    """The buffer ``ref`` names, or ``_DependencyFailed`` saying why there is none."""
     dep = ref.future
     where = f"args[{position}] refers to future {dep.future_id}"
     if dep.status is FutureStatus.DONE and dep.outputs is not None:

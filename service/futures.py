@@ -43,6 +43,10 @@ class Job(Protocol):
         """Stop the execution if it has not started; whether it was stopped."""
         ...
 
+    def stop(self) -> str | None:
+        """Stop the running execution; ``None`` if it was stopped, else why it cannot be."""
+        ...
+
 
 @dataclasses.dataclass
 class Timings:
@@ -81,6 +85,7 @@ class Future:
     error: dict[str, Any] | None = None
     timings: Timings = dataclasses.field(default_factory=Timings)
     job: Job | None = None
+    runtime: Any = None
     removed: str | None = None
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False)
 
@@ -134,6 +139,8 @@ class FutureStore:
         self._live_of: collections.Counter[str | None] = collections.Counter()
         self._bytes_of: collections.Counter[str | None] = collections.Counter()
         self.on_final: Callable[[Future], None] | None = None
+        # Called with a future's outputs when it lets go of them (buffers on a runtime).
+        self.on_release: Callable[[list[Any]], None] | None = None
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0) -> Future:
@@ -245,13 +252,39 @@ class FutureStore:
         self._release(fut)
         self._finish(fut, FutureStatus.FAILED)
 
-    def delete(self, fut: Future) -> FutureStatus:
-        """Cancel ``fut`` if it has not started, free its outputs, and forget it."""
+    def delete(self, fut: Future, *, stop: bool = True) -> tuple[FutureStatus, str | None]:
+        """Cancel ``fut`` if it has not finished, free its outputs, and forget it.
+
+        Returns its status, and, for a running one that could not be stopped, why.
+        ``stop=False`` leaves a running execution alone (it is dropped when it ends).
+        """
+        detail = None
         if fut.status is FutureStatus.PENDING and fut.job is not None and fut.job.cancel():
             fut.error = {"code": "future_cancelled", "message": "deleted before it ran"}
             self._finish(fut, FutureStatus.CANCELLED)
+        elif stop and fut.status is FutureStatus.RUNNING and fut.job is not None:
+            detail = fut.job.stop()
+            if detail is None:
+                fut.error = {"code": "future_cancelled", "message": "deleted while it ran"}
+                self._finish(fut, FutureStatus.CANCELLED)
         self._remove(fut, "deleted")
-        return fut.status
+        return fut.status, detail
+
+    def fail_lost(self, runtime: Any, generation: int, why: str) -> int:
+        """Fail the done futures whose outputs were on ``runtime``'s process ``generation``,
+        which exited (``why``); returns how many. Their outputs are gone with it."""
+        lost = [f for f in self._futures.values()
+                if f.status is FutureStatus.DONE and f.outputs
+                and any(getattr(b, "runtime", None) is runtime and b.generation == generation
+                        for b in f.outputs)]
+        for fut in lost:
+            fut.outputs = None  # nothing to free: the process that held them is gone
+            fut.status = FutureStatus.FAILED
+            fut.error = {"code": "runtime_crashed",
+                         "message": f"its outputs were lost: runtime {runtime.index} {why}"}
+            self._release(fut)
+            fut._notify()
+        return len(lost)
 
     def _finish(self, fut: Future, status: FutureStatus) -> None:
         fut.status = status
@@ -270,6 +303,8 @@ class FutureStore:
         fut._notify()
 
     def _release(self, fut: Future) -> None:
+        if fut.outputs and self.on_release is not None:
+            self.on_release(fut.outputs)
         fut.outputs = None
         self.device_bytes -= fut.reserved_bytes
         self._uncount(self._bytes_of, fut.owner, fut.reserved_bytes)
@@ -318,7 +353,7 @@ class FutureStore:
     def clear(self) -> None:
         """Cancel what has not started and forget every future (shutdown)."""
         for fut in list(self._futures.values()):
-            self.delete(fut)
+            self.delete(fut, stop=False)
 
 
 def _same_owner(have: str | None, want: str | None) -> bool:

@@ -25,6 +25,14 @@ Names (the Grafana dashboard and the acceptance tests read these)::
                                               header_too_large)
     jitserve_execution_temp_bytes             device bytes of intermediates (XLA temp
                                               buffers) of executions in flight
+    jitserve_runtimes_up                      runtime processes up (of jitserve_runtimes)
+    jitserve_runtime_restarts_total{reason}   runtimes that exited and were restarted:
+                                              timeout (an execution's deadline), cancel,
+                                              signal (a crash: SIGSEGV, SIGKILL, ...), exit
+    jitserve_runtime_start_failures_total     runtime processes that died before ready
+    jitserve_runtime_restart_seconds          the last restart, from exit to ready
+    jitserve_runtime_moves_total              outputs moved between runtimes (a call on
+    jitserve_runtime_move_bytes_total         one took a future that lives on another)
 """
 
 from __future__ import annotations
@@ -84,6 +92,20 @@ class Metrics:
         self.connections_closed = Counter("jitserve_connections_closed",
                                           "connections closed before a whole request head",
                                           ["reason"], registry=r)
+        self.runtimes_up = Gauge("jitserve_runtimes_up", "runtime processes up", registry=r)
+        self.runtimes_count = Gauge("jitserve_runtimes", "runtime processes", registry=r)
+        self.runtime_restarts = Counter("jitserve_runtime_restarts",
+                                        "runtime restarts by reason", ["reason"], registry=r)
+        self.runtime_start_failures = Counter("jitserve_runtime_start_failures",
+                                              "runtimes that died before ready", registry=r)
+        self.runtime_restart_seconds = Gauge("jitserve_runtime_restart_seconds",
+                                             "the last runtime restart, exit to ready",
+                                             registry=r)
+        self.runtime_moves = Counter("jitserve_runtime_moves",
+                                     "outputs moved between runtimes", registry=r)
+        self.runtime_move_bytes = Counter("jitserve_runtime_move_bytes",
+                                          "bytes of outputs moved between runtimes", registry=r)
+        self._runtimes_seen: dict[str, int] = {}
         self.execution_temp_bytes = Gauge("jitserve_execution_temp_bytes",
                                           "device bytes of intermediates of running executions",
                                           registry=r)
@@ -134,6 +156,27 @@ class Metrics:
         self.redis_bytes.labels("written").inc(
             max(0, stats["bytes_written"] - seen["bytes_written"]))
         self._redis_seen = {k: max(seen[k], stats[k]) for k in seen}
+
+    def runtimes(self, stats: Mapping[str, Any]) -> None:
+        """Bring the runtime series up to ``RuntimePool.stats()`` (its counters are monotonic)."""
+        self.runtimes_up.set(stats["up"])
+        self.runtimes_count.set(stats["count"])
+        if stats.get("last_restart_s") is not None:
+            self.runtime_restart_seconds.set(stats["last_restart_s"])
+        seen = self._runtimes_seen
+        for name, value in stats["counters"].items():
+            delta = value - seen.get(name, 0)
+            if delta <= 0:
+                continue
+            seen[name] = value
+            if name.startswith("restarts:"):
+                self.runtime_restarts.labels(name.partition(":")[2]).inc(delta)
+            elif name == "start_failures":
+                self.runtime_start_failures.inc(delta)
+            elif name == "moves":
+                self.runtime_moves.inc(delta)
+            elif name == "move_bytes":
+                self.runtime_move_bytes.inc(delta)
 
     def render(self, futures_by_state: Mapping[str, int], device_bytes: int) -> bytes:
         """The Prometheus text exposition, with the gauges brought up to date."""

@@ -1,13 +1,16 @@
-"""The program store of the routes: the compiler's stored programs, scoped per tenant.
+"""The program store of the routes: programs by id, scoped per tenant.
 
-Programs are content-addressed and kept by the compiler in the same tiers as
-executables (``jitserve.compiler.StoredPrograms``: memory, ``<cache_dir>/programs``,
-and Redis when one is shared), re-validated like an upload whenever they are
-read back. This module adds what the service needs: async calls that run the
-blocking reads in the thread pool, one reader at a time; the tenant's view
-(``service.tenants``: a tenant sees only what it uploaded, though the bytes are
-stored once for all); and ``NotFound``, with one message for an unknown id and
-another tenant's, so ids cannot be probed.
+An upload is decoded and validated by a runtime (``service.runtimes``), never
+here: the bytes of a program are untrusted, and decoding them has crashed
+processes before. The runtime keeps the program in the cache tiers (memory,
+``<cache_dir>/programs``, and Redis when one is shared), and answers with its
+signature, which this store keeps beside the bytes (``Program``, bounded like
+the runtimes' own cache): a runtime that has not seen a program (another one,
+or one restarted since) is sent the bytes again (``calls.ask``).
+
+The tenant's view (``service.tenants``): a tenant sees only what it uploaded,
+though the bytes are stored once for all; ``NotFound`` has one message for an
+unknown id and another tenant's, so ids cannot be probed.
 """
 
 from __future__ import annotations
@@ -17,24 +20,36 @@ import hashlib
 
 from starlette.concurrency import run_in_threadpool
 
-from jitserve.compiler import Program, StoredPrograms
+from jitserve.compiler.cache import MemoryCache
+from jitserve.compiler.programs import Program
+from jitserve.service.calls import refusal
 from jitserve.service.errors import NotFound
+from jitserve.service.runtimes import RemoteError, RuntimePool
 from jitserve.service.tenants import Tenants
 
 __all__ = ["ProgramStore"]
+
+# Hashing this much or more goes to a thread (about a millisecond per MiB).
+_HASH_IN_THREAD_BYTES = 1 << 20
 
 
 class ProgramStore:
     """Programs by id for the route handlers, as each tenant sees them.
 
     Args:
-      programs: the compiler's stored programs (``Compiler.programs``).
+      runtimes: where programs are decoded.
       tenants: who owns which program; omitted, nothing is scoped (one tenant).
+      max_entries, max_bytes: bounds of the programs kept here.
+      timeout_s: the longest a runtime may take to decode one.
     """
 
-    def __init__(self, programs: StoredPrograms, tenants: Tenants | None = None) -> None:
-        self._programs = programs
+    def __init__(self, runtimes: RuntimePool, tenants: Tenants | None = None, *,
+                 max_entries: int = 256, max_bytes: int = 1 << 30,
+                 timeout_s: float = 120.0) -> None:
+        self._runtimes = runtimes
         self._tenants = tenants or Tenants()
+        self._memory: MemoryCache[Program] = MemoryCache(max_entries, max_bytes)
+        self._timeout_s = timeout_s
         self._lock = asyncio.Lock()
 
     async def put(self, data: bytes, format: str | None = None,
@@ -45,10 +60,23 @@ class ProgramStore:
         ``QuotaExceeded`` past the owner's program-bytes quota (checked before
         anything is stored).
         """
+        program_id = (await run_in_threadpool(_sha256, data) if len(data) >= _HASH_IN_THREAD_BYTES
+                      else _sha256(data))
         if self._tenants.scoped and owner is not None:
-            program_id = await run_in_threadpool(_sha256, data)
             self._tenants.check_program_room(owner, program_id, len(data))
-        program, stored_now = await run_in_threadpool(self._programs.put, data, format)
+        # Always through a runtime, even when known here: it stores the program again
+        # in any tier that lost it (Redis evicted it, or was down at the first upload).
+        runtime = self._runtimes.place(owner, program_id)
+        try:
+            reply = await runtime.request("decode", {"data": data, "format": format},
+                                          timeout_s=self._timeout_s, retry=True)
+        except RemoteError as e:
+            raise refusal(e, "decoding") from None
+        stored_now = bool(reply["created"])
+        program = self._memory.get(program_id)
+        if program is None:
+            program = Program.from_json(reply["program"], data)
+            self._memory.put(program_id, program, len(data))
         created = self._tenants.claim_program(owner, program.program_id, len(data),
                                               stored_before=not stored_now)
         return program, created
@@ -57,13 +85,28 @@ class ProgramStore:
         """``owner``'s program ``program_id``; ``NotFound`` when it has none by that id."""
         if not self._tenants.sees_program(owner, program_id):
             raise _not_found(program_id)
-        program = self._programs.cached(program_id)
+        program = self._memory.get(program_id)
         if program is None:
             # One reader at a time, so a burst of requests decodes a stored program once.
             async with self._lock:
-                program = await run_in_threadpool(self._programs.get, program_id)
+                program = self._memory.get(program_id) or await self._read(program_id, owner)
         if program is None:
             raise _not_found(program_id)
+        return program
+
+    async def _read(self, program_id: str, owner: str | None) -> Program | None:
+        """The program from the cache tiers, decoded again by a runtime; ``None`` if none has it."""
+        runtime = self._runtimes.place(owner, program_id)
+        try:
+            reply = await runtime.request("program", {"program_id": program_id},
+                                          timeout_s=self._timeout_s, retry=True)
+        except RemoteError as e:
+            raise refusal(e, "decoding") from None
+        doc, payload = reply.get("program"), reply.get("payload")
+        if doc is None or not isinstance(payload, bytes) or _sha256(payload) != program_id:
+            return None
+        program = Program.from_json(doc, payload)
+        self._memory.put(program_id, program, len(payload))
         return program
 
     async def delete(self, program_id: str, owner: str | None = None) -> None:

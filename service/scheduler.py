@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -54,8 +54,12 @@ class FairScheduler:
         A caller cancelled while it runs leaves it running: its slot is taken until
         the thread ends, so the slots never overstate what the pool has free.
         """
+        return await self.run_async(tenant, run_in_threadpool, fn, *args)
+
+    async def run_async(self, tenant: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)`` once ``tenant``'s turn comes (a runtime's compile, say)."""
         await self._acquire(tenant)
-        task = asyncio.ensure_future(run_in_threadpool(fn, *args))
+        task = asyncio.ensure_future(fn(*args))
         task.add_done_callback(lambda t: self._finished(tenant, t))
         return await asyncio.shield(task)
 

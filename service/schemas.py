@@ -101,6 +101,10 @@ class ExecuteJSON(_Strict):
 
     args: list[ArrayJSON | FutureRef]
     static_key: str = Field("", max_length=4096)
+    timeout_s: float | None = Field(
+        None, gt=0, description="seconds this execution may run (at most the server's "
+        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
+        "the future fails with execution_timeout")
 
 
 class ExecuteMsgpack(_Strict):
@@ -108,6 +112,10 @@ class ExecuteMsgpack(_Strict):
 
     args: list[ArrayMsgpack | FutureRef]
     static_key: str = Field("", max_length=4096)
+    timeout_s: float | None = Field(
+        None, gt=0, description="seconds this execution may run (at most the server's "
+        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
+        "the future fails with execution_timeout")
 
 
 class OutputsJSON(BaseModel):
@@ -184,6 +192,10 @@ class ExecuteRequest(_Strict):
 
     args: list[Any]
     static_key: str = Field("", max_length=4096)
+    timeout_s: float | None = Field(
+        None, gt=0, description="seconds this execution may run (at most the server's "
+        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
+        "the future fails with execution_timeout")
 
 
 class ExecuteAccepted(BaseModel):
@@ -238,10 +250,15 @@ class ProgramDeleted(BaseModel):
 
 
 class DeleteResult(BaseModel):
-    """Answer of ``DELETE /v1/futures/{id}``."""
+    """Answer of ``DELETE /v1/futures/{id}``.
+
+    ``status`` is ``cancelled`` when the execution was stopped (before or while it
+    ran); a ``running`` one that could not be stopped says why in ``detail``.
+    """
 
     future_id: str
     status: str
+    detail: str | None = None
 
 
 def parse(model: type[M], obj: Any, what: str) -> M:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -19,6 +19,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from jitserve.compiler import CacheSecret, Limits, RedisSettings
 from jitserve.compiler.disk import DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES
 from jitserve.compiler.jaxpr import JaxprLimits
+
+if TYPE_CHECKING:
+    from jitserve.compiler.compile import CompilerConfig
 
 __all__ = ["PLACEHOLDER_SECRETS", "Settings"]
 
@@ -104,6 +107,21 @@ class Settings(BaseSettings):
     max_device_bytes: int = Field(8 * GiB, gt=0)
     executor_threads: int = Field(2, gt=0)
 
+    # Runtimes: the supervised processes that decode, compile and run programs
+    # (service/runtimes, docs/runtimes.md). Unset: one per core on CPU (at most 8),
+    # one on GPU.
+    runtimes: int | None = Field(None, gt=0)
+    # The longest an execution may run (from its start); a caller may ask for less.
+    # Past it, its runtime is killed and restarted and the future fails with
+    # execution_timeout.
+    execution_timeout_s: float = Field(300.0, gt=0)
+    # Address space of each runtime on CPU: past it allocations fail (out_of_memory)
+    # instead of the OOM killer choosing a victim. Unset: 80% of RAM shared out, at
+    # least 2 GiB.
+    runtime_max_memory_bytes: int | None = Field(None, ge=1 << 30)
+    # Share of the GPU's memory each runtime may take; unset: 0.75 shared out.
+    runtime_device_memory_fraction: float | None = Field(None, gt=0, le=1)
+
     # Tenants: scoping and quotas
     # Per API key, with keys on (service/quotas.py, docs/service.md "Tenants"). Unset:
     # live futures and device bytes get a fair share of the totals above (divided by
@@ -178,6 +196,20 @@ class Settings(BaseSettings):
                 lock_ttl_s=self.redis_lock_ttl_s, wait_s=self.redis_wait_s)
         except ValueError as e:
             raise ValueError(f"REDIS_URL / JITSERVE_REDIS_*: {e}") from e
+
+    def compiler_config(self) -> CompilerConfig:
+        """The ``CompilerConfig`` of a runtime: L1, disk (unless off), Redis (if set)."""
+        from jitserve.compiler.compile import CompilerConfig  # imports jax: runtimes only
+
+        # An unreachable Redis does not stop the start: its tiers begin degraded and retry.
+        return CompilerConfig(
+            cache_dir=self.cache_dir if self.disk_cache else None,
+            l1_max_entries=self.l1_max_entries, l1_max_bytes=self.l1_max_bytes,
+            programs_max_entries=self.programs_max_entries,
+            programs_max_bytes=self.programs_max_bytes,
+            compile_timeout_s=self.compile_timeout_s, compile_workers=self.compile_workers,
+            disk_max_bytes=self.disk_cache_max_bytes, limits=self.compiler_limits(),
+            redis=self.redis_settings(), cache_secret=self.compiler_cache_secret())
 
     def compiler_limits(self) -> Limits:
         """What an untrusted program may be (``compiler.safety.Limits``), from these settings."""

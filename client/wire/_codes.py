@@ -40,6 +40,9 @@ class ErrorCode(enum.StrEnum):
     FUTURE_CANCELLED = "future_cancelled"
     FUTURE_EXPIRED = "future_expired"
     # the server
+    EXECUTION_TIMEOUT = "execution_timeout"
+    RUNTIME_CRASHED = "runtime_crashed"
+    OUT_OF_MEMORY = "out_of_memory"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
 
@@ -70,6 +73,10 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
     ErrorCode.FUTURE_FAILED: 422,
     ErrorCode.FUTURE_CANCELLED: 409,
     ErrorCode.FUTURE_EXPIRED: 410,
+    # A future's failure, also the answer where a call waited for it.
+    ErrorCode.EXECUTION_TIMEOUT: 504,
+    ErrorCode.RUNTIME_CRASHED: 502,
+    ErrorCode.OUT_OF_MEMORY: 422,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
 }

@@ -5,7 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 
 from jitserve.service.bodies import outputs_response
-from jitserve.service.deps import AsJSON, FutureStoreDep, MetricsDep, Owner, WaitSeconds, get_owner
+from jitserve.service.deps import (
+    AsJSON,
+    FutureStoreDep,
+    MetricsDep,
+    Owner,
+    RuntimesDep,
+    WaitSeconds,
+    get_owner,
+)
 from jitserve.service.errors import FutureCancelled, FutureFailed, FuturePending, NotFound
 from jitserve.service.futures import Future
 from jitserve.service.openapi import errors, outputs_content
@@ -33,22 +41,28 @@ async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
                              "content": outputs_content()},
                        **errors(ErrorCode.BAD_REQUEST, ErrorCode.FUTURE_PENDING,
                                 ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED)})
-async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDep, owner: Owner,
-                     wait: WaitSeconds, as_json: AsJSON) -> Response:
+async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDep,
+                     runtimes: RuntimesDep, owner: Owner, wait: WaitSeconds,
+                     as_json: AsJSON) -> Response:
     """The outputs of a done future; ``?wait=<ms>`` waits for them first."""
     fut = futures.get(future_id, owner)
     if wait:
         await fut.wait_final(wait)
     _raise_unless_done(fut)
-    return await outputs_response(fut, metrics, as_json)
+    return await outputs_response(fut, metrics, as_json, runtimes)
 
 
-@router.delete("/{future_id}", response_model=DeleteResult)
+@router.delete("/{future_id}", response_model=DeleteResult, response_model_exclude_none=True)
 async def delete_future(future_id: str, futures: FutureStoreDep, owner: Owner) -> DeleteResult:
-    """Cancel the future if it has not started, and free its outputs."""
+    """Cancel the future, and free its outputs.
+
+    A running execution is stopped when nothing else runs on its runtime;
+    otherwise it runs on (to its end or its deadline), ``detail`` says why, and
+    its outputs are dropped when it ends.
+    """
     fut = futures.get(future_id, owner)
-    status = futures.delete(fut)
-    return DeleteResult(future_id=fut.future_id, status=status.value)
+    status, detail = futures.delete(fut)
+    return DeleteResult(future_id=fut.future_id, status=status.value, detail=detail)
 
 
 def _raise_unless_done(fut: Future) -> None:

@@ -12,9 +12,9 @@ from starlette.concurrency import run_in_threadpool
 
 from jitserve.service.deps import (
     CatalogDep,
-    CompilerDep,
     FutureStoreDep,
     MetricsDep,
+    RuntimesDep,
     SettingsDep,
     get_owner,
 )
@@ -40,44 +40,55 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", responses={503: {"model": ErrorBody, "description":
                                        "error: not_ready, with the failed checks"}})
 async def readyz(request: Request, settings: SettingsDep) -> Response:
-    """Ready for work: the backend is up and the cache directory (if used) is writable.
+    """Ready for work: every runtime is up, and the cache directory (if used) is writable.
 
-    ``cache`` is ``ok`` (the shared Redis is in use), ``degraded`` (configured but
-    unreachable: serving from local tiers, retrying) or ``local`` (no Redis). A
-    degraded cache is still ready (200): every request is served, only slower for
-    executables this host has not seen, so dropping the pod would only lose capacity.
+    ``runtimes`` lists each runtime's state (``up``, ``restarting``, ``backoff``
+    after failing to start, with ``retry_in_s``), pid, restarts and last exit. A
+    runtime that is restarting after a crash or a deadline is not ready for that
+    moment (a second or two). ``cache`` is ``ok`` (the shared Redis is in use),
+    ``degraded`` (configured but unreachable: serving from local tiers, retrying)
+    or ``local`` (no Redis). A degraded cache is still ready (200): every request
+    is served, only slower for executables this host has not seen, so dropping
+    the pod would only lose capacity.
     """
-    compiler = getattr(request.app.state, "compiler", None)
-    checks = {"backend": compiler is not None}
+    state = request.app.state
+    pool = getattr(state, "runtimes", None)
+    runtimes = [] if pool is None else pool.describe()
+    checks = {"runtimes": bool(runtimes) and all(r["state"] == "up" for r in runtimes)}
     if settings.disk_cache:
         checks["cache_dir"] = await run_in_threadpool(_writable, settings.cache_dir)
-    cache = "local" if compiler is None else compiler.catalog.state
+    cache = "local" if pool is None else (await pool.report())["cache"]
     if all(checks.values()):
-        return JSONResponse({"status": "ready", "checks": checks, "cache": cache})
+        return JSONResponse({"status": "ready", "checks": checks, "cache": cache,
+                             "runtimes": runtimes})
     failed = ", ".join(k for k, ok in checks.items() if not ok)
     return JSONResponse(error_body("not_ready", f"not ready: {failed}", checks=checks,
-                                   cache=cache), 503)
+                                   cache=cache, runtimes=runtimes), 503)
 
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-async def metrics(metrics: MetricsDep, futures: FutureStoreDep, catalog: CatalogDep) -> Response:
-    """Prometheus metrics of this process."""
-    shared = catalog.shared_stats()
+async def metrics(metrics: MetricsDep, futures: FutureStoreDep, catalog: CatalogDep,
+                  runtimes: RuntimesDep) -> Response:
+    """Prometheus metrics of this process and its runtimes."""
+    shared = (await runtimes.report())["redis"]  # the runtimes use Redis; this process lists
     if shared is not None:
-        metrics.redis(shared)
+        mine = catalog.shared_stats() or {}
+        metrics.redis({k: v + mine.get(k, 0) for k, v in shared.items()})
+    metrics.runtimes(runtimes.stats())
     body = metrics.render(futures.counts(), futures.device_bytes)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @devices_router.get("/devices")
-async def devices(compiler: CompilerDep) -> dict[str, Any]:
-    """The backend, and the device programs run on."""
-    device = compiler.device
+async def devices(runtimes: RuntimesDep) -> dict[str, Any]:
+    """The backend, and the device programs run on (as the runtimes report them)."""
+    info = runtimes.backend
+    device = info.get("device", {})
     return {
-        "backend": compiler.backend_info(),
-        "devices": [{"id": device.id, "platform": device.platform,
-                     "device_kind": device.device_kind, "default": True}],
+        "backend": info.get("backend", {}),
+        "devices": [{**device, "default": True}],
+        "runtimes": runtimes.describe(),
     }
 
 

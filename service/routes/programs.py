@@ -22,6 +22,7 @@ from jitserve.service.deps import (
     Owner,
     ProgramBody,
     ProgramStoreDep,
+    RuntimesDep,
     WaitSeconds,
     get_owner,
 )
@@ -115,19 +116,19 @@ async def compile_program(program_id: str, programs: ProgramStoreDep, calls: Cal
                         **errors(*_CALL_ERRORS, ErrorCode.FUTURE_CANCELLED,
                                  ErrorCode.FUTURE_FAILED)})
 async def execute_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
-                          metrics: MetricsDep, body: Body, owner: Owner, wait: WaitSeconds,
-                          as_json: AsJSON) -> Response:
+                          metrics: MetricsDep, runtimes: RuntimesDep, body: Body, owner: Owner,
+                          wait: WaitSeconds, as_json: AsJSON) -> Response:
     """Run the program on arrays or future references; answers with a future.
 
     With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time.
     """
     program = await programs.get(program_id, owner)
     req = parse(ExecuteRequest, await _message(body), "execute request")
-    call = await calls.execute(program, req.args, req.static_key, owner)
+    call = await calls.execute(program, req.args, req.static_key, owner, req.timeout_s)
     del req  # the executor holds the input arrays now; do not pin them while we wait
     fut = call.future
     if wait and await fut.wait_final(wait) and fut.outputs is not None:
-        return await outputs_response(fut, metrics, as_json)
+        return await outputs_response(fut, metrics, as_json, runtimes)
     accepted = ExecuteAccepted.of(fut, call.tier)
     return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
 

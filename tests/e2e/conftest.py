@@ -27,6 +27,8 @@ E2E_ENV = {
     "JITSERVE_FUTURE_TTL_S": "120",
     "JITSERVE_EXECUTOR_THREADS": "2",
     "JITSERVE_LOG_LEVEL": "warning",
+    # One runtime process each (tests that need more say so): this machine has 2 cores.
+    "JITSERVE_RUNTIMES": "1",
 }
 
 

@@ -1,12 +1,14 @@
 """Fixtures for in-process tests of the service app.
 
-One real ``Compiler`` serves the whole session (its first compile starts a worker
-process); every test gets a fresh app around it, with its own settings, cache
-directory and event loop. ``api`` talks to that app through httpx's ASGI transport.
+One pool of real runtime processes serves the whole session (they decode,
+compile and run every program); every test gets a fresh app around it, with its
+own settings, cache directory and event loop. ``api`` talks to that app through
+httpx's ASGI transport.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -22,8 +24,8 @@ from fastapi import FastAPI
 from jax import export
 
 from jitserve import wire
-from jitserve.compiler import Compiler
-from jitserve.service.app import create_app, make_compiler
+from jitserve.service.app import create_app, start_pool
+from jitserve.service.runtimes import RuntimePool
 from jitserve.service.settings import Settings
 
 F32 = np.float32
@@ -57,12 +59,13 @@ def programs() -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="session")
-def compiler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compiler]:
-    """One compiler (with its disk tier) for the whole session."""
-    settings = Settings(env="test", cache_dir=tmp_path_factory.mktemp("compiler-cache"))
-    c = make_compiler(settings)
-    yield c
-    c.close()
+def runtimes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimePool]:
+    """One runtime process (with its disk tier) for the whole session."""
+    settings = Settings(env="test", cache_dir=tmp_path_factory.mktemp("compiler-cache"),
+                        runtimes=1)
+    pool = asyncio.run(start_pool(settings))
+    yield pool
+    pool.close()
 
 
 @dataclass
@@ -107,29 +110,26 @@ MakeApi = Callable[..., contextlib.AbstractAsyncContextManager[Api]]
 
 
 @pytest.fixture
-def make_api(compiler: Compiler, programs: dict[str, bytes], tmp_path: Path) -> MakeApi:
+def make_api(runtimes: RuntimePool, programs: dict[str, bytes], tmp_path: Path) -> MakeApi:
     """A factory: ``async with make_api(**settings) as api`` runs an app with those settings.
 
-    Apps share the session's compiler, and so its caches of executables and
-    programs; ``own_compiler=True`` gives the app a compiler of its own, made
-    from its settings (cheap while nothing compiles), closed with it.
+    Apps share the session's runtime, and so its caches of executables and
+    programs, and the settings it was started with; ``own_runtimes=True`` gives
+    the app runtimes of its own, started from its settings (a second or two),
+    stopped with it.
     """
 
     @contextlib.asynccontextmanager
-    async def make(cache_dir: Path | None = None, *, own_compiler: bool = False,
+    async def make(cache_dir: Path | None = None, *, own_runtimes: bool = False,
                    **overrides: Any) -> AsyncIterator[Api]:
+        overrides.setdefault("runtimes", 1)
         settings = Settings(env="test", cache_dir=cache_dir or tmp_path / "cache", **overrides)
-        own = make_compiler(settings) if own_compiler else None
-        app = create_app(settings, compiler=own or compiler)
+        app = create_app(settings, runtimes=None if own_runtimes else runtimes)
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        try:
-            async with app.router.lifespan_context(app):
-                async with httpx.AsyncClient(transport=transport,
-                                             base_url="http://jitserve") as http:
-                    yield Api(app, http, programs)
-        finally:
-            if own is not None:
-                own.close()
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=transport,
+                                         base_url="http://jitserve") as http:
+                yield Api(app, http, programs)
 
     return make
 

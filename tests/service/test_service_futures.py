@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 
@@ -19,19 +18,25 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.contextmanager
-def executor_blocked(api) -> Iterator[threading.Event]:
-    """Occupy the executor's only thread until the yielded event is set.
+def executor_blocked(api) -> Iterator[asyncio.Event]:
+    """Hold every execution before it is sent to its runtime until the event is set.
 
     Work submitted meanwhile stays queued: not started, so still cancellable.
     """
-    gate = threading.Event()
+    gate = asyncio.Event()
     executor = api.app.state.executor
-    blocker = executor._pool.submit(gate.wait)
+    marshal = executor._marshal
+
+    async def held(job):
+        await gate.wait()
+        return await marshal(job)
+
+    executor._marshal = held
     try:
         yield gate
     finally:
         gate.set()
-        blocker.result(timeout=10)
+        executor._marshal = marshal
 
 
 async def test_long_poll_returns_when_the_status_changes(make_api, x) -> None:
@@ -172,5 +177,5 @@ async def test_store_ids_are_unguessable_and_owned() -> None:
             store.get(a.future_id, owner)
     with pytest.raises(Exception, match="no future"):
         store.get(b.future_id, "alice")
-    assert store.delete(a) is FutureStatus.PENDING
+    assert store.delete(a)[0] is FutureStatus.PENDING
     assert store.counts()["pending"] == 1

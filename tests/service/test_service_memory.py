@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,13 +21,14 @@ from jax import export, lax
 from starlette.requests import ClientDisconnect, Request
 
 from jitserve import wire
-from jitserve.compiler import Compiler
+from jitserve.service.app import make_compiler
 from jitserve.service.bodies import BodyReader, BodyTimeout
 from jitserve.service.errors import BadRequest, PayloadTooLarge
 from jitserve.service.executor import TempBudget
 from jitserve.service.futures import FutureStore
 from jitserve.service.memory import HeapTrimmer
 from jitserve.service.metrics import Metrics
+from jitserve.service.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,8 +156,12 @@ def carry_8mib() -> bytes:
     return bytes(export.export(jax.jit(_carry(8)))(spec).serialize())
 
 
-def test_executables_record_xla_memory_analysis(compiler: Compiler, carry_8mib: bytes) -> None:
-    executable = compiler.lookup(compiler.decode(carry_8mib)).executable
+def test_executables_record_xla_memory_analysis(carry_8mib: bytes, tmp_path: Path) -> None:
+    compiler = make_compiler(Settings(env="test", cache_dir=tmp_path))
+    try:
+        executable = compiler.lookup(compiler.decode(carry_8mib)).executable
+    finally:
+        compiler.close()
     mem = executable.memory
     assert mem is not None and mem.output_bytes == 4 and mem.temp_bytes >= 8 * MiB
     assert mem.run_bytes == mem.temp_bytes + mem.output_bytes - mem.alias_bytes

@@ -15,7 +15,7 @@ OCTET = {"content-type": "application/octet-stream"}
 
 
 async def test_upload_is_content_addressed_and_idempotent(make_api) -> None:
-    async with make_api(own_compiler=True) as api:  # a store that has never seen add_mul
+    async with make_api(own_runtimes=True) as api:  # a store that has never seen add_mul
         await _upload_twice(api)
 
 
@@ -46,11 +46,11 @@ async def test_get_program_and_unknown_ids(api) -> None:
 
 
 async def test_programs_survive_a_restart(make_api, tmp_path) -> None:
-    async with make_api(cache_dir=tmp_path / "c", own_compiler=True) as api:
+    async with make_api(cache_dir=tmp_path / "c", own_runtimes=True) as api:
         pid = await api.upload("triple")
     stored = (tmp_path / "c" / "programs" / pid[:2] / pid).read_bytes()
     assert decode_program_blob(pid, stored) == (api.programs["triple"], "jax_export")
-    async with make_api(cache_dir=tmp_path / "c", own_compiler=True) as api:
+    async with make_api(cache_dir=tmp_path / "c", own_runtimes=True) as api:
         r = await api.http.get(f"/v1/programs/{pid}")
         assert r.status_code == 200
         assert r.json()["program_id"] == pid

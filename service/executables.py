@@ -1,0 +1,81 @@
+"""What the API process knows about executables: the runtimes' answers to lookups.
+
+Executables live in the runtimes (loaded, on the device) and in the cache
+tiers; the API process keeps only their signatures (``RemoteExecutable``), by
+call (program, input avals, static key), so that a cached call needs no lookup
+round trip: it goes straight to a run. ``ExecutableIndex`` is that LRU; its
+records are also the catalog's local listing (``compiler.Catalog``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from jitserve.compiler.cache import MemoryCache
+from jitserve.compiler.compile import MemoryStats, check_inputs
+from jitserve.wire import Aval
+
+__all__ = ["ExecutableIndex", "Lookup", "RemoteExecutable", "call_key"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RemoteExecutable:
+    """An executable's static signature and record, as its runtime described it."""
+
+    executable_id: str
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+    out_tree: Any
+    memory: MemoryStats | None
+    meta: dict[str, Any]
+    nbytes: int
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> RemoteExecutable:
+        return cls(doc["executable_id"], tuple(Aval.from_json(a) for a in doc["in_avals"]),
+                   tuple(Aval.from_json(a) for a in doc["out_avals"]), doc.get("out_tree"),
+                   MemoryStats.from_json(doc.get("memory")), dict(doc.get("meta") or {}),
+                   int(doc.get("nbytes") or 0))
+
+    def check_inputs(self, avals: Sequence[Aval]) -> None:
+        """Raise ``SignatureMismatch`` naming the first input that does not fit."""
+        check_inputs(self.in_avals, avals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """Where a call's executable came from: ``tier`` (``memory``, ``disk``, ``redis``,
+    ``compiled``) and the seconds a compile took (0 unless ``compiled``)."""
+
+    executable: RemoteExecutable
+    executable_id: str
+    tier: str
+    compile_seconds: float
+
+
+def call_key(program_id: str, in_avals: Sequence[Aval] | None, static_key: str) -> str:
+    avals = None if in_avals is None else [a.to_json() for a in in_avals]
+    return json.dumps([program_id, avals, static_key], separators=(",", ":"))
+
+
+class ExecutableIndex:
+    """Signatures by call, least recently used evicted first (bounded like L1)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._by_call: MemoryCache[RemoteExecutable] = MemoryCache(max_entries, 1 << 62)
+
+    def get(self, key: str) -> RemoteExecutable | None:
+        return self._by_call.get(key)
+
+    def put(self, key: str, executable: RemoteExecutable) -> None:
+        self._by_call.put(key, executable, 1)
+
+    def values(self) -> list[RemoteExecutable]:
+        """One record per executable id (several calls may share one)."""
+        seen: dict[str, RemoteExecutable] = {}
+        for exe in self._by_call.values():
+            seen[exe.executable_id] = exe
+        return list(seen.values())

@@ -1,0 +1,86 @@
+"""Supervised runtime processes: where programs are decoded, compiled and run.
+
+The API process never touches a program's content. It sends each request to a
+runtime (``service.runtimes.child``) chosen by ``RuntimePool.place``, and the
+runtime's answer (or its death) settles it. See ``pool`` for supervision,
+deadlines and placement, ``frames`` for how arrays cross, and docs/runtimes.md
+for the trade-offs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
+
+from pydantic import SecretStr
+
+from jitserve.service.runtimes.pool import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
+
+if TYPE_CHECKING:
+    from jitserve.service.settings import Settings
+
+__all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
+           "platform_kind"]
+
+_GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm6_plugin")
+_MIN_MEMORY = 2 << 30
+
+
+def platform_kind() -> str:
+    """``cpu`` or ``gpu``: what the runtimes will find, without starting a backend here."""
+    wanted = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if wanted:
+        return "cpu" if wanted == "cpu" else "gpu"
+    if any(importlib.util.find_spec(name) is not None for name in _GPU_PLUGINS):
+        return "gpu"
+    return "cpu"
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def runtime_count(settings: Settings, platform: str) -> int:
+    """``JITSERVE_RUNTIMES``, else one per core on CPU (at most 8) and one on GPU."""
+    if settings.runtimes:
+        return settings.runtimes
+    return 1 if platform == "gpu" else max(1, min(os.cpu_count() or 1, 8))
+
+
+def memory_limit(settings: Settings, count: int) -> int | None:
+    """Each CPU runtime's address-space cap: the setting, else 80% of RAM shared out."""
+    if settings.runtime_max_memory_bytes:
+        return settings.runtime_max_memory_bytes
+    total = _host_memory()
+    return max(int(total * 0.8) // count, _MIN_MEMORY) if total else None
+
+
+def settings_document(settings: Settings) -> dict[str, Any]:
+    """``settings`` as plain values, secrets included (it travels over a private pipe)."""
+    doc = settings.model_dump(mode="json")
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            doc[name] = value.get_secret_value()
+    return doc
+
+
+def make_pool(settings: Settings) -> RuntimePool:
+    """A pool configured from ``settings`` (not started: call ``start``)."""
+    platform = platform_kind()
+    count = runtime_count(settings, platform)
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    limit = None
+    if platform == "gpu":
+        fraction = settings.runtime_device_memory_fraction or round(0.75 / count, 3)
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
+    else:
+        limit = memory_limit(settings, count)
+    config = {"settings": settings_document(settings), "platform": platform,
+              "max_memory_bytes": limit, "log_level": settings.log_level}
+    return RuntimePool(count, config, env)

@@ -1,0 +1,260 @@
+"""A runtime process: ``python -m jitserve.service.runtimes.child R W``.
+
+It owns the device and does everything that touches a program's content:
+decode and validate uploads, lower, compile (in its own compile workers), load
+executables, and run them. Outputs stay here, on the device, under integer
+handles the API process holds; they cross back only when fetched.
+
+The first message on the pipe is the configuration (the server's settings and
+this runtime's limits). Limits that must hold before jax starts (the address
+space on CPU, the device-memory fraction on GPU) are applied before jax is
+imported. Then the runtime answers requests until its pipe closes, or until the
+API process kills it: that is how deadlines and cancels stop a running program,
+so nothing here needs to be interruptible.
+
+Requests are served concurrently: runs on ``executor_threads`` threads, every
+other request on a pool of its own, so a long run never delays a fetch of
+another future's outputs. A run announces ``started`` before it begins, which
+is when its deadline starts counting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from jitserve.service.runtimes import frames
+
+log = logging.getLogger("jitserve.runtime")
+
+_OTHER_THREADS = 4
+
+
+class RemoteFailure(Exception):
+    """A request this runtime refuses or fails, with the code the API process reports."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _limit_memory(max_bytes: int | None) -> None:
+    """Cap this process's address space (CPU only: a GPU runtime maps far more than it uses).
+
+    An allocation past the cap fails inside XLA (``RESOURCE_EXHAUSTED``), which the
+    run reports as ``out_of_memory``, instead of the kernel's OOM killer choosing a
+    victim on the host. Compile workers inherit the cap.
+    """
+    if max_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
+
+
+class RuntimeServer:
+    """Answers the API process's requests; one per runtime process."""
+
+    def __init__(self, pipe: frames.Pipe, config: dict[str, Any]) -> None:
+        import jax
+
+        from jitserve.compiler import Compiler
+        from jitserve.service.settings import Settings
+
+        self._jax = jax
+        self._pipe = pipe
+        self._send_lock = threading.Lock()
+        settings = Settings(**config["settings"])
+        self.memory_limit = config.get("max_memory_bytes")
+        self.prefix = config["prefix"]
+        self.compiler = Compiler(settings.compiler_config())
+        self.device = self.compiler.device
+        self.buffers: dict[int, Any] = {}
+        self._handles = itertools.count(1)
+        self._runs = ThreadPoolExecutor(settings.executor_threads, "jitserve-run")
+        self._others = ThreadPoolExecutor(_OTHER_THREADS, "jitserve-op")
+
+    # -- the loop ----------------------------------------------------------------
+
+    def serve(self) -> None:
+        device = self.device
+        self._send({"id": 0, "kind": "ready", "pid": os.getpid(),
+                    "backend": self.compiler.backend_info(),
+                    "device": {"id": device.id, "platform": device.platform,
+                               "device_kind": device.device_kind}})
+        threading.Thread(target=self.compiler.warm, daemon=True).start()
+        while True:
+            try:
+                message = frames.unpack(self._pipe.recv_bytes())
+            except (EOFError, OSError):
+                os._exit(0)  # the API process is gone or closed us: nothing to finish
+            op = message.get("op")
+            if op == "free":
+                for handle in message.get("handles", ()):
+                    self.buffers.pop(handle, None)
+                continue
+            pool = self._runs if op == "run" else self._others
+            pool.submit(self._answer, message)
+
+    def _answer(self, message: dict[str, Any]) -> None:
+        from jitserve.compiler.errors import CompilerError
+
+        rid = message.get("id", 0)
+        try:
+            handler = getattr(self, f"op_{message.get('op')}", None)
+            if handler is None:
+                raise RemoteFailure("internal", f"unknown request {message.get('op')!r:.40}")
+            reply = {"id": rid, "kind": "ok", **handler(message)}
+        except RemoteFailure as e:
+            reply = {"id": rid, "kind": "error", "code": e.code, "message": str(e)}
+        except CompilerError as e:
+            reply = {"id": rid, "kind": "error", "code": str(e.code), "message": str(e)}
+        except Exception as e:  # noqa: BLE001 - everything a program does is reported
+            reply = {"id": rid, "kind": "error", **self._classify(e)}
+        self._send(reply)
+
+    def _classify(self, e: Exception) -> dict[str, str]:
+        from jitserve.compiler.errors import first_line
+
+        text = first_line(e)
+        if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
+            limit = (f" (this runtime's limit is {self.memory_limit:,} bytes, "
+                     "JITSERVE_RUNTIME_MAX_MEMORY_BYTES)" if self.memory_limit else "")
+            return {"code": "out_of_memory", "message": f"out of memory{limit}: {text}"}
+        return {"code": "execution_failed", "message": text}
+
+    def _send(self, reply: dict[str, Any]) -> None:
+        data = frames.pack(reply)
+        with self._send_lock:
+            self._pipe.send_bytes(data)
+
+    # -- programs ----------------------------------------------------------------
+
+    def op_decode(self, m: dict[str, Any]) -> dict[str, Any]:
+        program, created = self.compiler.programs.put(m["data"], m.get("format"))
+        return {"program": _program_json(program), "created": created}
+
+    def op_program(self, m: dict[str, Any]) -> dict[str, Any]:
+        program = self.compiler.programs.get(m["program_id"])
+        if program is None:
+            return {"program": None}
+        return {"program": _program_json(program), "payload": program.payload}
+
+    def _program(self, program_id: str) -> Any:
+        program = self.compiler.programs.cached(program_id) or self.compiler.programs.get(program_id)
+        if program is None:
+            raise RemoteFailure("unknown_program", f"runtime has no program {program_id}")
+        return program
+
+    # -- executables -------------------------------------------------------------
+
+    def op_lookup(self, m: dict[str, Any]) -> dict[str, Any]:
+        from jitserve.wire import Aval
+
+        program = self._program(m["program_id"])
+        avals = None if m.get("avals") is None else [Aval.from_json(a) for a in m["avals"]]
+        static_key = m.get("static_key", "")
+        if not m.get("compile", True):
+            key = self.compiler.executable_id(program, avals, static_key)
+            if self.compiler.cached(program, avals, static_key) is None and not self._in_l2(key):
+                return {"miss": key}
+        return {"executable": _lookup_json(self.compiler.lookup(program, avals, static_key))}
+
+    def _in_l2(self, key: str) -> bool:
+        for tier in self.compiler.tiers:
+            try:
+                if tier.contains(key):
+                    return True
+            except Exception:  # noqa: BLE001 - a failing tier is a miss, as in a lookup
+                continue
+        return False
+
+    def _executable(self, m: dict[str, Any]) -> Any:
+        exe = self.compiler.loaded_executable(m["executable_id"])
+        if exe is None:  # evicted, or this runtime restarted since: the tiers have it
+            from jitserve.wire import Aval
+
+            program = self._program(m["program_id"])
+            avals = None if m.get("avals") is None else [Aval.from_json(a) for a in m["avals"]]
+            exe = self.compiler.lookup(program, avals, m.get("static_key", "")).executable
+        return exe
+
+    # -- runs and buffers --------------------------------------------------------
+
+    def op_run(self, m: dict[str, Any]) -> dict[str, Any]:
+        jax = self._jax
+        exe = self._executable(m)
+        args: list[Any] = []
+        host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
+        host_iter = iter(host)
+        for i, a in enumerate(m["args"]):
+            if "handle" in a:
+                buf = self.buffers.get(a["handle"])
+                if buf is None:
+                    raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
+                args.append(buf)
+            else:
+                args.append(jax.device_put(next(host_iter), self.device))
+        del host, host_iter
+        self._send({"id": m["id"], "kind": "started"})
+        t0 = time.perf_counter()
+        outputs = exe.run(args)
+        jax.block_until_ready(outputs)
+        run_s = time.perf_counter() - t0
+        handles = []
+        for out in outputs:
+            handle = next(self._handles)
+            self.buffers[handle] = out
+            handles.append(handle)
+        return {"handles": handles, "run_s": run_s}
+
+    def op_fetch(self, m: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        arrays = []
+        for handle in m["handles"]:
+            buf = self.buffers.get(handle)
+            if buf is None:
+                raise RemoteFailure("future_expired", "the outputs were freed")
+            arrays.append(np.asarray(buf))
+        descs, segment = frames.pack_arrays(arrays, self.prefix)
+        if segment is not None:
+            segment.map.close()  # the API process maps it by name
+        return {"arrays": descs}
+
+    def op_stats(self, m: dict[str, Any]) -> dict[str, Any]:
+        catalog = self.compiler.catalog
+        return {"buffers": len(self.buffers), **self.compiler.stats(), "cache": catalog.state,
+                "redis": catalog.shared_stats()}
+
+
+def _program_json(program: Any) -> dict[str, Any]:
+    return {**program.to_json(), "name": program.name}
+
+
+def _lookup_json(lookup: Any) -> dict[str, Any]:
+    exe = lookup.executable
+    meta = {k: v for k, v in exe.meta.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    return {"executable_id": lookup.executable_id, "tier": str(lookup.tier),
+            "compile_seconds": lookup.compile_seconds, "nbytes": exe.nbytes,
+            "in_avals": [a.to_json() for a in exe.in_avals],
+            "out_avals": [a.to_json() for a in exe.out_avals], "out_tree": exe.out_tree,
+            "memory": None if exe.memory is None else exe.memory.to_json(), "meta": meta}
+
+
+def main(read_fd: int, write_fd: int) -> None:
+    pipe = frames.Pipe(read_fd, write_fd)
+    config = frames.unpack(pipe.recv_bytes())
+    if config.get("platform", "cpu") == "cpu":
+        _limit_memory(config.get("max_memory_bytes"))
+    logging.basicConfig(level=config.get("log_level", "WARNING").upper(), stream=sys.stderr,
+                        format=f"runtime {config.get('index')}: %(levelname)s %(name)s: %(message)s")
+    RuntimeServer(pipe, config).serve()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,686 @@
+"""Runtime processes, supervised from the API process.
+
+``RuntimePool`` starts ``count`` runtimes (``service.runtimes.child``), places
+callers on them, and sends them requests; ``Runtime`` is one of them. Each
+runtime has a supervisor thread that spawns it, reads its replies, and, when it
+exits for any reason, fails every request it had in flight with a code that says
+why, tells the pool's listeners which outputs were lost with it, and starts it
+again. A runtime that dies before it is ready backs off (0.5 s, doubling, at
+most 30 s) and its state says so (``/readyz``).
+
+Deadlines: a run's deadline starts when the runtime reports it ``started``; a
+watchdog thread kills a runtime with a run past its deadline. That run fails
+with ``execution_timeout``; other runs it had in flight fail with
+``runtime_crashed``, saying why the runtime was restarted. Requests other than
+runs (decode, lookup) have a deadline from when they are sent.
+
+Nothing here depends on one event loop: replies are handed to the loop each
+request came from, so one pool can serve several apps (the tests share one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jitserve.service.runtimes import frames
+
+__all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
+
+log = logging.getLogger("jitserve.runtimes")
+
+_READY_TIMEOUT_S = 120.0
+_WATCH_INTERVAL_S = 0.05
+_KILL_GRACE_S = 0.5  # after the first late run, before the kill (check_deadlines)
+_MAX_BACKOFF_S = 30.0
+
+
+class RemoteError(Exception):
+    """A runtime refused or failed a request; ``code`` is the error code it gave."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RuntimeLost(RemoteError):
+    """The runtime exited (or was stopped) before it answered."""
+
+
+@dataclasses.dataclass(eq=False)
+class Buffer:
+    """An output that lives on a runtime, under ``handle``, until it is freed."""
+
+    runtime: Runtime
+    generation: int
+    handle: int
+    nbytes: int
+    refs: int = 1  # the future that holds it, and the runs about to read it
+
+    @property
+    def alive(self) -> bool:
+        """Whether the runtime that holds it is still the process that made it."""
+        return self.runtime.generation == self.generation and self.runtime.state == "up"
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    op: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[dict[str, Any]]
+    owner: str | None
+    timeout_s: float | None
+    on_started: Callable[[], None] | None
+    tag: object = None
+    deadline: float | None = None
+    started: bool = False
+    stop: str | None = None  # "timeout" | "cancel": why this call's runtime was killed
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` on ``loop`` from another thread; nothing if that loop has closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _discard_segments(reply: asyncio.Future[dict[str, Any]]) -> None:
+    """Unlink the segments of a fetch's answer that nobody will read (its caller left)."""
+    if reply.cancelled() or reply.exception() is not None:
+        return
+    for desc in reply.result().get("arrays", ()):
+        if isinstance(desc.get("shm"), str):
+            frames.unlink_checked(desc["shm"])
+
+
+class Runtime:
+    """One supervised runtime process (restarted whenever it exits).
+
+    Attributes:
+      index: its place in the pool.
+      state: ``starting``, ``up``, ``restarting``, ``backoff`` or ``stopped``.
+      generation: counts its processes; a ``Buffer`` is valid in one generation only.
+      pid: the current process's id (``None`` while none runs).
+      info: the current process's ready message (backend, device).
+    """
+
+    def __init__(self, index: int, pool: RuntimePool) -> None:
+        self.index = index
+        self.state = "starting"
+        self.generation = 0
+        self.pid: int | None = None
+        self.info: dict[str, Any] = {}
+        self.restarts = 0
+        self.start_failures = 0
+        self.last_exit: str | None = None
+        self.backoff_until = 0.0
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._up = threading.Event()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._pipe: frames.Pipe | None = None
+        self._kill_reason: str | None = None
+        self._kill_at: float | None = None
+        self._thread = threading.Thread(target=self._supervise, daemon=True,
+                                        name=f"jitserve-runtime-{index}")
+
+    # -- requests ----------------------------------------------------------------
+
+    async def request(self, op: str, message: dict[str, Any], *, owner: str | None = None,
+                      timeout_s: float | None = None, tag: object = None,
+                      on_started: Callable[[], None] | None = None,
+                      retry: bool = False) -> dict[str, Any]:
+        """Send one request and wait for its answer.
+
+        Raises ``RemoteError`` with the runtime's code when it refuses or fails it,
+        and ``RuntimeLost`` when the runtime exits first (or is not up in time).
+        ``timeout_s`` bounds a run from its start, any other request from now.
+        ``retry``: the request may be sent twice (it changes nothing a second send
+        would not); sent again once to the next process when the runtime is lost
+        under it for another reason than its own deadline, since the crash may
+        have been another request's doing. A request that loses its runtime twice
+        is most likely the cause, and gets the ``RuntimeLost``.
+        """
+        if not retry:
+            return await self._request(op, message, owner, timeout_s, tag, on_started)
+        try:
+            return await self._request(op, message, owner, timeout_s, tag, on_started)
+        except RuntimeLost as e:
+            if e.code == "execution_timeout" or self._pool.closing:
+                raise
+        return await self._request(op, message, owner, timeout_s, tag, on_started)
+
+    async def _request(self, op: str, message: dict[str, Any], owner: str | None,
+                       timeout_s: float | None, tag: object,
+                       on_started: Callable[[], None] | None) -> dict[str, Any]:
+        await self.wait_up()
+        loop = asyncio.get_running_loop()
+        call = _Call(op, loop, loop.create_future(), owner, timeout_s, on_started, tag)
+        if timeout_s is not None and op != "run":
+            call.deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self.state != "up" or self._pipe is None:
+                raise RuntimeLost("runtime_crashed", f"runtime {self.index} is restarting; retry")
+            rid = next(self._ids)
+            self._pending[rid] = call
+            pipe = self._pipe
+        try:
+            data = frames.pack({"id": rid, "op": op, **message})
+            with self._send_lock:
+                pipe.send_bytes(data)
+        except (OSError, ValueError):
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise RuntimeLost("runtime_crashed",
+                              f"runtime {self.index} exited before it took the request") from None
+        return await call.future
+
+    def send_free(self, handles: Sequence[int], generation: int) -> None:
+        """Let go of buffers; no answer. Ignored if the runtime has restarted since."""
+        with self._lock:
+            pipe = self._pipe if self.generation == generation and self.state == "up" else None
+        if pipe is None or not handles:
+            return
+        with contextlib.suppress(OSError, ValueError), self._send_lock:
+            pipe.send_bytes(frames.pack({"op": "free", "handles": list(handles)}))
+
+    async def wait_up(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
+        """Wait until the runtime is up; ``RuntimeLost`` (503-worthy) when it is not in time."""
+        if self._up.is_set():
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self._up.is_set():
+            if self.state == "stopped" or time.monotonic() > deadline:
+                raise RuntimeLost("unavailable", f"runtime {self.index} is not running "
+                                  f"({self.state}; last exit: {self.last_exit or 'none'})")
+            await asyncio.sleep(0.02)
+
+    def in_flight(self) -> list[_Call]:
+        with self._lock:
+            return list(self._pending.values())
+
+    def stop_call(self, tag: object) -> bool:
+        """Kill the runtime to stop the call sent with ``tag`` (a cancel); whether it did.
+
+        Only when that call is the one thing in flight there.
+        """
+        with self._lock:
+            calls = list(self._pending.values())
+            if len(calls) != 1 or calls[0].tag is not tag:
+                return False
+            calls[0].stop = "cancel"
+        self.kill("cancel")
+        return True
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the current process; the supervisor restarts it.
+
+        New requests wait for the next process from now on, rather than reach one
+        that is about to die.
+        """
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        with self._lock:
+            self._kill_reason = self._kill_reason or reason
+            if self.state == "up":
+                self.state = "stopping"
+                self._up.clear()
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+
+    # -- supervision -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def check_deadlines(self, now: float) -> None:
+        """The watchdog's tick: kill the process once a call in flight is past its deadline.
+
+        The kill waits ``_KILL_GRACE_S`` after the first late call, so that runs whose
+        deadlines pass within it (started together, say) end as timeouts too rather
+        than as collateral of the first.
+        """
+        with self._lock:
+            late = [c for c in self._pending.values() if c.deadline is not None and now > c.deadline]
+            for call in late:
+                call.stop = "timeout"
+            if late and self._kill_at is None:
+                self._kill_at = now + _KILL_GRACE_S
+            due = self._kill_at is not None and now >= self._kill_at
+        if due:
+            self.kill("timeout")
+
+    def _supervise(self) -> None:
+        died_at: float | None = None
+        while not self._pool.closing:
+            try:
+                self._spawn()
+            except _StartFailed as e:
+                self._backoff(str(e))
+                continue
+            self.start_failures = 0
+            with self._lock:
+                self.generation += 1
+                self.state = "up"
+            self._up.set()
+            if died_at is not None:
+                self._pool.restarted(self, time.monotonic() - died_at)
+            self._read()
+            died_at = time.monotonic()
+            self._up.clear()
+            with self._lock:
+                self.state = "restarting" if not self._pool.closing else "stopped"
+            self._ended()
+        with self._lock:
+            self.state = "stopped"
+
+    def _spawn(self) -> None:
+        """Start a process and wait for its ready message; ``_StartFailed`` if it never comes."""
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jitserve.service.runtimes.child", str(to_child_r),
+             str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
+            env=self._pool.child_env(self.index))
+        os.close(to_child_r)
+        os.close(from_child_w)
+        pipe = frames.Pipe(from_child_r, to_child_w)
+        self._process, self.pid, self._kill_reason, self._kill_at = process, process.pid, None, None
+        try:
+            pipe.send_bytes(frames.pack(self._pool.child_config(self.index)))
+            if not pipe.poll(_READY_TIMEOUT_S):
+                raise _StartFailed(f"not ready after {_READY_TIMEOUT_S:g} s")
+            ready = frames.unpack(pipe.recv_bytes())
+        except (OSError, EOFError, ValueError) as e:
+            pipe.close()
+            process.kill()
+            code = process.wait()
+            raise _StartFailed(f"{_exit_reason(code, None)} while starting") from e
+        except _StartFailed:
+            pipe.close()
+            process.kill()
+            process.wait()
+            raise
+        self.info = ready
+        self._pipe = pipe
+
+    def _backoff(self, why: str) -> None:
+        self.start_failures += 1
+        delay = min(0.5 * 2 ** (self.start_failures - 1), _MAX_BACKOFF_S)
+        self.last_exit = why
+        with self._lock:
+            self.state = "backoff"
+            self.backoff_until = time.monotonic() + delay
+        self._pool.start_failed(self, why, delay)
+        self._pool.wait_closing(delay)
+
+    def _read(self) -> None:
+        assert self._pipe is not None
+        pipe = self._pipe
+        while True:
+            try:
+                message = frames.unpack(pipe.recv_bytes())
+            except (EOFError, OSError, ValueError):
+                return
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        rid, kind = message.get("id"), message.get("kind")
+        with self._lock:
+            call = (self._pending.get(rid) if kind == "started" else self._pending.pop(rid, None))
+            message["generation"] = self.generation
+            if call is not None and kind == "started":
+                call.started = True
+                if call.timeout_s is not None:
+                    call.deadline = time.monotonic() + call.timeout_s
+        if call is None:
+            return
+        if kind == "started":
+            if call.on_started is not None:
+                _post(call.loop, call.on_started)
+        elif kind == "ok":
+            _post(call.loop, _settle, call.future, message, None)
+        else:
+            error = RemoteError(str(message.get("code", "internal")),
+                                str(message.get("message", "failed")))
+            _post(call.loop, _settle, call.future, None, error)
+
+    def _ended(self) -> None:
+        """The process exited: say why, fail what was in flight, drop what it held."""
+        assert self._process is not None and self._pipe is not None
+        code = self._process.wait()
+        self._pipe.close()
+        with self._lock:
+            self._pipe = None
+            pid, self.pid = self.pid, None
+            calls = list(self._pending.values())
+            self._pending.clear()
+        why = _exit_reason(code, self._kill_reason)
+        self.last_exit = why
+        self.restarts += 1
+        self._pool.ended(self, pid, self._kill_reason or _reason_label(code), why)
+        for call in calls:
+            if call.stop == "timeout":
+                error = RuntimeLost("execution_timeout", _timeout_message(call))
+            elif call.stop == "cancel":
+                error = RuntimeLost("future_cancelled", "deleted while it ran: its runtime "
+                                    f"{self.index} was stopped and restarted")
+            elif self._kill_reason == "timeout":
+                error = RuntimeLost("runtime_crashed", f"runtime {self.index} was restarted "
+                                    "because another execution on it passed its deadline")
+            else:
+                error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
+            _post(call.loop, _settle, call.future, None, error)
+        self._pool.lost(self, self.generation, why)
+
+
+class _StartFailed(Exception):
+    pass
+
+
+def _timeout_message(call: _Call) -> str:
+    return (f"execution passed its deadline of {call.timeout_s:g} s and was stopped "
+            "(its runtime was restarted)")
+
+
+def _reason_label(code: int) -> str:
+    return "signal" if code < 0 else "exit"
+
+
+def _exit_reason(code: int | None, killed_for: str | None) -> str:
+    if killed_for == "timeout":
+        return "was stopped: an execution passed its deadline"
+    if killed_for == "cancel":
+        return "was stopped to cancel an execution"
+    if killed_for == "close":
+        return "was stopped: the server is shutting down"
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {"SIGKILL": " (the kernel's OOM killer sends it: out of memory?)",
+                "SIGABRT": " (XLA or a kernel failed a check, or it ran out of memory)",
+                "SIGSEGV": " (a kernel read memory it must not)"}.get(name, "")
+        return f"crashed with {name}{hint}"
+    return f"exited with status {code}"
+
+
+class RuntimePool:
+    """The runtimes of one server, and where callers go.
+
+    Args:
+      count: how many runtime processes.
+      config: the first message each gets (``child_config``): the server's
+        settings and this runtime's limits.
+      env: environment of the processes (``JAX_PLATFORMS`` and friends).
+
+    Placement: an API key is pinned to one runtime, the least used when it first
+    calls, so a key's runaway program can only take its own futures and those of
+    keys that share its runtime. Without API keys, calls go by executable (a
+    call on futures goes where the first of them lives), so different programs
+    use every runtime.
+    """
+
+    def __init__(self, count: int, config: dict[str, Any], env: dict[str, str]) -> None:
+        self.prefix = frames.new_prefix()
+        self.closing = False
+        self._config = {**config, "prefix": self.prefix}
+        self._env = env
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self.runtimes = [Runtime(i, self) for i in range(count)]
+        self._owners: dict[str | None, int] = {}
+        self._assigned = collections.Counter[int]()
+        self._lost_listeners: list[Callable[[Runtime, int, str], None]] = []
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_restart_s: float | None = None
+        self._latest: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._retired: dict[str, int] = {}
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name="jitserve-runtime-watchdog")
+
+    # -- life --------------------------------------------------------------------
+
+    def start(self) -> None:
+        for runtime in self.runtimes:
+            runtime.start()
+        self._watchdog.start()
+
+    async def wait_ready(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
+        """Wait until every runtime is up; ``RuntimeLost`` when one is not in time."""
+        await asyncio.gather(*(r.wait_up(timeout_s) for r in self.runtimes))
+
+    def close(self) -> None:
+        """Stop every runtime (their in-flight requests fail) and clean up segments."""
+        self.closing = True
+        self._closed.set()
+        for runtime in self.runtimes:
+            runtime.kill("close")
+        for runtime in self.runtimes:
+            runtime.join(10)
+        frames.remove_all(self.prefix)
+
+    def wait_closing(self, seconds: float) -> None:
+        self._closed.wait(seconds)
+
+    def child_config(self, index: int) -> dict[str, Any]:
+        return {**self._config, "index": index}
+
+    def child_env(self, index: int) -> dict[str, str]:
+        return {**os.environ, **self._env}
+
+    # -- placement ---------------------------------------------------------------
+
+    def place(self, owner: str | None, hint: str = "") -> Runtime:
+        """The runtime for ``owner``'s call (``hint``: an executable or program id)."""
+        if len(self.runtimes) == 1:
+            return self.runtimes[0]
+        if owner is None:
+            return self.runtimes[int(hint[:8] or "0", 16) % len(self.runtimes)]
+        with self._lock:
+            index = self._owners.get(owner)
+            if index is None:
+                index = min(range(len(self.runtimes)), key=lambda i: (self._assigned[i], i))
+                self._owners[owner] = index
+                self._assigned[index] += 1
+        return self.runtimes[index]
+
+    # -- buffers -----------------------------------------------------------------
+
+    async def fetch(self, buffers: Sequence[Buffer]) -> list[np.ndarray]:
+        """The host copies of ``buffers`` (one request per runtime that holds some)."""
+        out: list[np.ndarray | None] = [None] * len(buffers)
+        by_runtime: dict[Runtime, list[int]] = {}
+        for i, buf in enumerate(buffers):
+            if not buf.alive:
+                raise RuntimeLost("runtime_crashed", f"runtime {buf.runtime.index} "
+                                  f"{buf.runtime.last_exit or 'restarted'}: the outputs were lost")
+            by_runtime.setdefault(buf.runtime, []).append(i)
+        for runtime, positions in by_runtime.items():
+            asked = asyncio.ensure_future(runtime.request(
+                "fetch", {"handles": [buffers[i].handle for i in positions]}))
+            try:
+                reply = await asyncio.shield(asked)
+            except asyncio.CancelledError:  # the client left: its segment must not stay behind
+                asked.add_done_callback(_discard_segments)
+                raise
+            for i, array in zip(positions, frames.unpack_arrays(reply["arrays"])):
+                out[i] = array
+        return [a for a in out if a is not None]
+
+    @staticmethod
+    def retain(buffers: Sequence[Buffer]) -> None:
+        """One more holder of each of ``buffers`` (a run about to read them). On the loop."""
+        for buf in buffers:
+            buf.refs += 1
+
+    def release(self, buffers: Sequence[Buffer]) -> None:
+        """One holder fewer of each; those nobody holds are freed on their runtimes."""
+        done = []
+        for buf in buffers:
+            buf.refs -= 1
+            if buf.refs == 0:
+                done.append(buf)
+        self.free(done)
+
+    def free(self, buffers: Sequence[Buffer]) -> None:
+        """Let go of ``buffers`` on their runtimes (no answer awaited)."""
+        by_runtime: dict[tuple[Runtime, int], list[int]] = {}
+        for buf in buffers:
+            by_runtime.setdefault((buf.runtime, buf.generation), []).append(buf.handle)
+        for (runtime, generation), handles in by_runtime.items():
+            runtime.send_free(handles, generation)
+
+    def moved(self, nbytes: int) -> None:
+        """Count one output that crossed from one runtime to another."""
+        with self._lock:
+            self.counters["moves"] += 1
+            self.counters["move_bytes"] += nbytes
+
+    # -- events from the runtimes' threads ----------------------------------------
+
+    def add_lost_listener(self, listener: Callable[[Runtime, int, str], None]) -> None:
+        self._lost_listeners.append(listener)
+
+    def remove_lost_listener(self, listener: Callable[[Runtime, int, str], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._lost_listeners.remove(listener)
+
+    def ended(self, runtime: Runtime, pid: int | None, reason: str, why: str) -> None:
+        if self.closing:
+            return
+        with self._lock:
+            self.counters[f"restarts:{reason}"] += 1
+        log.warning("runtime %d (pid %s) %s; restarting", runtime.index, pid, why,
+                    extra={"fields": {"runtime": runtime.index, "reason": reason, "why": why}})
+
+    def lost(self, runtime: Runtime, generation: int, why: str) -> None:
+        for listener in list(self._lost_listeners):
+            try:
+                listener(runtime, generation, why)
+            except Exception:  # noqa: BLE001 - one app's bug must not stop the others'
+                log.exception("a runtime-lost listener failed")
+
+    def restarted(self, runtime: Runtime, seconds: float) -> None:
+        self.last_restart_s = seconds
+        log.info("runtime %d is back (pid %s) after %.2f s", runtime.index, runtime.pid, seconds,
+                 extra={"fields": {"runtime": runtime.index, "seconds": round(seconds, 3)}})
+
+    def start_failed(self, runtime: Runtime, why: str, delay: float) -> None:
+        with self._lock:
+            self.counters["start_failures"] += 1
+        log.error("runtime %d failed to start: %s; retrying in %.1f s", runtime.index, why,
+                  delay)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(_WATCH_INTERVAL_S):
+            now = time.monotonic()
+            for runtime in self.runtimes:
+                runtime.check_deadlines(now)
+
+    # -- what the runtimes report -------------------------------------------------
+
+    async def report(self) -> dict[str, Any]:
+        """Ask every runtime that is up for its stats; the pool's view of them.
+
+        ``cache``: the worst shared-cache state a runtime reports (``degraded`` over
+        ``ok`` over ``local``). ``redis``: the runtimes' Redis counters summed over
+        every process there has been, so they stay monotonic across restarts
+        (``None`` without Redis).
+        """
+        async def one(runtime: Runtime) -> None:
+            if runtime.state != "up":
+                return
+            try:
+                reply = await runtime.request("stats", {}, timeout_s=5)
+            except RemoteError:
+                return
+            self._fold(runtime.index, reply["generation"], reply)
+
+        await asyncio.gather(*(one(r) for r in self.runtimes))
+        with self._lock:
+            latest = list(self._latest.values())
+            retired = dict(self._retired)
+        states = [doc.get("cache") for _, doc in latest if doc.get("cache")]
+        cache = next((s for s in ("degraded", "ok", "local") if s in states), "local")
+        redis: dict[str, int] | None = None
+        for _, doc in latest:
+            if doc.get("redis"):
+                redis = redis or dict(retired)
+                for k, v in doc["redis"].items():
+                    if isinstance(v, int):
+                        redis[k] = redis.get(k, 0) + v
+        return {"cache": cache, "redis": redis}
+
+    def _fold(self, index: int, generation: int, doc: dict[str, Any]) -> None:
+        with self._lock:
+            old = self._latest.get(index)
+            if old is not None and old[0] != generation and old[1].get("redis"):
+                for k, v in old[1]["redis"].items():  # that process is gone: keep its counts
+                    if isinstance(v, int):
+                        self._retired[k] = self._retired.get(k, 0) + v
+            self._latest[index] = (generation, doc)
+
+    # -- state -------------------------------------------------------------------
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each runtime's state, for ``/readyz`` and operators."""
+        now = time.monotonic()
+        out = []
+        for r in self.runtimes:
+            item: dict[str, Any] = {"index": r.index, "state": r.state, "pid": r.pid,
+                                    "restarts": r.restarts, "in_flight": len(r.in_flight())}
+            if r.last_exit:
+                item["last_exit"] = r.last_exit
+            if r.state == "backoff":
+                item["retry_in_s"] = round(max(r.backoff_until - now, 0.0), 1)
+            out.append(item)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(self.counters)
+        return {"up": sum(r.state == "up" for r in self.runtimes), "count": len(self.runtimes),
+                "counters": counters, "last_restart_s": self.last_restart_s}
+
+    @property
+    def backend(self) -> dict[str, Any]:
+        """The backend the runtimes report (the first that is up)."""
+        for r in self.runtimes:
+            if r.info:
+                return r.info
+        return {}
