@@ -64,7 +64,10 @@ def _worker_main(conn: Pipe) -> None:
     backend = xb.get_backend()
     devices = xc.DeviceList(tuple(backend.devices()[:1]))
     options = compile_options()
-    conn.send_bytes(_OK)  # ready
+    try:
+        conn.send_bytes(_OK)  # ready
+    except OSError:
+        return  # whoever started this worker is gone (a runtime killed while it warmed up)
     while True:
         try:
             module = conn.recv_bytes()

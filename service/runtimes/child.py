@@ -12,14 +12,15 @@ imported. Then the runtime answers requests until its pipe closes, or until the
 API process kills it: that is how deadlines and cancels stop a running program,
 so nothing here needs to be interruptible.
 
-Requests are served concurrently: runs on ``executor_threads`` threads, every
-other request on a pool of its own, so a long run never delays a fetch of
-another future's outputs. A run announces ``started`` before it begins, which
-is when its deadline starts counting.
+Requests are served concurrently, by threads that take turns reading the pipe:
+at most ``executor_threads`` runs at once, and four more threads for everything
+else, so a long run never delays a fetch of another future's outputs. A run
+announces ``started`` before it begins, which is when its deadline starts counting.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -27,7 +28,6 @@ import resource
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jitserve.service.runtimes import frames
@@ -75,8 +75,11 @@ class RuntimeServer:
         self.device = self.compiler.device
         self.buffers: dict[int, Any] = {}
         self._handles = itertools.count(1)
-        self._runs = ThreadPoolExecutor(settings.executor_threads, "jitserve-run")
-        self._others = ThreadPoolExecutor(_OTHER_THREADS, "jitserve-op")
+        self._threads = settings.executor_threads + _OTHER_THREADS
+        self._recv_lock = threading.Lock()
+        self._runs_lock = threading.Lock()
+        self._run_slots = settings.executor_threads
+        self._queued_runs: collections.deque[dict[str, Any]] = collections.deque()
 
     # -- the loop ----------------------------------------------------------------
 
@@ -87,18 +90,48 @@ class RuntimeServer:
                     "device": {"id": device.id, "platform": device.platform,
                                "device_kind": device.device_kind}})
         threading.Thread(target=self.compiler.warm, daemon=True).start()
+        for i in range(self._threads - 1):
+            threading.Thread(target=self._follow, name=f"jitserve-runtime-{i}",
+                             daemon=True).start()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Read a request and answer it in this thread; the next read is another's.
+
+        Threads take turns at the pipe (leader and followers), so a request is
+        answered by the thread that read it, with no hand-off to a pool. At most
+        ``executor_threads`` runs go at once; a run that finds none free waits in
+        a queue that finishing runs drain, while this thread goes back to reading.
+        """
         while True:
-            try:
-                message = frames.unpack(self._pipe.recv_bytes())
-            except (EOFError, OSError):
-                os._exit(0)  # the API process is gone or closed us: nothing to finish
+            with self._recv_lock:
+                try:
+                    frame = self._pipe.recv_bytes()
+                except (EOFError, OSError):
+                    os._exit(0)  # the API process is gone or closed us: nothing to finish
+            message: dict[str, Any] | None = frames.unpack(frame)
+            assert message is not None
             op = message.get("op")
             if op == "free":
                 for handle in message.get("handles", ()):
                     self.buffers.pop(handle, None)
                 continue
-            pool = self._runs if op == "run" else self._others
-            pool.submit(self._answer, message)
+            if op != "run":
+                self._answer(message)
+                continue
+            with self._runs_lock:
+                if self._run_slots == 0:
+                    self._queued_runs.append(message)
+                    continue
+                self._run_slots -= 1
+            while message is not None:
+                self._answer(message)
+                with self._runs_lock:
+                    if self._queued_runs:
+                        message = self._queued_runs.popleft()
+                    else:
+                        self._run_slots += 1
+                        message = None
 
     def _answer(self, message: dict[str, Any]) -> None:
         from jitserve.compiler.errors import CompilerError
