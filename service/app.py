@@ -136,7 +136,8 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
     futures.on_release = pool.release
 
     def lost(runtime: object, generation: int, why: str) -> None:  # a supervisor thread
-        loop.call_soon_threadsafe(futures.fail_lost, runtime, generation, why)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody left to tell
+            loop.call_soon_threadsafe(futures.fail_lost, runtime, generation, why)
 
     pool.add_lost_listener(lost)
     executor = Executor(pool, futures, metrics, timeout_s=settings.execution_timeout_s,
