@@ -238,13 +238,14 @@ async def outputs_response(fut: Future, metrics: Metrics, as_json: bool,
                            runtimes: RuntimePool) -> Response:
     """The outputs of a done future as an answer; they stay on their runtime as well.
 
-    Big outputs arrive in a shared-memory segment and are answered from it in place.
+    Small outputs came with the run's answer; big ones arrive in a shared-memory
+    segment and are answered from it in place.
     """
     outputs = fut.outputs
     if outputs is None:
         raise BadRequest(f"future {fut.future_id} has no outputs")
     try:
-        host = await runtimes.fetch(outputs)
+        host = fut.host if fut.host is not None else await runtimes.fetch(outputs)
     except RemoteError as e:
         raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
                            cause={"code": e.code, "message": str(e)}) from None

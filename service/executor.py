@@ -241,6 +241,8 @@ class Executor:
                                    "were lost")
             else:
                 run_s = float(reply["run_s"])
+                if "values" in reply:
+                    fut.host = frames.unpack_arrays(reply["values"])
                 self._metrics.execute_seconds.observe(run_s)
                 self._futures.complete(fut, outputs, run_s)
         finally:

@@ -69,6 +69,7 @@ class Future:
       created, expires_at: wall-clock seconds since the epoch.
       reserved_bytes: device bytes counted against the store's limit.
       status, outputs, error, timings: progress; ``outputs`` only when done.
+      host: small outputs' host copies, which came with the run's answer.
       removed: why the future left the store (``"deleted"``, ``"expired"``), if it did.
     """
 
@@ -82,6 +83,7 @@ class Future:
     reserved_bytes: int
     status: FutureStatus = FutureStatus.PENDING
     outputs: list[Any] | None = None
+    host: list[Any] | None = None
     error: dict[str, Any] | None = None
     timings: Timings = dataclasses.field(default_factory=Timings)
     job: Job | None = None
@@ -278,7 +280,7 @@ class FutureStore:
                 and any(getattr(b, "runtime", None) is runtime and b.generation == generation
                         for b in f.outputs)]
         for fut in lost:
-            fut.outputs = None  # nothing to free: the process that held them is gone
+            fut.outputs = fut.host = None  # nothing to free: the process that held them is gone
             fut.status = FutureStatus.FAILED
             fut.error = {"code": "runtime_crashed",
                          "message": f"its outputs were lost: runtime {runtime.index} {why}"}
@@ -305,7 +307,7 @@ class FutureStore:
     def _release(self, fut: Future) -> None:
         if fut.outputs and self.on_release is not None:
             self.on_release(fut.outputs)
-        fut.outputs = None
+        fut.outputs = fut.host = None
         self.device_bytes -= fut.reserved_bytes
         self._uncount(self._bytes_of, fut.owner, fut.reserved_bytes)
         fut.reserved_bytes = 0

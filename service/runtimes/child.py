@@ -243,7 +243,13 @@ class RuntimeServer:
             handle = next(self._handles)
             self.buffers[handle] = out
             handles.append(handle)
-        return {"handles": handles, "run_s": run_s}
+        reply: dict[str, Any] = {"handles": handles, "run_s": run_s}
+        if sum(out.nbytes for out in outputs) <= frames.INLINE_OUTPUTS_BYTES:
+            # Small outputs come along: fetching them later would cost a round trip.
+            import numpy as np
+
+            reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], self.prefix)
+        return reply
 
     def op_fetch(self, m: dict[str, Any]) -> dict[str, Any]:
         import numpy as np

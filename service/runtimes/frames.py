@@ -33,10 +33,13 @@ import numpy as np
 from jitserve import wire
 from jitserve.compiler._worker import Pipe
 
-__all__ = ["INLINE_MAX_BYTES", "Pipe", "Segment", "pack", "pack_arrays", "unpack",
+__all__ = ["INLINE_MAX_BYTES", "INLINE_OUTPUTS_BYTES", "Pipe", "Segment", "pack", "pack_arrays", "unpack",
            "unpack_arrays"]
 
 INLINE_MAX_BYTES = 1 << 20
+# A run's outputs up to this size come back with its answer, so that fetching
+# them costs no second round trip.
+INLINE_OUTPUTS_BYTES = 64 << 10
 _ALIGN = 64
 SHM_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
 _NAME = re.compile(r"jitserve-[0-9a-f]{8}-[0-9a-f]{16}")
