@@ -106,6 +106,11 @@ class ExecutionJob:
                 "execution(s) in flight, which stopping it would take down; it ends by "
                 "itself or at its deadline, and its outputs are dropped")
 
+    @property
+    def sent(self) -> bool:
+        """Whether the run has been (or is being) sent to its runtime."""
+        return self._started
+
     def start(self) -> None:
         """Claim the job for sending; ``_Cancelled`` if it was cancelled."""
         with self._lock:
@@ -209,6 +214,7 @@ class Executor:
         fut, runtime = job.future, job.runtime
         memory = executable.memory
         segment = None
+        answered = False  # whether the runtime is done with the segment
         held = [a for a in job.args or () if isinstance(a, Buffer)]
         self._runtimes.retain(held)  # a DELETE of their futures must not free them under us
         try:
@@ -223,11 +229,13 @@ class Executor:
                     "run", message, owner=fut.owner, timeout_s=timeout_s, tag=job,
                     on_started=lambda: self._futures.mark_running(
                         fut, max(time.time() - fut.created, 0.0)))
+            answered = True
         except (asyncio.CancelledError, _Cancelled):
             return  # the store already marked it cancelled
         except _DependencyFailed as e:
             self._futures.fail(fut, e.code, str(e))
         except RemoteError as e:
+            answered = True
             if not fut.status.is_final:  # a cancel that stopped it already said so
                 code = e.code if e.code in _RUN_CODES else "future_failed"
                 message_ = str(e) if code != "future_failed" else f"execution failed: {e}"
@@ -248,8 +256,10 @@ class Executor:
         finally:
             self._runtimes.release(held)
             if segment is not None:
-                segment.map.close()
-                frames.unlink(segment.name)
+                if answered or not job.sent:
+                    self._runtimes.segments.give_back(segment)
+                else:  # the runtime may still read it: unlinked, left to it
+                    segment.destroy()
 
     async def _resolve(self, job: ExecutionJob, held: list[Buffer]) -> None:
         """Replace future references by the buffers they name, waiting if needed."""
@@ -284,8 +294,9 @@ class Executor:
         job.args = None
         big = sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES
         pack = frames.pack_arrays
-        packed, segment = (await run_in_threadpool(pack, host, self._runtimes.prefix) if big
-                           else pack(host, self._runtimes.prefix))
+        segments = self._runtimes.segments
+        packed, segment = (await run_in_threadpool(pack, host, segments) if big
+                           else pack(host, segments))
         del host
         it = iter(packed)
         return [d if d is not None else next(it) for d in descs], segment

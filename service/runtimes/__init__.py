@@ -83,4 +83,4 @@ def make_pool(settings: Settings) -> RuntimePool:
         limit = memory_limit(settings, count)
     config = {"settings": settings_document(settings), "platform": platform,
               "max_memory_bytes": limit, "log_level": settings.log_level}
-    return RuntimePool(count, config, env)
+    return RuntimePool(count, config, env, segment_cache_bytes=settings.retain_freed_max_bytes)

@@ -70,7 +70,6 @@ class RuntimeServer:
         self._send_lock = threading.Lock()
         settings = Settings(**config["settings"])
         self.memory_limit = config.get("max_memory_bytes")
-        self.prefix = config["prefix"]
         self.compiler = Compiler(settings.compiler_config())
         self.device = self.compiler.device
         self.buffers: dict[int, Any] = {}
@@ -248,10 +247,12 @@ class RuntimeServer:
             # Small outputs come along: fetching them later would cost a round trip.
             import numpy as np
 
-            reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], self.prefix)
+            reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], None)
         return reply
 
     def op_fetch(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Copy outputs to the host: big ones into the segment the API process named
+        (``into``), the others inline."""
         import numpy as np
 
         arrays = []
@@ -260,10 +261,14 @@ class RuntimeServer:
             if buf is None:
                 raise RemoteFailure("future_expired", "the outputs were freed")
             arrays.append(np.asarray(buf))
-        descs, segment = frames.pack_arrays(arrays, self.prefix)
-        if segment is not None:
-            segment.map.close()  # the API process maps it by name
-        return {"arrays": descs}
+        into = m.get("into")
+        if into is None:
+            return {"arrays": frames.write_arrays(arrays, [None] * len(arrays), None, None)}
+        mapping = frames.Segment.open(into["shm"])
+        try:
+            return {"arrays": frames.write_arrays(arrays, into["offsets"], mapping, into["shm"])}
+        finally:
+            mapping.close()
 
     def op_stats(self, m: dict[str, Any]) -> dict[str, Any]:
         catalog = self.compiler.catalog

@@ -106,15 +106,6 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) 
         loop.call_soon_threadsafe(fn, *args)
 
 
-def _discard_segments(reply: asyncio.Future[dict[str, Any]]) -> None:
-    """Unlink the segments of a fetch's answer that nobody will read (its caller left)."""
-    if reply.cancelled() or reply.exception() is not None:
-        return
-    for desc in reply.result().get("arrays", ()):
-        if isinstance(desc.get("shm"), str):
-            frames.unlink_checked(desc["shm"])
-
-
 class Runtime:
     """One supervised runtime process (restarted whenever it exits).
 
@@ -447,6 +438,7 @@ class RuntimePool:
       config: the first message each gets (``child_config``): the server's
         settings and this runtime's limits.
       env: environment of the processes (``JAX_PLATFORMS`` and friends).
+      segment_cache_bytes: shared-memory segments kept for reuse (``frames.SegmentCache``).
 
     Placement: an API key is pinned to one runtime, the least used when it first
     calls, so a key's runaway program can only take its own futures and those of
@@ -455,10 +447,12 @@ class RuntimePool:
     use every runtime.
     """
 
-    def __init__(self, count: int, config: dict[str, Any], env: dict[str, str]) -> None:
+    def __init__(self, count: int, config: dict[str, Any], env: dict[str, str], *,
+                 segment_cache_bytes: int = 1 << 30) -> None:
         self.prefix = frames.new_prefix()
+        self.segments = frames.SegmentCache(self.prefix, segment_cache_bytes)
         self.closing = False
-        self._config = {**config, "prefix": self.prefix}
+        self._config = config
         self._env = env
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -492,6 +486,7 @@ class RuntimePool:
             runtime.kill("close")
         for runtime in self.runtimes:
             runtime.join(10)
+        self.segments.close()
         frames.remove_all(self.prefix)
 
     def wait_closing(self, seconds: float) -> None:
@@ -522,7 +517,11 @@ class RuntimePool:
     # -- buffers -----------------------------------------------------------------
 
     async def fetch(self, buffers: Sequence[Buffer]) -> list[np.ndarray]:
-        """The host copies of ``buffers`` (one request per runtime that holds some)."""
+        """The host copies of ``buffers`` (one request per runtime that holds some).
+
+        Big ones arrive in a segment of ``segments``, which goes back to the cache
+        once the last array read from it is gone.
+        """
         out: list[np.ndarray | None] = [None] * len(buffers)
         by_runtime: dict[Runtime, list[int]] = {}
         for i, buf in enumerate(buffers):
@@ -531,16 +530,34 @@ class RuntimePool:
                                   f"{buf.runtime.last_exit or 'restarted'}: the outputs were lost")
             by_runtime.setdefault(buf.runtime, []).append(i)
         for runtime, positions in by_runtime.items():
-            asked = asyncio.ensure_future(runtime.request(
-                "fetch", {"handles": [buffers[i].handle for i in positions]}))
-            try:
-                reply = await asyncio.shield(asked)
-            except asyncio.CancelledError:  # the client left: its segment must not stay behind
-                asked.add_done_callback(_discard_segments)
-                raise
-            for i, array in zip(positions, frames.unpack_arrays(reply["arrays"])):
+            arrays = await self._fetch_from(runtime, [buffers[i] for i in positions])
+            for i, array in zip(positions, arrays):
                 out[i] = array
         return [a for a in out if a is not None]
+
+    async def _fetch_from(self, runtime: Runtime, buffers: Sequence[Buffer]) -> list[np.ndarray]:
+        offsets, size = frames.layout([b.nbytes for b in buffers])
+        message: dict[str, Any] = {"handles": [b.handle for b in buffers]}
+        segment = self.segments.take(size) if size else None
+        if segment is not None:
+            message["into"] = {"shm": segment.name, "offsets": offsets}
+        asked = asyncio.ensure_future(runtime.request("fetch", message))
+        try:
+            reply = await asyncio.shield(asked)
+        except asyncio.CancelledError:
+            if segment is not None:  # the runtime may still write into it: not before it answers
+                asked.add_done_callback(lambda _: self.segments.give_back(segment))
+            raise
+        except BaseException:
+            if segment is not None:
+                self.segments.give_back(segment)
+            raise
+        if segment is None:
+            return frames.unpack_arrays(reply["arrays"], {})
+        if any(d.get("shm", segment.name) != segment.name for d in reply["arrays"]):
+            self.segments.give_back(segment)
+            raise RemoteError("internal", "a runtime answered a fetch with another segment")
+        return frames.unpack_arrays(reply["arrays"], {segment.name: self.segments.lease(segment)})
 
     @staticmethod
     def retain(buffers: Sequence[Buffer]) -> None:

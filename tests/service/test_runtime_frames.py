@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -13,27 +15,55 @@ def _segments(prefix: str) -> list[str]:
     return sorted(p.name for p in frames.SHM_DIR.glob(f"{prefix}-*"))
 
 
-def test_small_arrays_travel_inline_big_ones_in_one_segment() -> None:
-    prefix = frames.new_prefix()
+@pytest.fixture
+def cache():
+    c = frames.SegmentCache(frames.new_prefix(), max_bytes=64 << 20)
+    yield c
+    c.close()
+    frames.remove_all(c.prefix)
+
+
+def test_small_arrays_travel_inline_big_ones_in_one_segment(cache) -> None:
     arrays = [np.arange(6, dtype=np.float32).reshape(2, 3),
               np.arange(1 << 19, dtype=np.float64),               # 4 MiB
               np.array(True), np.ones((3,), ml_dtypes.bfloat16),
-              np.arange(1 << 18, dtype=np.complex64)[::1]]      # 2 MiB
-    descs, segment = frames.pack_arrays(arrays, prefix)
-    assert segment is not None and _segments(prefix) == [segment.name]
+              np.arange(1 << 18, dtype=np.complex64)]              # 2 MiB
+    descs, segment = frames.pack_arrays(arrays, cache)
+    assert segment is not None and _segments(cache.prefix) == [segment.name]
     assert ["shm" in d for d in descs] == [False, True, False, False, True]
     assert all(d["offset"] % 64 == 0 for d in descs if "shm" in d)
     message = frames.unpack(frames.pack({"args": descs}))  # as it crosses the pipe
-    segment.map.close()
-    back = frames.unpack_arrays(message["args"])
-    assert _segments(prefix) == []  # the reader unlinks it once mapped
+    back = frames.unpack_arrays(message["args"])  # as the other process maps it
     for want, got in zip(arrays, back):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
 
 
-def test_no_segment_for_small_messages() -> None:
-    descs, segment = frames.pack_arrays([np.zeros((4,), np.int8)], frames.new_prefix())
+def test_segments_are_reused_within_the_bound(cache) -> None:
+    big = np.ones(2 << 20, np.float32)  # 8 MiB
+    _, first = frames.pack_arrays([big], cache)
+    cache.give_back(first)
+    _, again = frames.pack_arrays([big[: 1 << 20]], cache)  # 4 MiB fits in it
+    assert again is first
+    cache.give_back(again)
+    huge = cache.take(128 << 20)  # past the cache's bound when given back: unlinked
+    cache.give_back(huge)
+    assert huge.name not in _segments(cache.prefix)
+
+
+def test_a_lease_gives_the_segment_back_when_its_arrays_are_gone(cache) -> None:
+    segment = cache.take(8 << 20)
+    descs = frames.write_arrays([np.full(1 << 20, 7, np.float32)], [0], segment.map, segment.name)
+    (array,) = frames.unpack_arrays(descs, {segment.name: cache.lease(segment)})
+    assert cache.take(8 << 20) is not segment  # still leased: another one is made
+    assert array[123] == 7
+    del array
+    gc.collect()
+    assert cache.take(8 << 20) is segment
+
+
+def test_no_segment_for_small_messages(cache) -> None:
+    descs, segment = frames.pack_arrays([np.zeros((4,), np.int8)], cache)
     assert segment is None and descs[0]["data"] == bytes(4)
 
 
@@ -44,10 +74,10 @@ def test_segment_names_outside_the_pattern_are_never_opened(name: str) -> None:
         frames.unpack_arrays([{"dtype": "float32", "shape": [1], "shm": name, "offset": 0}])
 
 
-def test_remove_all_cleans_up_after_a_process() -> None:
+def test_remove_all_cleans_up_after_a_pool() -> None:
     prefix = frames.new_prefix()
     for _ in range(3):
-        frames.Segment.create(prefix, 4096).map.close()
+        frames.Segment.create(prefix, 4096)
     assert len(_segments(prefix)) == 3
     frames.remove_all(prefix)
     assert _segments(prefix) == []
