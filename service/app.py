@@ -150,7 +150,7 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
     state.tenants = tenants
     state.programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
                                   max_bytes=settings.programs_max_bytes,
-                                  timeout_s=settings.compile_timeout_s)
+                                  timeout_s=settings.decode_timeout_s)
     state.futures = futures
     state.executor = executor
     state.calls = Calls(pool, futures, executor, metrics, index,

@@ -62,10 +62,11 @@ def refusal(e: RemoteError, during: str) -> Exception:
     if e.code == "unavailable":
         return Unavailable(str(e))
     if isinstance(e, RuntimeLost):
+        decoding = during == "decoding"
         if e.code == "execution_timeout":
-            return RuntimeRefusal(ErrorCode.COMPILE_TIMEOUT,
-                                  f"{during} ran past its time limit and was stopped")
-        code = ErrorCode.INVALID_PROGRAM if during == "decoding" else ErrorCode.COMPILE_FAILED
+            code = ErrorCode.INVALID_PROGRAM if decoding else ErrorCode.COMPILE_TIMEOUT
+            return RuntimeRefusal(code, f"{during} ran past its time limit and was stopped")
+        code = ErrorCode.INVALID_PROGRAM if decoding else ErrorCode.COMPILE_FAILED
         return RuntimeRefusal(code, f"{during} the program stopped its runtime: {e}")
     try:
         code = ErrorCode(e.code)

@@ -27,7 +27,8 @@ Names (the Grafana dashboard and the acceptance tests read these)::
                                               buffers) of executions in flight
     jitserve_runtimes_up                      runtime processes up (of jitserve_runtimes)
     jitserve_runtime_restarts_total{reason}   runtimes that exited and were restarted:
-                                              timeout (an execution's deadline), cancel,
+                                              timeout (an execution's deadline),
+                                              request_timeout (an upload's, a lookup's), cancel,
                                               signal (a crash: SIGSEGV, SIGKILL, ...), exit
     jitserve_runtime_start_failures_total     runtime processes that died before ready
     jitserve_runtime_restart_seconds          the last restart, from exit to ready

@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     # Past it, its runtime is killed and restarted and the future fails with
     # execution_timeout.
     execution_timeout_s: float = Field(300.0, gt=0)
+    # The longest a runtime may take to decode and validate an upload; past it the
+    # upload is refused (400 invalid_program) and the runtime restarted. MLIR takes
+    # time quadratic in nesting depth before its depth can be checked.
+    decode_timeout_s: float = Field(30.0, gt=0)
     # Address space of each runtime on CPU: past it allocations fail (out_of_memory)
     # instead of the OOM killer choosing a victim. Unset: 80% of RAM shared out, at
     # least 2 GiB.

@@ -81,6 +81,8 @@ def make_pool(settings: Settings) -> RuntimePool:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
     else:
         limit = memory_limit(settings, count)
+    # Without Redis a runtime needs no network at all: it gets none (docs/runtimes.md).
     config = {"settings": settings_document(settings), "platform": platform,
-              "max_memory_bytes": limit, "log_level": settings.log_level}
+              "max_memory_bytes": limit, "log_level": settings.log_level,
+              "isolate_network": settings.redis_settings() is None}
     return RuntimePool(count, config, env, segment_cache_bytes=settings.retain_freed_max_bytes)

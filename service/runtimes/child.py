@@ -21,6 +21,8 @@ announces ``started`` before it begins, which is when its deadline starts counti
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import itertools
 import logging
 import os
@@ -28,6 +30,7 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from jitserve.service.runtimes import frames
@@ -290,13 +293,46 @@ def _lookup_json(lookup: Any) -> dict[str, Any]:
             "memory": None if exe.memory is None else exe.memory.to_json(), "meta": meta}
 
 
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
+
+
+def _leave_the_network() -> str | None:
+    """Move this process into a network namespace of its own, with no interfaces up:
+    a program (or a kernel it reaches) cannot open a connection anywhere.
+
+    Needs no privilege where unprivileged user namespaces are allowed; where
+    neither works (a container whose seccomp profile forbids ``unshare``), the
+    runtime goes on with the host's network and says so. Call it while the
+    process has one thread (before jax starts its own).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET) == 0:
+        return "a network namespace of its own"
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        log.warning("runtime keeps the host's network: unshare failed (%s)",
+                    os.strerror(ctypes.get_errno()))
+        return None
+    # The same ids inside as outside, so files in the cache directory stay ours.
+    with contextlib.suppress(OSError):
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+    return "user and network namespaces of its own"
+
+
 def main(read_fd: int, write_fd: int) -> None:
     pipe = frames.Pipe(read_fd, write_fd)
     config = frames.unpack(pipe.recv_bytes())
-    if config.get("platform", "cpu") == "cpu":
-        _limit_memory(config.get("max_memory_bytes"))
     logging.basicConfig(level=config.get("log_level", "WARNING").upper(), stream=sys.stderr,
                         format=f"runtime {config.get('index')}: %(levelname)s %(name)s: %(message)s")
+    if config.get("platform", "cpu") == "cpu":
+        _limit_memory(config.get("max_memory_bytes"))
+    if config.get("isolate_network"):
+        where = _leave_the_network()
+        if where:
+            log.info("runtime has no network: %s", where)
     RuntimeServer(pipe, config).serve()
 
 

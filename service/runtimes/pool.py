@@ -137,6 +137,7 @@ class Runtime:
         self._pipe: frames.Pipe | None = None
         self._kill_reason: str | None = None
         self._kill_at: float | None = None
+        self._late_op = "run"
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name=f"jitserve-runtime-{index}")
 
@@ -267,9 +268,10 @@ class Runtime:
                 call.stop = "timeout"
             if late and self._kill_at is None:
                 self._kill_at = now + _KILL_GRACE_S
+                self._late_op = late[0].op
             due = self._kill_at is not None and now >= self._kill_at
         if due:
-            self.kill("timeout")
+            self.kill("timeout" if self._late_op == "run" else "request_timeout")
 
     def _supervise(self) -> None:
         died_at: float | None = None
@@ -308,6 +310,7 @@ class Runtime:
         os.close(from_child_w)
         pipe = frames.Pipe(from_child_r, to_child_w)
         self._process, self.pid, self._kill_reason, self._kill_at = process, process.pid, None, None
+        self._late_op = "run"
         try:
             pipe.send_bytes(frames.pack(self._pool.child_config(self.index)))
             if not pipe.poll(_READY_TIMEOUT_S):
@@ -377,7 +380,7 @@ class Runtime:
             pid, self.pid = self.pid, None
             calls = list(self._pending.values())
             self._pending.clear()
-        why = _exit_reason(code, self._kill_reason)
+        why = _exit_reason(code, self._kill_reason, self._late_op)
         self.last_exit = why
         self.restarts += 1
         self._pool.ended(self, pid, self._kill_reason or _reason_label(code), why)
@@ -387,9 +390,8 @@ class Runtime:
             elif call.stop == "cancel":
                 error = RuntimeLost("future_cancelled", "deleted while it ran: its runtime "
                                     f"{self.index} was stopped and restarted")
-            elif self._kill_reason == "timeout":
-                error = RuntimeLost("runtime_crashed", f"runtime {self.index} was restarted "
-                                    "because another execution on it passed its deadline")
+            elif self._kill_reason in ("timeout", "request_timeout"):
+                error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
             else:
                 error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
             _post(call.loop, _settle, call.future, None, error)
@@ -401,7 +403,8 @@ class _StartFailed(Exception):
 
 
 def _timeout_message(call: _Call) -> str:
-    return (f"execution passed its deadline of {call.timeout_s:g} s and was stopped "
+    what = "execution" if call.op == "run" else f"{call.op} request"
+    return (f"{what} passed its deadline of {call.timeout_s:g} s and was stopped "
             "(its runtime was restarted)")
 
 
@@ -409,9 +412,11 @@ def _reason_label(code: int) -> str:
     return "signal" if code < 0 else "exit"
 
 
-def _exit_reason(code: int | None, killed_for: str | None) -> str:
+def _exit_reason(code: int | None, killed_for: str | None, late_op: str = "run") -> str:
     if killed_for == "timeout":
-        return "was stopped: an execution passed its deadline"
+        return "was stopped: an execution on it passed its deadline"
+    if killed_for == "request_timeout":
+        return f"was stopped: a {late_op} request on it passed its time limit"
     if killed_for == "cancel":
         return "was stopped to cancel an execution"
     if killed_for == "close":

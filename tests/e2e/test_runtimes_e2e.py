@@ -221,3 +221,11 @@ def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server) -> No
     assert httpx.get(f"{url}/healthz").status_code == 200
     _wait_ready(url)
     assert c.value(c.execute(c.upload(DOUBLE), 5)) == 10
+
+
+def test_runtimes_have_no_network_without_redis(server_url: str) -> None:
+    # Each runtime is in a network namespace of its own (no interfaces up); the API
+    # process, like this test, is in the host's.
+    host = os.readlink("/proc/self/ns/net")
+    for runtime in _runtimes(server_url):
+        assert os.readlink(f"/proc/{runtime['pid']}/ns/net") != host
