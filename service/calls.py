@@ -31,7 +31,7 @@ from jitserve.service.executables import ExecutableIndex, Lookup, RemoteExecutab
 from jitserve.service.executor import Arg, Executor, FutureRef
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
-from jitserve.service.runtimes import RemoteError, Runtime, RuntimeLost, RuntimePool
+from jitserve.service.runtimes import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
 from jitserve.service.scheduler import FairScheduler
 from jitserve.service.tenants import Tenants
 from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
@@ -198,10 +198,10 @@ class Calls:
         moves no further), else by program."""
         if owner is None:
             for arg in args:
-                runtime = getattr(arg, "runtime", None) or getattr(
-                    getattr(arg, "future", None), "runtime", None)
-                if runtime is not None:
-                    return runtime
+                if isinstance(arg, Buffer):
+                    return arg.runtime
+                if isinstance(arg, FutureRef) and arg.future.runtime is not None:
+                    return arg.future.runtime
         return self._runtimes.place(owner, program.program_id)
 
     def _resolve(self, arg: Any, i: int, owner: str | None) -> tuple[Arg, Aval]:

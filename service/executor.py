@@ -226,7 +226,7 @@ class Executor:
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 job.start()
                 reply = await runtime.request(
-                    "run", message, owner=fut.owner, timeout_s=timeout_s, tag=job,
+                    "run", message, timeout_s=timeout_s, tag=job,
                     on_started=lambda: self._futures.mark_running(
                         fut, max(time.time() - fut.created, 0.0)))
             answered = True

@@ -96,26 +96,26 @@ class FutureRef(_Strict):
     output: int = Field(ge=0, description="which output of that future")
 
 
-class ExecuteJSON(_Strict):
+class _ExecuteOptions(_Strict):
+    """What an execute's body says besides its arguments."""
+
+    static_key: str = Field("", max_length=4096)
+    timeout_s: float | None = Field(
+        None, gt=0, description="seconds this execution may run (at most the server's "
+        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
+        "the future fails with execution_timeout")
+
+
+class ExecuteJSON(_ExecuteOptions):
     """Body of an execute, in JSON: the flattened input leaves, in order."""
 
     args: list[ArrayJSON | FutureRef]
-    static_key: str = Field("", max_length=4096)
-    timeout_s: float | None = Field(
-        None, gt=0, description="seconds this execution may run (at most the server's "
-        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
-        "the future fails with execution_timeout")
 
 
-class ExecuteMsgpack(_Strict):
+class ExecuteMsgpack(_ExecuteOptions):
     """Body of an execute, in msgpack: the flattened input leaves, in order."""
 
     args: list[ArrayMsgpack | FutureRef]
-    static_key: str = Field("", max_length=4096)
-    timeout_s: float | None = Field(
-        None, gt=0, description="seconds this execution may run (at most the server's "
-        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
-        "the future fails with execution_timeout")
 
 
 class OutputsJSON(BaseModel):
@@ -187,15 +187,10 @@ class CompileResult(BaseModel):
     out_tree: Any = None
 
 
-class ExecuteRequest(_Strict):
+class ExecuteRequest(_ExecuteOptions):
     """Body of ``POST /v1/programs/{id}/execute`` (arrays stay as decoded by the codec)."""
 
     args: list[Any]
-    static_key: str = Field("", max_length=4096)
-    timeout_s: float | None = Field(
-        None, gt=0, description="seconds this execution may run (at most the server's "
-        "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
-        "the future fails with execution_timeout")
 
 
 class ExecuteAccepted(BaseModel):

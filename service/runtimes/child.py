@@ -180,7 +180,7 @@ class RuntimeServer:
         return {"program": _program_json(program), "payload": program.payload}
 
     def _program(self, program_id: str) -> Any:
-        program = self.compiler.programs.cached(program_id) or self.compiler.programs.get(program_id)
+        program = self.compiler.programs.get(program_id)  # memory first, then the tiers
         if program is None:
             raise RemoteFailure("unknown_program", f"runtime has no program {program_id}")
         return program

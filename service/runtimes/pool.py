@@ -82,12 +82,10 @@ class _Call:
     op: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[dict[str, Any]]
-    owner: str | None
     timeout_s: float | None
     on_started: Callable[[], None] | None
     tag: object = None
     deadline: float | None = None
-    started: bool = False
     stop: str | None = None  # "timeout" | "cancel": why this call's runtime was killed
 
 
@@ -143,7 +141,7 @@ class Runtime:
 
     # -- requests ----------------------------------------------------------------
 
-    async def request(self, op: str, message: dict[str, Any], *, owner: str | None = None,
+    async def request(self, op: str, message: dict[str, Any], *,
                       timeout_s: float | None = None, tag: object = None,
                       on_started: Callable[[], None] | None = None,
                       retry: bool = False) -> dict[str, Any]:
@@ -159,20 +157,20 @@ class Runtime:
         is most likely the cause, and gets the ``RuntimeLost``.
         """
         if not retry:
-            return await self._request(op, message, owner, timeout_s, tag, on_started)
+            return await self._request(op, message, timeout_s, tag, on_started)
         try:
-            return await self._request(op, message, owner, timeout_s, tag, on_started)
+            return await self._request(op, message, timeout_s, tag, on_started)
         except RuntimeLost as e:
             if e.code == "execution_timeout" or self._pool.closing:
                 raise
-        return await self._request(op, message, owner, timeout_s, tag, on_started)
+        return await self._request(op, message, timeout_s, tag, on_started)
 
-    async def _request(self, op: str, message: dict[str, Any], owner: str | None,
+    async def _request(self, op: str, message: dict[str, Any],
                        timeout_s: float | None, tag: object,
                        on_started: Callable[[], None] | None) -> dict[str, Any]:
         await self.wait_up()
         loop = asyncio.get_running_loop()
-        call = _Call(op, loop, loop.create_future(), owner, timeout_s, on_started, tag)
+        call = _Call(op, loop, loop.create_future(), timeout_s, on_started, tag)
         if timeout_s is not None and op != "run":
             call.deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -305,7 +303,7 @@ class Runtime:
             [sys.executable, "-m", "jitserve.service.runtimes.child", str(to_child_r),
              str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-            env=self._pool.child_env(self.index))
+            env=self._pool.child_env)
         os.close(to_child_r)
         os.close(from_child_w)
         pipe = frames.Pipe(from_child_r, to_child_w)
@@ -354,10 +352,8 @@ class Runtime:
         with self._lock:
             call = (self._pending.get(rid) if kind == "started" else self._pending.pop(rid, None))
             message["generation"] = self.generation
-            if call is not None and kind == "started":
-                call.started = True
-                if call.timeout_s is not None:
-                    call.deadline = time.monotonic() + call.timeout_s
+            if call is not None and kind == "started" and call.timeout_s is not None:
+                call.deadline = time.monotonic() + call.timeout_s
         if call is None:
             return
         if kind == "started":
@@ -500,7 +496,8 @@ class RuntimePool:
     def child_config(self, index: int) -> dict[str, Any]:
         return {**self._config, "index": index}
 
-    def child_env(self, index: int) -> dict[str, str]:
+    @property
+    def child_env(self) -> dict[str, str]:
         return {**os.environ, **self._env}
 
     # -- placement ---------------------------------------------------------------

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -73,6 +74,27 @@ def _serve(tmp: Path, extra_env: dict[str, str]) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def wait_ready(url: str, within_s: float = 60) -> list[dict[str, Any]]:
+    """``/readyz``'s runtimes once it answers 200; fails the test if not within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{url}/readyz", timeout=10)
+        if r.status_code == 200:
+            return r.json()["runtimes"]
+        time.sleep(0.1)
+    pytest.fail(f"not ready again within {within_s} s: {r.text}")
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of the samples of ``name`` on ``/metrics``, over all its labels."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key == name or key.startswith(name + "{"):
+            total += float(value)
+    return total
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
-from e2e.conftest import _serve
+from e2e.conftest import _serve, metric_total, wait_ready
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax import export, lax
@@ -598,29 +598,10 @@ def test_damaged_exports(server: Server, which: int, edits: list[tuple[str, int,
 # -- after all that ----------------------------------------------------------------------------
 
 
-def _wait_ready(url: str, within_s: float) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{url}/readyz", timeout=10)
-        if r.status_code == 200:
-            return r.json()["runtimes"]
-        time.sleep(0.1)
-    pytest.fail(f"not ready again within {within_s} s: {r.text}")
-
-
-def _metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key == name or key.startswith(name + "{"):
-            total += float(value)
-    return total
-
-
 def test_the_server_is_ready_and_right_after_all_that(server: Server,
                                                      request: pytest.FixtureRequest) -> None:
     """Runs last: the runtime is back after every crash, and the fuzz above caused some."""
-    runtimes = _wait_ready(server.url, within_s=60)
+    runtimes = wait_ready(server.url, within_s=60)
     r = server.http.post("/v1/programs", content=_exports()[0],
                          headers={"content-type": wire.OCTET_STREAM})
     assert r.status_code in (200, 201), r.text[:500]
@@ -630,7 +611,7 @@ def test_the_server_is_ready_and_right_after_all_that(server: Server,
     assert r.status_code == 200, r.text[:500]
     assert float(wire.unpackb(r.content)["outputs"][0]) == 42
     restarts = sum(runtime["restarts"] for runtime in runtimes)
-    assert _metric(server.url, "jitserve_runtime_restarts_total") == restarts
+    assert metric_total(server.url, "jitserve_runtime_restarts_total") == restarts
     print(f"runtime restarts: {restarts}; outcomes: {dict(server.outcomes)}")
     ran = {item.originalname for item in request.session.items}
     if ran >= {test_sort_with_a_comparator_that_is_no_order.__name__,

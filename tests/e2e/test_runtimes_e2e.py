@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from e2e.conftest import metric_total, wait_ready
 from jax import export, lax
 
 from jitserve import wire
@@ -89,25 +90,6 @@ def _runtimes(url: str) -> list[dict[str, Any]]:
     return httpx.get(f"{url}/readyz", timeout=10).json()["runtimes"]
 
 
-def _wait_ready(url: str, within_s: float = 60) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{url}/readyz", timeout=10)
-        if r.status_code == 200:
-            return r.json()["runtimes"]
-        time.sleep(0.1)
-    pytest.fail(f"not ready again within {within_s} s: {r.text}")
-
-
-def _metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key == name or key.startswith(name + "{"):
-            total += float(value)
-    return total
-
-
 def test_endless_loops_time_out_while_another_key_goes_on(start_server) -> None:
     url = start_server({"JITSERVE_API_KEYS": f"{KEY_A},{KEY_B}", "JITSERVE_RUNTIMES": "2",
                         "JITSERVE_EXECUTION_TIMEOUT_S": "3", "JITSERVE_EXECUTOR_THREADS": "4"})
@@ -132,8 +114,8 @@ def test_endless_loops_time_out_while_another_key_goes_on(start_server) -> None:
     # Within the deadline plus a restart (a loose bound: this machine is small and shared).
     assert time.monotonic() - started < 25
     assert b.value(earlier) == 42  # B's runtime was never touched
-    assert _metric(url, "jitserve_runtime_restarts_total") >= 1
-    _wait_ready(url)
+    assert metric_total(url, "jitserve_runtime_restarts_total") >= 1
+    wait_ready(url)
     assert b.value(b.execute(b_double, 5)) == 10
 
 
@@ -144,7 +126,7 @@ def test_a_caller_may_ask_for_a_shorter_deadline(start_server) -> None:
     view = c.final(fid, within_s=30)
     assert view["error"]["code"] == "execution_timeout"
     assert "deadline of 1.5 s" in view["error"]["message"]
-    _wait_ready(url)
+    wait_ready(url)
     assert c.value(c.execute(c.upload(DOUBLE), 4)) == 8
 
 
@@ -170,12 +152,12 @@ def test_sigkill_of_a_runtime_mid_execution(start_server) -> None:
     # The earlier future's outputs lived in that process: it says so instead of hanging.
     lost = c.final(kept, within_s=5)
     assert lost["status"] == "failed" and lost["error"]["code"] == "runtime_crashed"
-    (back,) = _wait_ready(url)
+    (back,) = wait_ready(url)
     assert back["pid"] != runtime["pid"] and back["restarts"] == 1
     assert "SIGKILL" in back["last_exit"]
     assert c.value(c.execute(double, 3)) == 6  # reloaded from the disk tier
-    assert _metric(url, 'jitserve_runtime_restarts_total{reason="signal"}') == 1
-    assert _metric(url, "jitserve_runtime_restart_seconds") > 0
+    assert metric_total(url, 'jitserve_runtime_restarts_total{reason="signal"}') == 1
+    assert metric_total(url, "jitserve_runtime_restart_seconds") > 0
 
 
 def test_delete_beside_other_executions_says_why_it_cannot_stop(start_server) -> None:
@@ -192,7 +174,7 @@ def test_delete_beside_other_executions_says_why_it_cannot_stop(start_server) ->
     assert c.http.get(f"/v1/futures/{first}").status_code == 404  # dropped all the same
     view = c.final(second, within_s=30)  # the deadline ends both
     assert view["error"]["code"] == "execution_timeout"
-    _wait_ready(url)
+    wait_ready(url)
 
 
 def test_delete_cancels_a_lone_running_execution(start_server) -> None:
@@ -204,9 +186,9 @@ def test_delete_cancels_a_lone_running_execution(start_server) -> None:
     answer = c.http.delete(f"/v1/futures/{fid}").json()
     assert answer == {"future_id": fid, "status": "cancelled"}
     assert c.http.get(f"/v1/futures/{fid}").status_code == 404
-    _wait_ready(url)
+    wait_ready(url)
     assert c.value(c.execute(c.upload(DOUBLE), 2)) == 4
-    assert _metric(url, 'jitserve_runtime_restarts_total{reason="cancel"}') == 1
+    assert metric_total(url, 'jitserve_runtime_restarts_total{reason="cancel"}') == 1
 
 
 def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server) -> None:
@@ -219,7 +201,7 @@ def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server) -> No
     assert view["error"]["code"] in ("out_of_memory", "runtime_crashed"), view["error"]
     assert "memory" in view["error"]["message"]
     assert httpx.get(f"{url}/healthz").status_code == 200
-    _wait_ready(url)
+    wait_ready(url)
     assert c.value(c.execute(c.upload(DOUBLE), 5)) == 10
 
 
