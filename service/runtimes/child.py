@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jitserve.service.runtimes import frames
+from jitserve.service.runtimes import frames, landlock
 
 log = logging.getLogger("jitserve.runtime")
 
@@ -322,6 +322,20 @@ def _leave_the_network() -> str | None:
     return "user and network namespaces of its own"
 
 
+def _confine_files(settings: dict[str, Any]) -> None:
+    """Let this runtime write only to its disk tier and to shared-memory segments
+    (``landlock``; docs/runtimes.md). jax and XLA on CPU write nowhere else."""
+    writable = [frames.SHM_DIR]  # the segments that carry big arrays both ways
+    if settings.get("disk_cache", True):
+        cache_dir = Path(settings["cache_dir"]).expanduser()
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        writable.append(cache_dir)
+    # /dev/null: the compile workers' stdin, and whatever discards output there.
+    where = landlock.confine(writable, writable_files=[Path("/dev/null")])
+    if where:
+        log.info("runtime writes only where it must: %s", where)
+
+
 def main(read_fd: int, write_fd: int) -> None:
     pipe = frames.Pipe(read_fd, write_fd)
     config = frames.unpack(pipe.recv_bytes())
@@ -333,6 +347,8 @@ def main(read_fd: int, write_fd: int) -> None:
         where = _leave_the_network()
         if where:
             log.info("runtime has no network: %s", where)
+    if config.get("platform", "cpu") == "cpu":  # before jax: Landlock binds this one thread
+        _confine_files(config["settings"])
     RuntimeServer(pipe, config).serve()
 
 
