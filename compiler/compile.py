@@ -188,6 +188,14 @@ class Executable:
         return [shards[0] for shards in results.disassemble_into_single_device_arrays()]
 
 
+def _donated(donate: Sequence[int], n: int) -> tuple[int, ...]:
+    """``donate`` as sorted unique input indices; ``SignatureMismatch`` past ``n`` inputs."""
+    out = tuple(sorted(set(donate)))
+    if out and not 0 <= out[0] <= out[-1] < n:
+        raise SignatureMismatch(f"donate names inputs {list(out)}; the program takes {n}")
+    return out
+
+
 def check_inputs(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
     """Raise ``SignatureMismatch`` naming the first of ``avals`` that does not fit ``expected``."""
     if len(avals) != len(expected):
@@ -284,10 +292,16 @@ class Compiler:
         return decode_program(data, format, platform=self.platform, limits=self.config.limits)
 
     def lookup(self, program: Program, in_avals: Sequence[Aval] | None = None,
-               static_key: str = "") -> Lookup:
-        """The executable of ``program`` for ``in_avals`` (default: the program's own)."""
+               static_key: str = "", donate: Sequence[int] = ()) -> Lookup:
+        """The executable of ``program`` for ``in_avals`` (default: the program's own).
+
+        ``donate``: the inputs the executable may consume (XLA buffer donation, as
+        ``jax.jit``'s ``donate_argnums``): an output of the same type reuses its
+        buffer. A run must pass it a buffer nobody else holds.
+        """
         concrete = self._concrete_avals(program, in_avals)
-        key = self._key(program, concrete, static_key)
+        donate = _donated(donate, len(concrete))
+        key = self._key(program, concrete, static_key, donate)
         hit = self._executables.cached(key)
         if hit is not None:
             return Lookup(hit, key, TierName.MEMORY, 0.0)
@@ -295,7 +309,7 @@ class Compiler:
         if not leader:
             return Lookup(future.result(), key, TierName.MEMORY, 0.0)
         try:
-            lookup = self._resolve(program, concrete, static_key, key)
+            lookup = self._resolve(program, concrete, static_key, donate, key)
         except BaseException as e:
             future.set_exception(e)
             raise
@@ -306,14 +320,15 @@ class Compiler:
         return lookup
 
     def executable_id(self, program: Program, in_avals: Sequence[Aval] | None = None,
-                      static_key: str = "") -> str:
+                      static_key: str = "", donate: Sequence[int] = ()) -> str:
         """The cache key ``lookup`` would use, without looking anything up."""
-        return self._key(program, self._concrete_avals(program, in_avals), static_key)
+        concrete = self._concrete_avals(program, in_avals)
+        return self._key(program, concrete, static_key, _donated(donate, len(concrete)))
 
     def cached(self, program: Program, in_avals: Sequence[Aval] | None = None,
-               static_key: str = "") -> Lookup | None:
+               static_key: str = "", donate: Sequence[int] = ()) -> Lookup | None:
         """``lookup`` from L1 alone, or ``None``: never blocks, so an event loop may call it."""
-        key = self._key(program, self._concrete_avals(program, in_avals), static_key)
+        key = self.executable_id(program, in_avals, static_key, donate)
         hit = self._executables.cached(key)
         return None if hit is None else Lookup(hit, key, TierName.MEMORY, 0.0)
 
@@ -343,9 +358,11 @@ class Compiler:
 
     # -- internals -----------------------------------------------------------------
 
-    def _key(self, program: Program, concrete: Sequence[Aval], static_key: str) -> str:
+    def _key(self, program: Program, concrete: Sequence[Aval], static_key: str,
+             donate: tuple[int, ...]) -> str:
         return cache_key(key_parts(program_id=program.program_id, in_avals=concrete,
-                                   static_key=static_key, backend=self._key_backend))
+                                   static_key=static_key, backend=self._key_backend,
+                                   donate=donate))
 
     def _concrete_avals(self, program: Program, in_avals: Sequence[Aval] | None) -> tuple[Aval, ...]:
         if in_avals is None:
@@ -375,7 +392,7 @@ class Compiler:
             return future, True
 
     def _resolve(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                 key: str) -> Lookup:
+                 donate: tuple[int, ...], key: str) -> Lookup:
         hit = self._from_tiers(key)
         if hit is not None:
             return hit
@@ -384,7 +401,7 @@ class Compiler:
                 hit = self._from_tiers(key)  # another process compiled it while we waited
                 if hit is not None:
                     return hit
-            return self._compile_and_store(program, concrete, static_key, key)
+            return self._compile_and_store(program, concrete, static_key, donate, key)
 
     def _from_tiers(self, key: str) -> Lookup | None:
         found = self._executables.get(key)
@@ -398,9 +415,9 @@ class Compiler:
         return contextlib.nullcontext(True)
 
     def _compile_and_store(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                           key: str) -> Lookup:
+                           donate: tuple[int, ...], key: str) -> Lookup:
         start = time.perf_counter()
-        executable, serialized = self._compile(program, concrete, static_key, key)
+        executable, serialized = self._compile(program, concrete, static_key, donate, key)
         seconds = time.perf_counter() - start
         executable.meta["compile_seconds"] = seconds
         # Store the worker's bytes, never a re-serialization of the loaded
@@ -411,17 +428,19 @@ class Compiler:
         return Lookup(executable, key, TierName.COMPILED, seconds)
 
     def _compile(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                 key: str) -> tuple[Executable, bytes]:
+                 donate: tuple[int, ...], key: str) -> tuple[Executable, bytes]:
         """Compile in a worker; the loaded executable and the bytes it was loaded from."""
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
-            module = stablehlo.specialize(lower(program, concrete, ctx, limits), concrete)
+            module = stablehlo.specialize(lower(program, concrete, ctx, limits), concrete,
+                                          donate)
             check_module(module, limits, static=True)  # every tensor size is known now
             _, out_avals = stablehlo.main_signature(module)
             bytecode = stablehlo.to_bytecode(module)
         serialized = self._pool.compile(bytecode)
         self._compilations += 1
         meta = self._meta(key, program, concrete, out_avals, static_key)
+        meta["donate"] = list(donate)
         return Executable(self._deserialize(serialized), key, meta, len(serialized)), serialized
 
     def _meta(self, key: str, program: Program, concrete: Sequence[Aval],

@@ -105,13 +105,16 @@ def xla_flags(environ: dict[str, str] | None = None) -> str:
 
 
 def key_parts(*, program_id: str, in_avals: Sequence[Aval], static_key: str,
-              backend: Backend) -> list[tuple[str, str]]:
-    """The named parts of a key, in a fixed order."""
+              backend: Backend, donate: Sequence[int] = ()) -> list[tuple[str, str]]:
+    """The named parts of a key, in a fixed order (donated inputs only when there are some,
+    so that the keys of calls without donation stay what they were)."""
+    donated = [("donate", ",".join(map(str, donate)))] if donate else []
     return [
         ("schema", str(KEY_SCHEMA_VERSION)),
         ("program", program_id),
         ("in_avals", ";".join(f"{a}{'~weak' if a.weak_type else ''}" for a in in_avals)),
         ("static", static_key),
+        *donated,
         ("compile_options", backend.options_digest),
         ("platform", f"{backend.platform} {backend.platform_version}"),
         ("runtime_type", backend.runtime_type),

@@ -5,8 +5,11 @@ module whose ``@main`` has static shapes, ready for XLA. Specializing wraps the
 program's ``@main`` in a new ``@main`` with the concrete types, converting each
 argument to the type the original expects (the way jax calls an exported module),
 then runs jax's shape refinement, which also checks jax's shape assertions.
-Wrapping also drops argument attributes such as buffer donation: a program must
-never consume the arrays it is given, since they may be other futures' outputs.
+Wrapping also drops the program's own argument attributes, such as buffer
+donation: a program must never consume the arrays it is given, since they may be
+other futures' outputs. Donation is the caller's to ask for, per call
+(``specialize(..., donate)``), and the server's to honour only with buffers
+nobody else holds.
 """
 
 from __future__ import annotations
@@ -75,8 +78,14 @@ def main_signature(module: ir.Module) -> tuple[tuple[Aval, ...], tuple[Aval, ...
             tuple(_aval(t, "output") for t in ftype.results))
 
 
-def specialize(module: ir.Module, in_avals: Sequence[Aval]) -> ir.Module:
-    """A module whose ``@main`` takes exactly ``in_avals`` (static) and has static shapes."""
+def specialize(module: ir.Module, in_avals: Sequence[Aval],
+               donate: Sequence[int] = ()) -> ir.Module:
+    """A module whose ``@main`` takes exactly ``in_avals`` (static) and has static shapes.
+
+    ``donate``: inputs XLA may consume, marked as jax marks ``donate_argnums``: an
+    input aliases the first unclaimed output of its type (``tf.aliasing_output``),
+    else it is a buffer donor that XLA may reuse for anything.
+    """
     main = _main(module)
     ftype = _function_type(main)
     if len(in_avals) != len(ftype.inputs):
@@ -89,7 +98,7 @@ def specialize(module: ir.Module, in_avals: Sequence[Aval]) -> ir.Module:
         symtab = ir.SymbolTable(module.operation)
         symtab.set_symbol_name(main, _ORIGINAL_MAIN)
         main.attributes["sym_visibility"] = ir.StringAttr.get("private")
-        _add_wrapper(module, ftype, new_types)
+        _add_wrapper(module, ftype, new_types, donate)
     # Always refine: it resolves dynamic shapes anywhere in the module (jax leaves
     # them inside polymorphic exports), checks shape assertions, and verifies that
     # what XLA gets is fully static.
@@ -100,16 +109,37 @@ def to_bytecode(module: ir.Module) -> bytes:
     return mlir.module_to_bytecode(module)
 
 
-def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: list[ir.Type]) -> None:
+def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: list[ir.Type],
+                 donate: Sequence[int]) -> None:
     with ir.InsertionPoint(module.body):
         wrapper = func_d.FuncOp("main", ir.FunctionType.get(new_types, list(ftype.results)))
         wrapper.attributes["sym_visibility"] = ir.StringAttr.get("public")
+        if donate:
+            wrapper.arg_attrs = _donation_attrs(new_types, list(ftype.results), donate)
         block = wrapper.add_entry_block()
         with ir.InsertionPoint(block):
             args = [a if a.type == t else hlo.convert(t, a)
                     for t, a in zip(ftype.inputs, block.arguments)]
             call = func_d.CallOp(list(ftype.results), ir.FlatSymbolRefAttr.get(_ORIGINAL_MAIN), args)
             func_d.ReturnOp(call.results)
+
+
+def _donation_attrs(inputs: list[ir.Type], results: list[ir.Type],
+                    donate: Sequence[int]) -> ir.ArrayAttr:
+    unclaimed = list(range(len(results)))
+    attrs = []
+    for i, t in enumerate(inputs):
+        entry: dict[str, ir.Attribute] = {}
+        if i in donate:
+            match = next((j for j in unclaimed if results[j] == t), None)
+            if match is None:
+                entry["jax.buffer_donor"] = ir.BoolAttr.get(True)
+            else:
+                unclaimed.remove(match)
+                entry["tf.aliasing_output"] = ir.IntegerAttr.get(
+                    ir.IntegerType.get_signless(32), match)
+        attrs.append(ir.DictAttr.get(entry))
+    return ir.ArrayAttr.get(attrs)
 
 
 def _refine(module: ir.Module) -> ir.Module:

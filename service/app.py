@@ -31,6 +31,7 @@ from jitserve.service.metrics import Metrics, RequestMetricsMiddleware
 from jitserve.service.openapi import install_docs
 from jitserve.service.programs import ProgramStore
 from jitserve.service.quotas import Quotas
+from jitserve.service.routes import arrays as arrays_routes
 from jitserve.service.routes import executables as executables_routes
 from jitserve.service.routes import futures as futures_routes
 from jitserve.service.routes import health as health_routes
@@ -89,6 +90,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     app.include_router(programs_routes.router)
     app.include_router(executables_routes.router)
     app.include_router(futures_routes.router)
+    app.include_router(arrays_routes.router)
     return app
 
 
@@ -163,6 +165,7 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
     finally:
         sweeper.cancel()
         pool.remove_lost_listener(lost)
+        await state.calls.close()
         await executor.close()
         futures.clear()
         if shared is not None:

@@ -39,6 +39,7 @@ from jitserve import wire
 from jitserve.service.errors import (
     BadRequest,
     FutureFailed,
+    NotFound,
     PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
@@ -235,17 +236,23 @@ def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200
 
 
 async def outputs_response(fut: Future, metrics: Metrics, as_json: bool,
-                           runtimes: RuntimePool) -> Response:
-    """The outputs of a done future as an answer; they stay on their runtime as well.
+                           runtimes: RuntimePool, which: list[int] | None = None) -> Response:
+    """The outputs of a done future (``which``: those only) as an answer; they stay
+    on their runtime as well.
 
     Small outputs came with the run's answer; big ones arrive in a shared-memory
     segment and are answered from it in place.
     """
-    outputs = fut.outputs
-    if outputs is None:
-        raise BadRequest(f"future {fut.future_id} has no outputs")
+    if fut.outputs is None:
+        raise NotFound(f"future {fut.future_id}'s outputs were released")
+    which = list(range(len(fut.outputs))) if which is None else which
+    outputs = [fut.outputs[k] for k in which]
+    released = [k for k, buf in zip(which, outputs) if buf is None]
+    if released:
+        raise NotFound(f"output {released[0]} of future {fut.future_id} was released")
     try:
-        host = fut.host if fut.host is not None else await runtimes.fetch(outputs)
+        host = ([fut.host[k] for k in which] if fut.host is not None
+                else await runtimes.fetch(outputs))
     except RemoteError as e:
         raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
                            cause={"code": e.code, "message": str(e)}) from None

@@ -2,11 +2,23 @@
 
 ``Calls.execute`` is the whole of ``POST /v1/programs/{id}/execute`` below the
 HTTP layer: it turns the decoded arguments (numpy arrays and future references)
-into concrete avals, finds the executable for them, creates the future and
-hands the work to the executor. Finding the executable is a lookup on the
-runtime the call is placed on (``service.runtimes``), which decodes, compiles or
-loads it; the answer (its signature) is kept here by call (``ExecutableIndex``),
-so a cached call goes straight to its run.
+into concrete avals, creates the future and hands the work to the executor.
+Finding the executable is a lookup on the runtime the call is placed on
+(``service.runtimes``), which decodes, compiles or loads it; the answer (its
+signature) is kept here by call (``ExecutableIndex``), so a cached call goes
+straight to its run.
+
+A call never waits for a compile: when the executable is not known yet, the
+future is created ``compiling`` (its outputs' avals are the program's own) and
+answered at once; the lookup runs in a task, and its refusal (a compile error,
+a timeout, a quota) becomes the future's error. Only a program whose output
+shapes depend on its inputs (shape polymorphism) compiles before the answer,
+since the future must say its outputs' avals.
+
+The arguments that name other futures' outputs are held from the moment the
+call is accepted: a buffer is retained, and an output still to be computed is
+pinned (``FutureStore.pin``), so that releasing or deleting those futures cannot
+free what this call will read.
 
 With tenants kept apart (API keys on), a lookup that no cache can answer waits
 for its tenant's turn at the compilers (``service.scheduler``) and counts
@@ -16,18 +28,32 @@ the tenant's (``service.tenants``), within its quota of executables.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jitserve import wire
-from jitserve.compiler.errors import CompilerError
+from jitserve.compiler.errors import CompilerError, SignatureMismatch
 from jitserve.compiler.programs import Program
-from jitserve.service.errors import BadRequest, FutureCancelled, FutureFailed, Unavailable
-from jitserve.service.executables import ExecutableIndex, Lookup, RemoteExecutable, call_key
+from jitserve.service.errors import (
+    BadRequest,
+    FutureCancelled,
+    FutureFailed,
+    ServiceError,
+    Unavailable,
+)
+from jitserve.service.executables import (
+    CallOptions,
+    ExecutableIndex,
+    Lookup,
+    RemoteExecutable,
+    call_key,
+)
 from jitserve.service.executor import Arg, Executor, FutureRef
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
@@ -39,14 +65,29 @@ from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
 __all__ = ["Call", "Calls", "RuntimeRefusal", "ask", "refusal"]
 
 compile_log = logging.getLogger("jitserve.compile")
+log = logging.getLogger("jitserve.calls")
+
+_NO_OPTIONS = CallOptions()
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """A started execution: its future and where its executable came from."""
+    """A started execution: its future and where its executable came from
+    (``pending`` while it compiles)."""
 
     future: Future
     tier: str
+
+
+class _CompileJob:
+    """The job of a ``compiling`` future: a cancel lets the compile finish (its
+    executable is cached for the next caller) but nothing runs."""
+
+    def cancel(self) -> bool:
+        return True
+
+    def stop(self) -> str | None:  # never running: the store cancels it instead
+        return "it is still compiling"
 
 
 class RuntimeRefusal(CompilerError):
@@ -114,31 +155,35 @@ class Calls:
         self._lookup_timeout_s = lookup_timeout_s
         self._tenants = tenants or Tenants()
         self._scheduler = scheduler
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
-                      static_key: str = "", owner: str | None = None,
+                      options: CallOptions = _NO_OPTIONS, owner: str | None = None,
                       runtime: Runtime | None = None) -> Lookup:
         """The ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed).
 
         ``QuotaExceeded`` when ``owner`` would pass its executables or compiles quota.
         """
-        key = call_key(program.program_id, in_avals, static_key)
+        key = call_key(program.program_id, in_avals, options)
         known = self._index.get(key)
         if known is not None:  # no round trip: the runs name the executable
             lookup = Lookup(known, known.executable_id, TierName.MEMORY, 0.0)
         else:
             runtime = runtime or self._runtimes.place(owner, program.program_id)
-            lookup = await self._lookup(runtime, program, in_avals, static_key, owner)
+            lookup = await self._lookup(runtime, program, in_avals, options, owner)
             self._index.put(key, lookup.executable)
+            # Also by the avals an execute of host arrays names (a compile may give none).
+            plain = [Aval(a.shape, a.dtype) for a in lookup.executable.in_avals]
+            self._index.put(call_key(program.program_id, plain, options), lookup.executable)
             _log_lookup(program, lookup)
         self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
 
     async def _lookup(self, runtime: Runtime, program: Program, in_avals: Sequence[Aval] | None,
-                      static_key: str, owner: str | None) -> Lookup:
+                      options: CallOptions, owner: str | None) -> Lookup:
         """A lookup on ``runtime``: straight away, or, for a tenant's compile, in its turn."""
-        message = {"program_id": program.program_id, "static_key": static_key,
+        message = {"program_id": program.program_id, **options.to_json(),
                    "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
         if self._scheduler is None or owner is None or not self._tenants.scoped:
             return _lookup_of(await self._ask(runtime, {**message, "compile": True}, program))
@@ -170,28 +215,126 @@ class Calls:
             raise refusal(e, "compiling") from None
 
     async def execute(self, program: Program, args: Sequence[Any], static_key: str,
-                      owner: str | None, timeout_s: float | None = None) -> Call:
-        """Start running ``program`` on ``args``; returns before it runs.
+                      owner: str | None, timeout_s: float | None = None,
+                      donate: Sequence[int] = ()) -> Call:
+        """Start running ``program`` on ``args``; returns before it compiles or runs.
 
         ``args`` are decoded wire values: numpy arrays or ``{"future", "output"}``
         references to the caller's own futures. ``timeout_s``: the caller's deadline
-        for the run (the server's ``execution_timeout_s`` caps it).
+        for the run (the server's ``execution_timeout_s`` caps it). ``donate``: the
+        arguments the run may consume (``jax.jit``'s ``donate_argnums``, on the
+        flat arguments); the outputs they name are released for the caller.
         """
+        options = CallOptions(static_key, _check_donate(donate, len(args)))
         resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
         avals = [aval for _, aval in resolved]
-        runtime = self._place(owner, program, [a for a, _ in resolved])
-        lookup = await self.compile(program, avals, static_key, owner, runtime)
-        lookup.executable.check_inputs(avals)
-        self._executor.admit(lookup.executable)  # its intermediates count too (executor.py)
-        fut = self._futures.create(
-            owner=owner, executable_id=lookup.executable_id,
-            out_avals=lookup.executable.out_avals, out_tree=lookup.executable.out_tree,
-            compile_s=lookup.compile_seconds)
-        self._metrics.transferred("in", sum(a.nbytes for a, _ in resolved
-                                            if isinstance(a, np.ndarray)))
-        self._executor.submit(fut, runtime, program, lookup.executable, static_key,
-                              [a for a, _ in resolved], timeout_s)
+        inputs = [a for a, _ in resolved]
+        runtime = self._place(owner, program, inputs)
+        self._hold(inputs)
+        try:
+            known = self._index.get(call_key(program.program_id, avals, options))
+            if known is None and program.out_avals is not None:
+                fut = self._compiling(program, avals, options, owner, runtime, inputs,
+                                      timeout_s)
+                self._give_up(args, options.donate, owner)
+                return Call(fut, "pending")
+            lookup = await self.compile(program, avals, options, owner, runtime)
+            exe = lookup.executable
+            exe.check_inputs(avals)
+            self._executor.admit(exe)  # its intermediates count too (executor.py)
+            fut = self._futures.create(
+                owner=owner, executable_id=lookup.executable_id, out_avals=exe.out_avals,
+                out_tree=exe.out_tree, compile_s=lookup.compile_seconds)
+        except BaseException:
+            self._executor.drop(inputs)
+            raise
+        self._transferred(inputs)
+        self._give_up(args, options.donate, owner)
+        self._executor.submit(fut, runtime, program, exe, options, inputs, timeout_s)
         return Call(fut, lookup.tier)
+
+    def _give_up(self, args: Sequence[Any], donate: Sequence[int], owner: str | None) -> None:
+        """Release the outputs the call donates (its own hold keeps them until it runs)."""
+        refs = [(args[i]["future"], args[i]["output"]) for i in donate
+                if wire.is_future_ref(args[i])]
+        if refs:
+            self._futures.release(refs, owner)
+
+    def _compiling(self, program: Program, avals: list[Aval], options: CallOptions,
+                   owner: str | None, runtime: Runtime, inputs: list[Arg],
+                   timeout_s: float | None) -> Future:
+        """A ``compiling`` future whose lookup, then run, go on in a task."""
+        assert program.out_avals is not None
+        check_signature(program.in_avals, avals)
+        fut = self._futures.create(owner=owner, executable_id="", out_avals=program.out_avals,
+                                   out_tree=None, compiling=True)
+        fut.job = _CompileJob()
+        self._transferred(inputs)
+        task = asyncio.get_running_loop().create_task(self._compile_then_run(
+            fut, program, avals, options, owner, runtime, inputs, timeout_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return fut
+
+    async def _compile_then_run(self, fut: Future, program: Program, avals: list[Aval],
+                                options: CallOptions, owner: str | None, runtime: Runtime,
+                                inputs: list[Arg], timeout_s: float | None) -> None:
+        try:
+            lookup = await self.compile(program, avals, options, owner, runtime)
+            exe = lookup.executable
+            exe.check_inputs(avals)
+            _check_outputs(fut, exe)
+            self._executor.admit(exe)
+        except asyncio.CancelledError:  # shutdown
+            self._executor.drop(inputs)
+            raise
+        except Exception as e:  # noqa: BLE001 - every refusal becomes the future's error
+            self._executor.drop(inputs)
+            if not fut.status.is_final:
+                code, message, extra = _failure(e)
+                self._futures.fail(fut, code, message, **extra)
+            return
+        if fut.status.is_final:  # cancelled while it compiled
+            self._executor.drop(inputs)
+            return
+        self._futures.compiled(fut, lookup.executable_id, exe.out_tree, lookup.compile_seconds)
+        self._executor.submit(fut, runtime, program, exe, options, inputs, timeout_s)
+
+    async def put(self, arrays: Sequence[Any], owner: str | None) -> Future:
+        """A done future whose outputs are ``arrays``, kept on a runtime."""
+        host = []
+        for i, a in enumerate(arrays):
+            if not isinstance(a, np.ndarray):
+                raise BadRequest(f"arrays[{i}] must be an array {{dtype, shape, data}}, "
+                                 f"got {_describe(a)}")
+            host.append(a)
+        fut = self._futures.create(owner=owner, executable_id="",
+                                   out_avals=[Aval.of(a) for a in host], out_tree=None)
+        self._transferred(host)
+        try:
+            await self._executor.put(fut, self._runtimes.place(owner, secrets.token_hex(4)), host)
+        except RemoteError as e:
+            self._futures.delete(fut)
+            raise RuntimeRefusal(_code(e.code), f"keeping the arrays on the device failed: "
+                                                f"{e}") from None
+        return fut
+
+    def _hold(self, inputs: Sequence[Arg]) -> None:
+        """Keep the outputs ``inputs`` name until the run has read them."""
+        self._runtimes.retain([a for a in inputs if isinstance(a, Buffer)])
+        for a in inputs:
+            if isinstance(a, FutureRef):
+                self._futures.pin(a.future, a.index)
+
+    def _transferred(self, inputs: Sequence[Arg]) -> None:
+        self._metrics.transferred("in", sum(a.nbytes for a in inputs
+                                            if isinstance(a, np.ndarray)))
+
+    async def close(self) -> None:
+        """Stop the compiles in progress (shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _place(self, owner: str | None, program: Program, args: Sequence[Arg]) -> Runtime:
         """Callers by API key; without keys, where the first input future lives (its data
@@ -220,6 +363,9 @@ class Calls:
             raise BadRequest(f"args[{i}] asks for output {k} of future {dep.future_id}, "
                              f"which has {len(dep.out_avals)} outputs")
         aval = dep.out_avals[k]
+        if k in dep.released:
+            raise BadRequest(f"args[{i}] refers to output {k} of future {dep.future_id}, "
+                             "which was released")
         if dep.status is FutureStatus.DONE and dep.outputs is not None:
             return dep.outputs[k], aval  # a buffer on its runtime: no transfer if we go there
         if dep.status is FutureStatus.FAILED:
@@ -232,6 +378,50 @@ class Calls:
     def known(self) -> list[RemoteExecutable]:
         """The executables this process has looked up (the catalog's local listing)."""
         return self._index.values()
+
+
+def _check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
+    """``donate`` as sorted argument indices; ``BadRequest`` for one past the arguments."""
+    out = tuple(sorted(set(donate)))
+    if out and not 0 <= out[0] <= out[-1] < n:
+        raise BadRequest(f"donate names arguments {list(out)}, but the call has {n}")
+    return out
+
+
+def check_signature(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
+    """``SignatureMismatch`` naming the first of ``avals`` that cannot fit ``expected``
+    (a program's inputs, whose dynamic dimensions fit any size)."""
+    if len(avals) != len(expected):
+        raise SignatureMismatch(f"program takes {len(expected)} inputs, got {len(avals)}")
+    for i, (want, got) in enumerate(zip(expected, avals)):
+        if not want.matches(got):
+            raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
+
+
+def _check_outputs(fut: Future, exe: RemoteExecutable) -> None:
+    """The compiled outputs must be those the future announced (the program's)."""
+    got = [(a.shape, a.dtype) for a in exe.out_avals]
+    if got != [(a.shape, a.dtype) for a in fut.out_avals]:
+        raise RuntimeRefusal(ErrorCode.COMPILER_ERROR,
+                             f"the executable's outputs {[str(a) for a in exe.out_avals]} are "
+                             f"not the program's {[str(a) for a in fut.out_avals]}")
+
+
+def _code(code: str) -> ErrorCode:
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL
+
+
+def _failure(e: Exception) -> tuple[str, str, dict[str, Any]]:
+    """The code, message and other fields a future fails with when its compile is refused."""
+    if isinstance(e, ServiceError):
+        return str(e.code), e.message, dict(e.extra)
+    if isinstance(e, CompilerError):
+        return str(e.code), str(e), {}
+    log.exception("compiling for a future failed unexpectedly")
+    return str(ErrorCode.COMPILER_ERROR), f"compiling failed: {type(e).__name__}: {e}", {}
 
 
 def _lookup_of(reply: dict[str, Any]) -> Lookup:

@@ -18,7 +18,19 @@ from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.compile import MemoryStats, check_inputs
 from jitserve.wire import Aval
 
-__all__ = ["ExecutableIndex", "Lookup", "RemoteExecutable", "call_key"]
+__all__ = ["CallOptions", "ExecutableIndex", "Lookup", "RemoteExecutable", "call_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+    """What picks an executable besides the inputs' avals: the caller's static key,
+    and the inputs a run may consume (``donate``, sorted input indices)."""
+
+    static_key: str = ""
+    donate: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"static_key": self.static_key, "donate": list(self.donate)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,9 +68,10 @@ class Lookup:
     compile_seconds: float
 
 
-def call_key(program_id: str, in_avals: Sequence[Aval] | None, static_key: str) -> str:
+def call_key(program_id: str, in_avals: Sequence[Aval] | None, options: CallOptions) -> str:
     avals = None if in_avals is None else [a.to_json() for a in in_avals]
-    return json.dumps([program_id, avals, static_key], separators=(",", ":"))
+    return json.dumps([program_id, avals, options.static_key, options.donate],
+                      separators=(",", ":"))
 
 
 class ExecutableIndex:

@@ -2,8 +2,10 @@
 
 ``Executor.submit`` takes the runtime a call was placed on, the executable's
 signature and the arguments: host arrays (numpy, decoded from the request),
-buffers other futures left on a runtime, or references to futures still
-running. It returns at once; a task then waits for the referenced futures (on
+buffers other futures left on a runtime (retained for the call), or references
+to futures still running (pinned for it, ``service.calls``). The job owns those
+holds and lets go of each when the run has read it, or when it ends however it
+ends. ``submit`` returns at once; a task then waits for the referenced futures (on
 the loop, no polling), marshals the arguments (big host arrays into one
 shared-memory segment, buffers on the same runtime by handle, buffers on
 another runtime fetched and sent on: a move, counted in metrics) and sends the
@@ -40,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from jitserve.compiler.compile import MemoryStats
 from jitserve.compiler.errors import LimitExceeded
 from jitserve.compiler.programs import Program
-from jitserve.service.executables import RemoteExecutable
+from jitserve.service.executables import CallOptions, RemoteExecutable
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.service.runtimes import Buffer, RemoteError, Runtime, RuntimePool, frames
@@ -77,10 +79,15 @@ class _DependencyFailed(Exception):
 class ExecutionJob:
     """One execution: the handshake between cancel and send is under a lock."""
 
-    def __init__(self, future: Future, runtime: Runtime, args: Sequence[Arg]) -> None:
+    def __init__(self, future: Future, runtime: Runtime, args: Sequence[Arg],
+                 donate: Sequence[int] = ()) -> None:
         self.future = future
         self.runtime = runtime
+        self.donate = frozenset(donate)
         self.args: list[Any] | None = list(args)
+        # What the job holds until it ends: retained buffers, pinned references.
+        self.held = [a for a in args if isinstance(a, Buffer)]
+        self.waiting = [a for a in args if isinstance(a, FutureRef)]
         self.task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._started = False
@@ -196,32 +203,44 @@ class Executor:
             "(JITSERVE_MAX_EXECUTION_BYTES)")
 
     def submit(self, future: Future, runtime: Runtime, program: Program,
-               executable: RemoteExecutable, static_key: str, args: Sequence[Arg],
+               executable: RemoteExecutable, options: CallOptions, args: Sequence[Arg],
                timeout_s: float | None = None) -> ExecutionJob:
         """Start running ``executable`` on ``args`` for ``future``; returns at once."""
-        job = ExecutionJob(future, runtime, args)
+        job = ExecutionJob(future, runtime, args, options.donate)
         future.job = job
         future.runtime = runtime
         timeout = min(timeout_s or self.timeout_s, self.timeout_s)
         job.task = asyncio.get_running_loop().create_task(
-            self._run(job, program, executable, static_key, timeout))
+            self._run(job, program, executable, options, timeout))
         self._tasks.add(job.task)
         job.task.add_done_callback(self._tasks.discard)
+        # A task cancelled before it starts never runs its ``finally``.
+        job.task.add_done_callback(lambda _: self._let_go(job))
         return job
 
+    def drop(self, args: Sequence[Arg]) -> None:
+        """Let go of the holds a call took on ``args`` (it will not run)."""
+        self._runtimes.release([a for a in args if isinstance(a, Buffer)])
+        for a in args:
+            if isinstance(a, FutureRef):
+                self._futures.unpin(a.future, a.index)
+
+    def _let_go(self, job: ExecutionJob) -> None:
+        held, waiting = job.held, job.waiting
+        job.held, job.waiting = [], []
+        self.drop([*held, *waiting])
+
     async def _run(self, job: ExecutionJob, program: Program, executable: RemoteExecutable,
-                   static_key: str, timeout_s: float) -> None:
+                   options: CallOptions, timeout_s: float) -> None:
         fut, runtime = job.future, job.runtime
         memory = executable.memory
         segment = None
         answered = False  # whether the runtime is done with the segment
-        held = [a for a in job.args or () if isinstance(a, Buffer)]
-        self._runtimes.retain(held)  # a DELETE of their futures must not free them under us
         try:
-            await self._resolve(job, held)
+            await self._resolve(job)
             descs, segment = await self._marshal(job)
             message = {"executable_id": executable.executable_id,
-                       "program_id": program.program_id, "static_key": static_key,
+                       "program_id": program.program_id, **options.to_json(),
                        "avals": [a.to_json() for a in executable.in_avals], "args": descs}
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 job.start()
@@ -254,22 +273,49 @@ class Executor:
                 self._metrics.execute_seconds.observe(run_s)
                 self._futures.complete(fut, outputs, run_s)
         finally:
-            self._runtimes.release(held)
+            self._let_go(job)
             if segment is not None:
                 if answered or not job.sent:
                     self._runtimes.segments.give_back(segment)
                 else:  # the runtime may still read it: unlinked, left to it
                     segment.destroy()
 
-    async def _resolve(self, job: ExecutionJob, held: list[Buffer]) -> None:
+    async def put(self, future: Future, runtime: Runtime, arrays: list[np.ndarray]) -> None:
+        """Keep ``arrays`` on ``runtime`` as the outputs of ``future`` (``POST /v1/arrays``);
+        a ``RemoteError`` when the runtime cannot."""
+        future.runtime = runtime
+        descs, segment = await self._pack(arrays)
+        try:
+            reply = await runtime.request("put", {"args": descs}, timeout_s=self.timeout_s)
+        finally:
+            if segment is not None:
+                self._runtimes.segments.give_back(segment)
+        outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
+                   for h, a in zip(reply["handles"], arrays)]
+        if sum(a.nbytes for a in arrays) <= frames.INLINE_OUTPUTS_BYTES:
+            future.host = arrays  # small: fetches need no round trip
+        self._futures.mark_running(future, 0.0)
+        self._futures.complete(future, outputs, 0.0)
+
+    async def _pack(self, host: list[np.ndarray]) -> tuple[list[dict[str, Any]],
+                                                            frames.Segment | None]:
+        """Descriptions of host arrays for a runtime: big ones in one shared segment."""
+        big = sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES
+        pack = frames.pack_arrays
+        segments = self._runtimes.segments
+        return await run_in_threadpool(pack, host, segments) if big else pack(host, segments)
+
+    async def _resolve(self, job: ExecutionJob) -> None:
         """Replace future references by the buffers they name, waiting if needed."""
         assert job.args is not None
         for i, arg in enumerate(job.args):
             if isinstance(arg, FutureRef):
-                await arg.future.wait_final()
+                await arg.future.wait_ended()
                 buf = _output_of(arg, i)
                 self._runtimes.retain([buf])
-                held.append(buf)
+                job.held.append(buf)
+                job.waiting.remove(arg)
+                self._futures.unpin(arg.future, arg.index)
                 job.args[i] = buf
 
     async def _marshal(self, job: ExecutionJob) -> tuple[list[dict[str, Any]],
@@ -282,7 +328,10 @@ class Executor:
         for i, arg in enumerate(job.args):
             if isinstance(arg, Buffer):
                 if arg.runtime is runtime and arg.alive:
-                    descs.append({"handle": arg.handle})
+                    # A donated buffer that only this run holds is given up to it
+                    # (the run consumes it); one that others hold is copied there.
+                    give = i in job.donate and arg.refs == 1
+                    descs.append({"handle": arg.handle, **({"give": True} if give else {})})
                     continue
                 try:
                     (arg,) = await self._runtimes.fetch([arg])  # noqa: PLW2901
@@ -292,11 +341,7 @@ class Executor:
             host.append(arg)
             descs.append(None)
         job.args = None
-        big = sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES
-        pack = frames.pack_arrays
-        segments = self._runtimes.segments
-        packed, segment = (await run_in_threadpool(pack, host, segments) if big
-                           else pack(host, segments))
+        packed, segment = await self._pack(host)
         del host
         it = iter(packed)
         return [d if d is not None else next(it) for d in descs], segment
@@ -319,7 +364,9 @@ def _output_of(ref: FutureRef, position: int) -> Any:
     dep = ref.future
     where = f"args[{position}] refers to future {dep.future_id}"
     if dep.status is FutureStatus.DONE and dep.outputs is not None:
-        return dep.outputs[ref.index]
+        buf = dep.outputs[ref.index]
+        if buf is not None:
+            return buf
     if dep.status is FutureStatus.FAILED:
         msg = (dep.error or {}).get("message", "")
         raise _DependencyFailed("future_failed", f"{where}, which failed: {msg}")

@@ -1,8 +1,12 @@
 """Array futures: the state of one execution and the store that owns them.
 
-A future goes ``pending -> running -> done | failed``, or ``pending -> cancelled``
-when deleted before it starts. Its outputs stay on the device, as ``jax.Array``s,
-until the future is deleted or expires. Every state change happens on the event
+A future goes ``compiling -> pending -> running -> done | failed``, or to
+``cancelled`` when deleted before it runs; a compile that fails fails it. Its
+outputs stay on their runtime until they are released (one by one, as a client's
+arrays are garbage-collected), or the future is deleted or expires. An output
+that a queued call still has to read is *pinned*: it is freed when the last such
+call has taken hold of it, so releasing or deleting never pulls an input from
+under a call that was already accepted. Every state change happens on the event
 loop and wakes long-pollers through an ``asyncio.Event``, so nobody busy-waits.
 
 The store bounds how many futures are alive and how many output bytes they may
@@ -68,9 +72,13 @@ class Future:
       out_avals, out_tree: the outputs' avals and pytree structure.
       created, expires_at: wall-clock seconds since the epoch.
       reserved_bytes: device bytes counted against the store's limit.
-      status, outputs, error, timings: progress; ``outputs`` only when done.
+      status, outputs, error, timings: progress; ``outputs`` only when done (an
+        entry is ``None`` once that output is freed).
       host: small outputs' host copies, which came with the run's answer.
-      removed: why the future left the store (``"deleted"``, ``"expired"``), if it did.
+      removed: why the future left the store (``"deleted"``, ``"expired"``,
+        ``"released"``), if it did.
+      released: the outputs its caller let go of.
+      pins: per output, how many accepted calls still have to read it.
     """
 
     future_id: str
@@ -89,6 +97,8 @@ class Future:
     job: Job | None = None
     runtime: Any = None
     removed: str | None = None
+    released: set[int] = dataclasses.field(default_factory=set)
+    pins: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False)
 
     def _notify(self) -> None:
@@ -102,6 +112,12 @@ class Future:
             async with asyncio.timeout(timeout):
                 while self.status is seen and self.removed is None:
                     await self._changed.wait()
+
+    async def wait_ended(self) -> None:
+        """Wait until it is done, failed or cancelled, even once it left the store
+        (a call that read it was accepted before; its job always ends it)."""
+        while not self.status.is_final:
+            await self._changed.wait()
 
     async def wait_final(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout``) until done, failed, cancelled or removed."""
@@ -145,8 +161,8 @@ class FutureStore:
         self.on_release: Callable[[list[Any]], None] | None = None
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
-               out_tree: Any, compile_s: float = 0.0) -> Future:
-        """A new pending future; ``TooManyRequests`` when a limit is reached."""
+               out_tree: Any, compile_s: float = 0.0, compiling: bool = False) -> Future:
+        """A new pending (or ``compiling``) future; ``TooManyRequests`` when a limit is reached."""
         need = sum(a.nbytes for a in out_avals)
         if not self._fits(need, owner):
             self.sweep()  # expired futures may make room; sweeping every call would cost O(n)
@@ -155,6 +171,8 @@ class FutureStore:
         now = self._clock()
         fut = Future(secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
                      out_tree, now, now + self.ttl_s, need, timings=Timings(compile_s=compile_s))
+        if compiling:
+            fut.status = FutureStatus.COMPILING
         self._futures[fut.future_id] = fut
         self.device_bytes += need
         self._live_of[owner] += 1
@@ -230,6 +248,15 @@ class FutureStore:
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
         return fut
 
+    def compiled(self, fut: Future, executable_id: str, out_tree: Any, compile_s: float) -> None:
+        """The executable is ready: the future waits for its run."""
+        if fut.status is FutureStatus.COMPILING:
+            fut.executable_id = executable_id
+            fut.out_tree = out_tree
+            fut.timings.compile_s = compile_s
+            fut.status = FutureStatus.PENDING
+            fut._notify()
+
     def mark_running(self, fut: Future, queued_s: float) -> None:
         """The execution started."""
         if fut.status is FutureStatus.PENDING:
@@ -240,19 +267,19 @@ class FutureStore:
     def complete(self, fut: Future, outputs: list[Any], run_s: float) -> None:
         """The execution finished with ``outputs`` (device arrays)."""
         fut.timings.run_s = run_s
+        fut.outputs = list(outputs)
         if fut.removed is None:
-            fut.outputs = outputs
             fut.expires_at = self._clock() + self.ttl_s
-        else:
-            self._release(fut)  # deleted while running: nobody can fetch these
         self._finish(fut, FutureStatus.DONE)
+        self._settle(fut)  # released or deleted meanwhile: nobody can fetch those
 
-    def fail(self, fut: Future, code: str, message: str) -> None:
-        """The execution failed; the future keeps the error."""
-        fut.error = {"code": code, "message": message}
+    def fail(self, fut: Future, code: str, message: str, **extra: Any) -> None:
+        """The execution failed; the future keeps the error (``extra``: its other fields,
+        such as the ``quota`` a refused compile ran into)."""
+        fut.error = {"code": code, "message": message, **extra}
         fut.expires_at = self._clock() + self.ttl_s
-        self._release(fut)
         self._finish(fut, FutureStatus.FAILED)
+        self._settle(fut)
 
     def delete(self, fut: Future, *, stop: bool = True) -> tuple[FutureStatus, str | None]:
         """Cancel ``fut`` if it has not finished, free its outputs, and forget it.
@@ -261,7 +288,7 @@ class FutureStore:
         ``stop=False`` leaves a running execution alone (it is dropped when it ends).
         """
         detail = None
-        if fut.status is FutureStatus.PENDING and fut.job is not None and fut.job.cancel():
+        if fut.status in _NOT_STARTED and fut.job is not None and fut.job.cancel():
             fut.error = {"code": "future_cancelled", "message": "deleted before it ran"}
             self._finish(fut, FutureStatus.CANCELLED)
         elif stop and fut.status is FutureStatus.RUNNING and fut.job is not None:
@@ -284,7 +311,7 @@ class FutureStore:
             fut.status = FutureStatus.FAILED
             fut.error = {"code": "runtime_crashed",
                          "message": f"its outputs were lost: runtime {runtime.index} {why}"}
-            self._release(fut)
+            self._settle(fut)
             fut._notify()
         return len(lost)
 
@@ -295,22 +322,76 @@ class FutureStore:
         if self.on_final is not None:
             self.on_final(fut)
 
+    def release(self, refs: Sequence[tuple[str, int]], owner: str | None) -> tuple[int, int]:
+        """Let go of outputs ``(future_id, index)`` of ``owner``'s futures.
+
+        Returns how many were released and how many named nothing of ``owner``'s
+        (unknown, expired, or released with their whole future): a client's
+        garbage collector races expiry, so those are no error. A future whose
+        outputs are all released leaves the store; one still compiling or
+        running is not stopped (accepted calls may read it), and drops its
+        released outputs when it ends.
+        """
+        released = unknown = 0
+        for future_id, index in refs:
+            fut = self._futures.get(future_id)
+            if (fut is None or not _same_owner(fut.owner, owner)
+                    or not 0 <= index < len(fut.out_avals)):
+                unknown += 1
+                continue
+            fut.released.add(index)
+            released += 1
+            if len(fut.released) == len(fut.out_avals):
+                self._remove(fut, "released")
+            else:
+                self._settle(fut)
+        return released, unknown
+
+    def pin(self, fut: Future, index: int) -> None:
+        """An accepted call will read output ``index`` of ``fut`` once it is done."""
+        fut.pins[index] += 1
+
+    def unpin(self, fut: Future, index: int) -> None:
+        """That call has taken hold of the output (or will never need it)."""
+        fut.pins[index] -= 1
+        if fut.pins[index] <= 0:
+            del fut.pins[index]
+            self._settle(fut)
+
     def _remove(self, fut: Future, why: str) -> None:
         if self._futures.pop(fut.future_id, None) is not None:
             self._uncount(self._live_of, fut.owner, 1)
         if fut.removed is None:
             fut.removed = why
-        if fut.status is not FutureStatus.RUNNING:
-            self._release(fut)  # a running one releases when it completes
+        self._settle(fut)  # one still to run settles when it ends
         fut._notify()
 
-    def _release(self, fut: Future) -> None:
-        if fut.outputs and self.on_release is not None:
-            self.on_release(fut.outputs)
-        fut.outputs = fut.host = None
-        self.device_bytes -= fut.reserved_bytes
-        self._uncount(self._bytes_of, fut.owner, fut.reserved_bytes)
-        fut.reserved_bytes = 0
+    def _settle(self, fut: Future) -> None:
+        """Free the outputs nobody may fetch any more (released, or the future left
+        the store or failed) unless a queued call still needs them; a finished
+        future that holds nothing more gives back the rest of its reservation."""
+        outputs = fut.outputs
+        gone = fut.removed is not None or fut.status in (FutureStatus.FAILED,
+                                                          FutureStatus.CANCELLED)
+        if outputs is not None:
+            for index, buf in enumerate(outputs):
+                if buf is not None and (gone or index in fut.released) and not fut.pins[index]:
+                    outputs[index] = None
+                    if fut.host is not None:
+                        fut.host[index] = None
+                    self._unreserve(fut, fut.out_avals[index].nbytes)
+                    if self.on_release is not None:
+                        self.on_release([buf])
+            if all(b is None for b in outputs):
+                fut.outputs = fut.host = None
+        if gone and fut.outputs is None and fut.status is not FutureStatus.RUNNING:
+            self._unreserve(fut, fut.reserved_bytes)
+
+    def _unreserve(self, fut: Future, nbytes: int) -> None:
+        nbytes = min(nbytes, fut.reserved_bytes)
+        self.device_bytes -= nbytes
+        self._uncount(self._bytes_of, fut.owner, nbytes)
+        fut.reserved_bytes -= nbytes
 
     @staticmethod
     def _uncount(counter: collections.Counter[str | None], owner: str | None, n: int) -> None:
@@ -327,7 +408,7 @@ class FutureStore:
         now = self._clock()
         stale = [f for f in self._futures.values() if self._expired(f, now)]
         for fut in stale:
-            if fut.status is FutureStatus.PENDING and fut.job is not None and fut.job.cancel():
+            if fut.status in _NOT_STARTED and fut.job is not None and fut.job.cancel():
                 fut.error = {"code": "future_expired", "message": "expired before it ran"}
                 self._finish(fut, FutureStatus.CANCELLED)
             self._remove(fut, "expired")
@@ -356,6 +437,9 @@ class FutureStore:
         """Cancel what has not started and forget every future (shutdown)."""
         for fut in list(self._futures.values()):
             self.delete(fut, stop=False)
+
+
+_NOT_STARTED = (FutureStatus.COMPILING, FutureStatus.PENDING)
 
 
 def _same_owner(have: str | None, want: str | None) -> bool:

@@ -26,6 +26,8 @@ from pydantic import BaseModel
 
 from jitserve import wire
 from jitserve.service.schemas import (
+    ArraysJSON,
+    ArraysMsgpack,
     CompileRequest,
     ErrorBody,
     ExecuteJSON,
@@ -78,7 +80,7 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 # Models that only ``openapi_extra`` names: their schemas join the components.
 _BODY_MODELS: tuple[type[BaseModel], ...] = (ExecuteJSON, ExecuteMsgpack, CompileRequest,
-                                              OutputsJSON)
+                                              OutputsJSON, ArraysJSON, ArraysMsgpack)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

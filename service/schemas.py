@@ -7,16 +7,21 @@ Array payloads never go through pydantic: the wire codec handles them.
 
 from __future__ import annotations
 
+import time
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jitserve.service.errors import BadRequest
 from jitserve.service.futures import Future
+from jitserve.wire import FutureStatus
 
 __all__ = [
     "ArrayJSON",
     "ArrayMsgpack",
+    "ArraysJSON",
+    "ArraysMsgpack",
+    "ArraysRequest",
     "AvalModel",
     "CompileRequest",
     "CompileResult",
@@ -34,12 +39,18 @@ __all__ = [
     "OutputsJSON",
     "ProgramDeleted",
     "ProgramInfo",
+    "ReleaseRequest",
+    "ReleaseResult",
     "TimingsView",
     "parse",
 ]
 
 AvalJSON = dict[str, Any]
 M = TypeVar("M", bound="BaseModel")
+
+
+#: The most outputs one release (or arrays one put) may name.
+MAX_RELEASE = 10_000
 
 
 class _Strict(BaseModel):
@@ -104,6 +115,10 @@ class _ExecuteOptions(_Strict):
         None, gt=0, description="seconds this execution may run (at most the server's "
         "JITSERVE_EXECUTION_TIMEOUT_S, which also applies when this is omitted); past it "
         "the future fails with execution_timeout")
+    donate: list[int] = Field(
+        default_factory=list, max_length=MAX_RELEASE, description="indices of args the "
+        "run may consume (jax.jit's donate_argnums): an output of the same type reuses "
+        "its buffer; the future outputs they name are released")
 
 
 class ExecuteJSON(_ExecuteOptions):
@@ -187,6 +202,42 @@ class CompileResult(BaseModel):
     out_tree: Any = None
 
 
+class ArraysJSON(_Strict):
+    """Body of ``POST /v1/arrays``, in JSON: the arrays to keep on the device."""
+
+    arrays: list[ArrayJSON] = Field(min_length=1)
+
+
+class ArraysMsgpack(_Strict):
+    """Body of ``POST /v1/arrays``, in msgpack: the arrays to keep on the device."""
+
+    arrays: list[ArrayMsgpack] = Field(min_length=1)
+
+
+class ArraysRequest(_Strict):
+    """Body of ``POST /v1/arrays`` (arrays stay as decoded by the codec)."""
+
+    arrays: list[Any] = Field(min_length=1, max_length=MAX_RELEASE)
+
+
+class ReleaseRequest(_Strict):
+    """Body of ``POST /v1/futures/release``: the outputs the caller lets go of."""
+
+    outputs: list[FutureRef] = Field(max_length=MAX_RELEASE)
+
+
+class ReleaseResult(BaseModel):
+    """Answer of ``POST /v1/futures/release``.
+
+    ``unknown`` counts references to nothing of the caller's (unknown, expired, or
+    already gone with their future): no error, since a client's garbage collector
+    races expiry.
+    """
+
+    released: int
+    unknown: int
+
+
 class ExecuteRequest(_ExecuteOptions):
     """Body of ``POST /v1/programs/{id}/execute`` (arrays stay as decoded by the codec)."""
 
@@ -231,10 +282,13 @@ class FutureView(BaseModel):
     @classmethod
     def of(cls, fut: Future) -> FutureView:
         t = fut.timings
+        compile_s = t.compile_s
+        if fut.status is FutureStatus.COMPILING:  # the seconds so far
+            compile_s = max(time.time() - fut.created, 0.0)
         return cls(future_id=fut.future_id, status=fut.status.value,
                    out_avals=[a.to_json() for a in fut.out_avals], out_tree=fut.out_tree,
                    error=fut.error, created=fut.created, expires_at=fut.expires_at,
-                   timings=TimingsView(queued_s=t.queued_s, compile_s=t.compile_s, run_s=t.run_s))
+                   timings=TimingsView(queued_s=t.queued_s, compile_s=compile_s, run_s=t.run_s))
 
 
 class ProgramDeleted(BaseModel):

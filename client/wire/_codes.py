@@ -90,8 +90,13 @@ PROGRAM_ERRORS: Final = frozenset({
 
 
 class FutureStatus(enum.StrEnum):
-    """Where an execution stands (the ``status`` of a future)."""
+    """Where an execution stands (the ``status`` of a future).
 
+    ``compiling``: its executable is being compiled (or loaded); then ``pending``
+    (waiting to run), ``running``, and one of the final three.
+    """
+
+    COMPILING = "compiling"
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"

@@ -1,12 +1,15 @@
-"""``/v1/futures``: poll, long-poll, fetch and delete array futures."""
+"""``/v1/futures``: poll, long-poll, fetch, release and delete array futures."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Response
 
 from jitserve.service.bodies import outputs_response
 from jitserve.service.deps import (
     AsJSON,
+    Body,
     FutureStoreDep,
     MetricsDep,
     Owner,
@@ -14,16 +17,49 @@ from jitserve.service.deps import (
     WaitSeconds,
     get_owner,
 )
-from jitserve.service.errors import FutureCancelled, FutureFailed, FuturePending, NotFound
+from jitserve.service.errors import (
+    BadRequest,
+    FutureCancelled,
+    FutureFailed,
+    FuturePending,
+    NotFound,
+)
 from jitserve.service.futures import Future
-from jitserve.service.openapi import errors, outputs_content
-from jitserve.service.schemas import DeleteResult, FutureView
+from jitserve.service.openapi import errors, message_body, outputs_content
+from jitserve.service.schemas import (
+    DeleteResult,
+    FutureView,
+    ReleaseRequest,
+    ReleaseResult,
+    parse,
+)
 from jitserve.wire import ErrorCode, FutureStatus
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)],
                    responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND))
+
+OutputsQuery = Annotated[str | None, Query(
+    pattern=r"^\d{1,6}(,\d{1,6})*$", max_length=70_000,
+    description="comma-separated output indices (e.g. 0,2): only those, in that order")]
+
+
+@router.post("/release", response_model=ReleaseResult,
+             openapi_extra=message_body(ReleaseRequest, ReleaseRequest, required=True),
+             responses=errors(ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                              ErrorCode.PAYLOAD_TOO_LARGE))
+async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner) -> ReleaseResult:
+    """Let go of outputs, as a client's arrays are garbage-collected.
+
+    Each output's device memory is freed once no accepted call still has to read
+    it; a future whose outputs are all released is gone. Releasing never stops a
+    compile or a run (later calls may read its other outputs, or this one).
+    References to nothing of the caller's are counted in ``unknown``.
+    """
+    req = parse(ReleaseRequest, await body.message(), "release request")
+    released, unknown = futures.release([(r.future, r.output) for r in req.outputs], owner)
+    return ReleaseResult(released=released, unknown=unknown)
 
 
 @router.get("/{future_id}", response_model=FutureView, responses=errors(ErrorCode.BAD_REQUEST))
@@ -43,13 +79,18 @@ async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
                                 ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED)})
 async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDep,
                      runtimes: RuntimesDep, owner: Owner, wait: WaitSeconds,
-                     as_json: AsJSON) -> Response:
-    """The outputs of a done future; ``?wait=<ms>`` waits for them first."""
+                     as_json: AsJSON, outputs: OutputsQuery = None) -> Response:
+    """The outputs of a done future (``?outputs=0,2``: those); ``?wait=<ms>`` waits first."""
     fut = futures.get(future_id, owner)
+    which = None if outputs is None else [int(k) for k in outputs.split(",")]
+    for k in which or ():
+        if k >= len(fut.out_avals):
+            raise BadRequest(f"future {fut.future_id} has {len(fut.out_avals)} outputs; "
+                             f"there is no output {k}")
     if wait:
         await fut.wait_final(wait)
     _raise_unless_done(fut)
-    return await outputs_response(fut, metrics, as_json, runtimes)
+    return await outputs_response(fut, metrics, as_json, runtimes, which)
 
 
 @router.delete("/{future_id}", response_model=DeleteResult, response_model_exclude_none=True)

@@ -27,6 +27,7 @@ from jitserve.service.deps import (
     get_owner,
 )
 from jitserve.service.errors import BadRequest
+from jitserve.service.executables import CallOptions
 from jitserve.service.openapi import errors, message_body, outputs_content
 from jitserve.service.schemas import (
     CompileRequest,
@@ -101,7 +102,7 @@ async def compile_program(program_id: str, programs: ProgramStoreDep, calls: Cal
     req = parse(CompileRequest, await body.message(), "compile request")
     in_avals = None if req.in_avals is None else [Aval.from_json(a.model_dump())
                                                    for a in req.in_avals]
-    lookup = await calls.compile(program, in_avals, req.static_key, owner)
+    lookup = await calls.compile(program, in_avals, CallOptions(req.static_key), owner)
     exe = lookup.executable
     return CompileResult(
         executable_id=lookup.executable_id, tier=lookup.tier,
@@ -124,7 +125,8 @@ async def execute_program(program_id: str, programs: ProgramStoreDep, calls: Cal
     """
     program = await programs.get(program_id, owner)
     req = parse(ExecuteRequest, await _message(body), "execute request")
-    call = await calls.execute(program, req.args, req.static_key, owner, req.timeout_s)
+    call = await calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
+                               req.donate)
     del req  # the executor holds the input arrays now; do not pin them while we wait
     fut = call.future
     if wait and await fut.wait_final(wait) and fut.outputs is not None:

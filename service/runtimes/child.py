@@ -192,12 +192,14 @@ class RuntimeServer:
 
         program = self._program(m["program_id"])
         avals = None if m.get("avals") is None else [Aval.from_json(a) for a in m["avals"]]
-        static_key = m.get("static_key", "")
+        static_key, donate = m.get("static_key", ""), m.get("donate", ())
         if not m.get("compile", True):
-            key = self.compiler.executable_id(program, avals, static_key)
-            if self.compiler.cached(program, avals, static_key) is None and not self._in_l2(key):
+            key = self.compiler.executable_id(program, avals, static_key, donate)
+            if (self.compiler.cached(program, avals, static_key, donate) is None
+                    and not self._in_l2(key)):
                 return {"miss": key}
-        return {"executable": _lookup_json(self.compiler.lookup(program, avals, static_key))}
+        lookup = self.compiler.lookup(program, avals, static_key, donate)
+        return {"executable": _lookup_json(lookup)}
 
     def _in_l2(self, key: str) -> bool:
         for tier in self.compiler.tiers:
@@ -215,7 +217,8 @@ class RuntimeServer:
 
             program = self._program(m["program_id"])
             avals = None if m.get("avals") is None else [Aval.from_json(a) for a in m["avals"]]
-            exe = self.compiler.lookup(program, avals, m.get("static_key", "")).executable
+            exe = self.compiler.lookup(program, avals, m.get("static_key", ""),
+                                       m.get("donate", ())).executable
         return exe
 
     # -- runs and buffers --------------------------------------------------------
@@ -226,12 +229,16 @@ class RuntimeServer:
         args: list[Any] = []
         host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
         host_iter = iter(host)
+        donated = set(m.get("donate", ()))
         for i, a in enumerate(m["args"]):
             if "handle" in a:
-                buf = self.buffers.get(a["handle"])
+                # A donated input is consumed: the API process gives its buffer up
+                # ("give") when nothing else holds it, else the run gets a copy.
+                take = self.buffers.pop if a.get("give") else self.buffers.get
+                buf = take(a["handle"], None)
                 if buf is None:
                     raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
-                args.append(buf)
+                args.append(buf.copy() if i in donated and not a.get("give") else buf)
             else:
                 args.append(jax.device_put(next(host_iter), self.device))
         del host, host_iter
@@ -252,6 +259,23 @@ class RuntimeServer:
 
             reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], None)
         return reply
+
+    def op_put(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Keep host arrays on the device under new handles (``POST /v1/arrays``)."""
+        import numpy as np
+
+        jax = self._jax
+        # Copies: on the CPU, device_put may share a host buffer, and these views
+        # are of a segment the API process reuses once we answer.
+        arrays = [jax.device_put(np.array(a, copy=True), self.device)
+                  for a in frames.unpack_arrays(m["args"])]
+        jax.block_until_ready(arrays)
+        handles = []
+        for array in arrays:
+            handle = next(self._handles)
+            self.buffers[handle] = array
+            handles.append(handle)
+        return {"handles": handles}
 
     def op_fetch(self, m: dict[str, Any]) -> dict[str, Any]:
         """Copy outputs to the host: big ones into the segment the API process named

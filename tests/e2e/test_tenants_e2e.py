@@ -142,9 +142,9 @@ def test_another_keys_program_is_not_found(callers: Any) -> None:
 
 def test_executables_are_listed_and_read_per_key(callers: Any) -> None:
     alice, bob = callers
-    hers = alice.execute(alice.pid(_scale(13.5)), wait=None).json()["executable_id"]
+    hers = alice.compile(alice.pid(_scale(13.5))).json()["executable_id"]
     shared = _scale(14.5)
-    his = bob.execute(bob.pid(shared), wait=None).json()["executable_id"]
+    his = bob.compile(bob.pid(shared)).json()["executable_id"]
     assert alice.http.get(f"/v1/executables/{hers}").status_code == 200
     _same_404(bob.http.get(f"/v1/executables/{hers}"),
               bob.http.get(f"/v1/executables/{UNKNOWN}"), hers, UNKNOWN)
@@ -182,6 +182,16 @@ def _refused(r: httpx.Response, quota: str) -> None:
     err = r.json()["error"]
     assert err["code"] == "too_many_requests" and err["quota"] == quota
     assert int(r.headers["retry-after"]) >= 1
+
+
+def _refused_later(caller: Caller, r: httpx.Response, quota: str) -> None:
+    """An execute is accepted before its compile; the quota fails its future."""
+    assert r.status_code == 202 and r.json()["status"] == "compiling", r.text
+    doc = caller.http.get(f"/v1/futures/{r.json()['future_id']}", params={"wait": 30_000}).json()
+    while doc["status"] == "compiling":
+        doc = caller.http.get(f"/v1/futures/{doc['future_id']}", params={"wait": 30_000}).json()
+    assert doc["status"] == "failed", doc
+    assert doc["error"]["code"] == "too_many_requests" and doc["error"]["quota"] == quota
 
 
 def _live_futures(alice: Caller, bob: Caller) -> None:
@@ -222,7 +232,7 @@ def _executables(alice: Caller, bob: Caller) -> None:
     for pid in pids[:2]:
         assert alice.compile(pid).status_code == 200
     _refused(alice.compile(pids[2]), "executables")
-    _refused(alice.execute(pids[2]), "executables")
+    _refused_later(alice, alice.execute(pids[2], wait=None), "executables")
     assert bob.compile(bob.pid(_scale(24.75))).status_code == 200
     assert alice.http.delete(f"/v1/programs/{pids[0]}").status_code == 200
     assert alice.execute(pids[2]).status_code == 200  # the deleted program's executable went

@@ -173,11 +173,17 @@ async def test_run_over_the_execution_limit_is_refused(make_api: Any, carry_8mib
         api.programs = {**api.programs, "carry": carry_8mib}
         pid = await api.upload("carry")
         r = await api.execute(pid, [np.float32(1)])
-        assert r.status_code == 422, r.text
-        msg = r.json()["error"]["message"]
-        assert r.json()["error"]["code"] == "limit_exceeded"
+        assert r.status_code == 202, r.text  # a call never waits for its compile
+        fid = r.json()["future_id"]
+        doc = (await api.http.get(f"/v1/futures/{fid}", params={"wait": 30_000})).json()
+        assert doc["status"] == "failed", doc  # refused once compiled: it never ran
+        assert doc["error"]["code"] == "limit_exceeded"
+        msg = doc["error"]["message"]
         assert "intermediates" in msg and "JITSERVE_MAX_EXECUTION_BYTES" in msg
-        assert await api.metric("jitserve_futures", state="pending") == 0  # none was made
+        assert await api.metric("jitserve_executions_total", status="done") == 0
+        # Now that its signature is known, the next call is refused before any future.
+        r = await api.execute(pid, [np.float32(1)])
+        assert r.status_code == 422 and r.json()["error"]["code"] == "limit_exceeded"
         ok = await api.execute(await api.upload("add_mul"),
                                [np.ones((2, 3), np.float32)] * 2, wait=30_000)
         assert ok.status_code == 200

@@ -1,0 +1,252 @@
+"""Calls that never wait for a compile, outputs released one by one, arrays put once.
+
+Through the app in-process (httpx's ASGI transport) on the session's real runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jitserve import wire
+from tests.service.test_service_futures import executor_blocked
+
+# Valid and allowed, but XLA has no handler for it: it decodes, then fails to compile.
+FAILS_TO_COMPILE = b"""
+func.func public @main(%arg0: tensor<4xi32>) -> tensor<4xi32> {
+  %0 = stablehlo.custom_call @AllocateBuffer(%arg0) : (tensor<4xi32>) -> tensor<4xi32>
+  return %0 : tensor<4xi32>
+}
+"""
+
+
+async def _status(api: Any, fid: str, wait: int = 0) -> dict[str, Any]:
+    r = await api.http.get(f"/v1/futures/{fid}", params={"wait": wait} if wait else None)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def _final(api: Any, fid: str) -> dict[str, Any]:
+    doc = await _status(api, fid)
+    while doc["status"] not in ("done", "failed", "cancelled"):
+        doc = await _status(api, fid, wait=10_000)
+    return doc
+
+
+async def _result(api: Any, fid: str, outputs: str | None = None) -> Any:
+    params = {"wait": 10_000, **({"outputs": outputs} if outputs is not None else {})}
+    return await api.http.get(f"/v1/futures/{fid}/result", params=params)
+
+
+async def _release(api: Any, *refs: tuple[str, int]) -> dict[str, Any]:
+    r = await api.http.post("/v1/futures/release", json={
+        "outputs": [{"future": f, "output": k} for f, k in refs]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_a_first_call_answers_compiling_and_runs_once_compiled(api, x) -> None:
+    pid = await api.upload("add_mul")
+    r = await api.execute(pid, [x, x])
+    assert r.status_code == 202, r.text
+    accepted = r.json()
+    assert accepted["status"] == "compiling" and accepted["tier"] == "pending"
+    assert accepted["out_avals"] == [{"shape": [2, 3], "dtype": "float32"}] * 2
+    doc = await _final(api, accepted["future_id"])
+    assert doc["status"] == "done" and doc["out_tree"] == {"tuple": [None, None]}
+    assert doc["timings"]["compile_s"] >= 0
+    # Known now: the next call goes straight to its run.
+    again = (await api.execute(pid, [x, x])).json()
+    assert again["status"] in ("pending", "running", "done") and again["executable_id"]
+
+
+async def test_a_compile_error_arrives_as_the_futures_error(api) -> None:
+    r = await api.http.post("/v1/programs", content=FAILS_TO_COMPILE,
+                            params={"format": "stablehlo"},
+                            headers={"content-type": "application/octet-stream"})
+    assert r.status_code in (200, 201), r.text
+    arg = np.arange(4, dtype=np.int32)
+    r = await api.execute(r.json()["program_id"], [arg])
+    assert r.status_code == 202 and r.json()["status"] == "compiling"
+    doc = await _final(api, r.json()["future_id"])
+    assert doc["status"] == "failed"
+    assert doc["error"]["code"] == "compile_failed", doc
+    res = await api.result(doc["future_id"])
+    assert res.status_code == 422
+    assert res.json()["error"]["cause"]["code"] == "compile_failed"
+    assert await api.metric("jitserve_device_bytes_in_use") == 0
+
+
+async def test_wrong_inputs_are_refused_before_a_future_exists(api, x) -> None:
+    pid = await api.upload("add_mul")
+    r = await api.execute(pid, [x, x.astype(np.float64)])
+    assert r.status_code == 400 and r.json()["error"]["code"] == "signature_mismatch"
+    assert await api.metric("jitserve_futures", state="compiling") == 0
+
+
+async def test_deleting_a_compiling_future_cancels_it(api, x) -> None:
+    pid = await api.upload("add_mul")
+    fid = (await api.execute(pid, [x, x])).json()["future_id"]
+    r = await api.http.delete(f"/v1/futures/{fid}")
+    assert r.json()["status"] == "cancelled"
+    await asyncio.sleep(0.5)
+    assert await api.metric("jitserve_executions_total", status="done") == 0
+    assert await api.metric("jitserve_device_bytes_in_use") == 0
+
+
+async def test_outputs_are_released_one_by_one(api, x) -> None:
+    pid = await api.upload("add_mul")
+    await api.execute(pid, [x, x], wait=30_000)  # compiled
+    fid = (await api.execute(pid, [x, x])).json()["future_id"]
+    await _final(api, fid)
+    held = await api.metric("jitserve_device_bytes_in_use")
+    assert await _release(api, (fid, 0)) == {"released": 1, "unknown": 0}
+    assert await api.metric("jitserve_device_bytes_in_use") == held - x.nbytes
+    # The other output is still there, and can be fetched alone.
+    r = await _result(api, fid, "1")
+    assert r.status_code == 200, r.text
+    (only,) = wire.unpackb(r.content)["outputs"]
+    np.testing.assert_array_equal(only, x * 2)
+    for which in ("0", None):  # the released one, alone or among all
+        r = await _result(api, fid, which)
+        assert r.status_code == 404 and "released" in r.json()["error"]["message"]
+    r = await api.execute(await api.upload("triple"), [{"future": fid, "output": 0}])
+    assert r.status_code == 400 and "released" in r.json()["error"]["message"]
+    # The last output goes, and the future with it.
+    assert await _release(api, (fid, 1), ("no-such-future", 0), (fid, 7)) == {
+        "released": 1, "unknown": 2}
+    assert (await api.http.get(f"/v1/futures/{fid}")).status_code == 404
+    assert await api.metric("jitserve_device_bytes_in_use") == held - 2 * x.nbytes
+
+
+async def test_a_released_input_stays_until_the_call_that_reads_it_has_run(make_api, x) -> None:
+    async with make_api(executor_threads=1) as api:
+        add_mul, triple = await api.upload("add_mul"), await api.upload("triple")
+        await api.execute(add_mul, [x, x], wait=30_000)
+        await api.execute(triple, [x], wait=30_000)
+        with executor_blocked(api):
+            first = (await api.execute(add_mul, [x, x])).json()["future_id"]
+            second = (await api.execute(triple, [{"future": first, "output": 0}])).json()
+            third = (await api.execute(triple, [{"future": first, "output": 1}])).json()
+            # The client drops first's arrays before anything ran: nothing is cancelled.
+            assert (await _release(api, (first, 0), (first, 1)))["released"] == 2
+            assert (await api.http.get(f"/v1/futures/{first}")).status_code == 404
+        for fut, want in ((second, (x + x) * 3), (third, x * 2 * 3)):
+            r = await api.result(fut["future_id"], wait=30_000)
+            assert r.status_code == 200, r.text
+            np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], want)
+        for fut in (second, third):
+            await _release(api, (fut["future_id"], 0))
+        await asyncio.sleep(0.1)
+        # first's outputs went once both calls had read them; the warm-ups' remain.
+        assert await api.metric("jitserve_device_bytes_in_use") == 3 * x.nbytes
+        assert await api.metric("jitserve_executions_total", status="done") == 5
+
+
+async def test_arrays_put_once_are_read_by_reference(api, x) -> None:
+    r = await api.http.post("/v1/arrays", content=wire.packb({"arrays": [x, x + 1]}),
+                            headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 201, r.text
+    put = r.json()
+    assert put["status"] == "done" and put["tier"] == "put"
+    assert put["out_avals"] == [{"shape": [2, 3], "dtype": "float32"}] * 2
+    pid = await api.upload("add_mul")
+    refs = [{"future": put["future_id"], "output": k} for k in (0, 1)]
+    r = await api.execute(pid, refs, wait=30_000)
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], x + x + 1)
+    r = await _result(api, put["future_id"], "1,0")
+    got = wire.unpackb(r.content)["outputs"]
+    np.testing.assert_array_equal(got[0], x + 1)
+    np.testing.assert_array_equal(got[1], x)
+
+
+async def test_big_arrays_put_come_back_whole(api) -> None:
+    big = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    r = await api.http.post("/v1/arrays", content=wire.packb({"arrays": [big]}),
+                            headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 201, r.text
+    fid = r.json()["future_id"]
+    # Overwrite the segment the upload came through with another put first.
+    other = await api.http.post("/v1/arrays", content=wire.packb({"arrays": [big * 0]}),
+                                headers={"content-type": wire.MSGPACK})
+    assert other.status_code == 201
+    np.testing.assert_array_equal(wire.unpackb((await api.result(fid)).content)["outputs"][0],
+                                  big)
+
+
+@pytest.mark.parametrize("path,body,why", [
+    ("/v1/arrays", {"arrays": []}, "arrays"),
+    ("/v1/arrays", {"arrays": [{"future": "x", "output": 0}]}, "arrays[0]"),
+    ("/v1/arrays", {"nope": 1}, "arrays"),
+    ("/v1/futures/release", {"outputs": [{"future": "x"}]}, "output"),
+    ("/v1/futures/release", {"outputs": [{"future": "x", "output": -1}]}, "output"),
+    ("/v1/futures/release", [1, 2], "release request"),
+])
+async def test_bad_bodies_are_named(api, path: str, body: Any, why: str) -> None:
+    r = await api.http.post(path, content=wire.packb(body),
+                            headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "bad_request" and why in r.json()["error"]["message"]
+
+
+async def test_a_bad_outputs_selection_is_refused(api, x) -> None:
+    pid = await api.upload("add_mul")
+    fid = (await api.execute(pid, [x, x])).json()["future_id"]
+    for which in ("a", "1,", "2", "-1"):
+        r = await _result(api, fid, which)
+        assert r.status_code == 400, (which, r.text)
+
+
+async def _put(api: Any, *arrays: np.ndarray) -> str:
+    r = await api.http.post("/v1/arrays", content=wire.packb({"arrays": list(arrays)}),
+                            headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 201, r.text
+    return r.json()["future_id"]
+
+
+async def test_a_donated_input_is_consumed_and_released(api, x) -> None:
+    pid = await api.upload("add_mul")
+    state = await _put(api, x, x + 1)
+    before = await api.metric("jitserve_device_bytes_in_use")
+    r = await api.execute(pid, [{"future": state, "output": 0}, {"future": state, "output": 1}],
+                          donate=[0], wait=30_000)
+    assert r.status_code == 200, r.text
+    out = wire.unpackb(r.content)["outputs"]
+    np.testing.assert_array_equal(out[0], x + x + 1)
+    np.testing.assert_array_equal(out[1], x * 2)
+    # Donated: that output is gone for good (as a donated jax.Array is), the other stays.
+    assert (await _result(api, state, "0")).status_code == 404
+    np.testing.assert_array_equal(wire.unpackb((await _result(api, state, "1")).content)
+                                  ["outputs"][0], x + 1)
+    r = await api.execute(pid, [{"future": state, "output": 0}, x])
+    assert r.status_code == 400 and "released" in r.json()["error"]["message"]
+    # The donated input's bytes went back; the run's two outputs came.
+    assert await api.metric("jitserve_device_bytes_in_use") == before - x.nbytes + 2 * x.nbytes
+
+
+async def test_a_donated_input_another_call_holds_is_copied_for_the_run(make_api, x) -> None:
+    async with make_api(executor_threads=1) as api:
+        add_mul, triple = await api.upload("add_mul"), await api.upload("triple")
+        await api.execute(triple, [x], wait=30_000)
+        state = await _put(api, x)
+        ref = {"future": state, "output": 0}
+        with executor_blocked(api):  # both calls hold the buffer before either runs
+            reads = (await api.execute(triple, [ref])).json()["future_id"]
+            eats = (await api.execute(add_mul, [ref, x], donate=[0])).json()["future_id"]
+        for fid, want in ((reads, x * 3), (eats, x + x)):
+            r = await api.result(fid, wait=30_000)
+            assert r.status_code == 200, r.text
+            np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], want)
+
+
+async def test_donating_a_host_array_or_nothing_known_is_fine(api, x) -> None:
+    pid = await api.upload("add_mul")
+    r = await api.execute(pid, [x, x], donate=[1], wait=30_000)
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], x + x)
+    r = await api.execute(pid, [x, x], donate=[2])
+    assert r.status_code == 400 and "donate" in r.json()["error"]["message"]
