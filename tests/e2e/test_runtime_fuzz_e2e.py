@@ -86,6 +86,8 @@ ANSWER_BOUND_S = 30.0  # an upload or an execute: the compile timeout plus a res
 FUTURE_BOUND_S = 30.0  # a future: the deadline plus a restart, loosely
 FINAL = ("done", "failed", "cancelled")
 RUN_CODES = ("execution_timeout", "runtime_crashed", "out_of_memory", "future_failed")
+# A call is accepted before its compile: a refusal of the program then fails the future.
+COMPILE_CODES = tuple(sorted(wire.PROGRAM_ERRORS))
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -132,7 +134,7 @@ class Server:
         assert r.status_code == 202, r.text[:500]
         view = self._final(r.json()["future_id"])
         if view["status"] == "failed":
-            assert view["error"]["code"] in RUN_CODES, view["error"]
+            assert view["error"]["code"] in RUN_CODES + COMPILE_CODES, view["error"]
             return f"failed {view['error']['code']}"
         if view["status"] == "done":
             r = self.http.get(f"/v1/futures/{view['future_id']}/result", params={"wait": 10_000})
