@@ -11,8 +11,8 @@ Example::
         z = f(y, 3)                        # y never leaves the server
         print(z.result(timeout=10))        # [6. 6. 6.]
 
-Importing this package needs only numpy, httpx, msgpack and ml_dtypes; jax is
-imported on the first ``jit`` call.
+Importing this package needs only numpy, httpx, msgpack, ml_dtypes and tqdm; jax
+is imported on the first ``jit`` (or ``device_put``) call.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ from jitserve.client._sync import Client
 from jitserve.client.errors import (
     APIError,
     BadRequest,
+    CompileError,
     ConnectError,
     FutureCancelled,
     FutureError,
     FutureExpired,
     FutureFailed,
     FuturePending,
+    HostCallbackError,
     JitserveError,
     JitserveTimeout,
     NotFound,
@@ -57,6 +59,7 @@ __all__ = [
     "Aval",
     "BadRequest",
     "Client",
+    "CompileError",
     "CompileInfo",
     "ConnectError",
     "FutureCancelled",
@@ -65,6 +68,7 @@ __all__ = [
     "FutureFailed",
     "FutureInfo",
     "FuturePending",
+    "HostCallbackError",
     "JitserveError",
     "JitserveTimeout",
     "NOT_GIVEN",

@@ -14,7 +14,9 @@ from jitserve.client._base import (
     DEFAULT_URL,
     BaseClient,
     Op,
+    Ref,
     WireFormat,
+    _Acquire,
     _Call,
     _Reply,
     drive_step,
@@ -22,7 +24,15 @@ from jitserve.client._base import (
     transport_error,
 )
 from jitserve.client._jit import AsyncRemoteFunction, check_jit_format
-from jitserve.client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from jitserve.client._models import (
+    DEFAULT_TIMEOUT,
+    NOT_GIVEN,
+    CompileInfo,
+    FutureInfo,
+    NotGiven,
+    ProgramInfo,
+    Timeout,
+)
 from jitserve.client._remote import AsyncRemoteArray
 from jitserve.client.errors import JitserveError, ProtocolError
 
@@ -51,16 +61,24 @@ class AsyncClient(BaseClient):
         base_url: str = DEFAULT_URL,
         *,
         api_key: str | None | NotGiven = NOT_GIVEN,
-        timeout: Timeout | float | None = Timeout(),
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
         wire_format: WireFormat = "msgpack",
         max_response_bytes: int | None = None,
+        progress: bool | NotGiven = NOT_GIVEN,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
-                         wire_format=wire_format, max_response_bytes=max_response_bytes)
+                         wire_format=wire_format, max_response_bytes=max_response_bytes,
+                         progress=progress)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(),
                                        timeout=self.timeout.to_httpx(), transport=transport)
+        # Releases are sent from a thread (see ReleaseQueue), so over a blocking client.
+        self._release_http = httpx.Client(base_url=self.base_url, headers=self._headers(),
+                                          timeout=self.timeout.to_httpx())
+
+    def _new_lock(self) -> asyncio.Lock:
+        return asyncio.Lock()
 
     # ------------------------------------------------------------------ IO
 
@@ -91,22 +109,29 @@ class AsyncClient(BaseClient):
     async def _drive(self, op: Op[T]) -> T:
         value: Any = None
         exc: JitserveError | None = None
-        while True:
-            try:
-                step = drive_step(op, value, exc)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            value, exc = None, None
-            try:
-                if isinstance(step, _Call):
-                    value = await self._send(step)
-                else:
-                    await asyncio.sleep(step.seconds)
-            except JitserveError as e:
-                exc = e
+        try:
+            while True:
+                try:
+                    step = drive_step(op, value, exc)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                value, exc = None, None
+                try:
+                    if isinstance(step, _Call):
+                        value = await self._send(step)
+                    elif isinstance(step, _Acquire):
+                        await step.lock.acquire()
+                    else:
+                        await asyncio.sleep(step.seconds)
+                except JitserveError as e:
+                    exc = e
+        finally:
+            op.close()  # a cancelled call releases what it holds now, not at garbage collection
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Send the pending releases of dropped arrays, then close the connection pools."""
+        await asyncio.to_thread(self._releases.close)
+        self._release_http.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -132,17 +157,32 @@ class AsyncClient(BaseClient):
         return await self._drive(self._op_compile(program_id, in_avals, static_key))
 
     async def execute(self, program_id: str, args: Sequence[Any], *, wait: float | None = None,
-                      static_key: str = "") -> list[AsyncRemoteArray]:
+                      static_key: str = "", donate: Sequence[int] = ()) -> list[AsyncRemoteArray]:
         """See ``Client.execute``."""
-        return self._wrap(await self._drive(self._op_execute(program_id, args, wait, static_key)))
+        return self._wrap(await self._drive(self._op_execute(program_id, args, wait, static_key,
+                                                             donate)))
 
     async def future(self, future_id: str, *, wait: float | None = None) -> FutureInfo:
         """See ``Client.future``."""
         return await self._drive(self._op_future(future_id, wait))
 
-    async def result(self, future_id: str, *, wait: float | None = None) -> list[np.ndarray]:
+    async def result(self, future_id: str, *, wait: float | None = None,
+                     outputs: Sequence[int] | None = None,
+                     name: str | None = None) -> list[np.ndarray]:
         """See ``Client.result``."""
-        return await self._drive(self._op_result(future_id, wait))
+        return await self._drive(self._op_result(future_id, wait, outputs, name))
+
+    async def wait(self, future_id: str, *, name: str | None = None) -> FutureInfo:
+        """See ``Client.wait``."""
+        return await self._drive(self._op_wait(future_id, name))
+
+    async def release(self, outputs: Iterable[Ref]) -> int:
+        """See ``Client.release``."""
+        return await self._drive(self._op_release(outputs))
+
+    async def device_put(self, x: Any) -> Any:
+        """See ``Client.device_put``; the leaves are ``AsyncRemoteArray`` s."""
+        return await self._drive(self._op_put(x))
 
     async def delete(self, future_id: str) -> str:
         """See ``Client.delete``."""
@@ -162,20 +202,26 @@ class AsyncClient(BaseClient):
 
     @overload
     def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
-            ) -> AsyncRemoteFunction: ...
+            static_argnames: str | Iterable[str] = (),
+            donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
+            format: str = "jax_export") -> AsyncRemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
-            ) -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
+            static_argnames: str | Iterable[str] = (),
+            donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
+            format: str = "jax_export") -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = (), format: str = "jax_export") -> Any:
+            static_argnames: str | Iterable[str] = (),
+            donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
+            format: str = "jax_export") -> Any:
         """See ``Client.jit``; calls of the result are awaitable."""
         def make(f: Callable[..., Any]) -> AsyncRemoteFunction:
             return AsyncRemoteFunction(self, f, static_argnums=static_argnums,
-                                       static_argnames=static_argnames, format=format)
+                                       static_argnames=static_argnames,
+                                       donate_argnums=donate_argnums,
+                                       donate_argnames=donate_argnames, format=format)
         check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

@@ -1,17 +1,21 @@
 """What ``Client`` and ``AsyncClient`` share: configuration, requests, answers, operations.
 
 Every operation is written once, here, as a generator that yields the HTTP calls it
-needs (``_Call``) or a pause (``_Sleep``) and receives each answer (``_Reply``) or
-the exception it raised. ``Client`` drives these generators with blocking IO and
-``AsyncClient`` with ``await``, so the two never drift apart.
+needs (``_Call``), a pause (``_Sleep``) or a lock to wait for (``_Acquire``), and
+receives each answer (``_Reply``) or the exception it raised. ``Client`` drives
+these generators with blocking IO and ``AsyncClient`` with ``await``, so the two
+never drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
+import sys
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
@@ -20,8 +24,20 @@ import httpx
 import numpy as np
 
 from jitserve import wire
-from jitserve.client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
-from jitserve.client._remote import _FutureState, _RemoteBase
+from jitserve.client._models import (
+    DEFAULT_TIMEOUT,
+    NOT_GIVEN,
+    Aval,
+    CompileInfo,
+    FutureInfo,
+    NotGiven,
+    ProgramInfo,
+    Timeout,
+)
+from jitserve.client._progress import PROGRESS_AFTER, PROGRESS_TICK, compile_progress, progress_default
+from jitserve.client._release import Ref, ReleaseQueue
+from jitserve.client._remote import KeyType, _FutureState, _RemoteBase, local_value, register_with_jax
+from jitserve.client._trace import local_input
 from jitserve.client.errors import (
     ConnectError,
     FuturePending,
@@ -35,7 +51,7 @@ from jitserve.client.errors import (
     error_from_response,
 )
 
-__all__ = ["BaseClient"]
+__all__ = ["BaseClient", "Ref"]
 
 T = TypeVar("T")
 WireFormat = Literal["msgpack", "json"]
@@ -72,6 +88,13 @@ class _Sleep:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Acquire:
+    """Wait for ``lock`` (from ``_new_lock``); the operation releases it when done."""
+
+    lock: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class _Reply:
     """A 2xx answer, its body decoded by ``Content-Type``."""
 
@@ -98,11 +121,28 @@ class _Execution:
     out_tree: Any
 
 
-Op = Generator[_Call | _Sleep, Any, T]
+Op = Generator[_Call | _Sleep | _Acquire, Any, T]
 
 
 def _ms(seconds: float) -> str:
     return str(max(int(round(seconds * 1000)), 0))
+
+
+def _left(deadline: float | None) -> float:
+    """Seconds until ``deadline`` (``None``: infinitely many)."""
+    return math.inf if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+def _weakly(method: Callable[[list[Ref]], None]) -> Callable[[list[Ref]], None]:
+    """``method``, without keeping its object alive: a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(refs: list[Ref]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(refs)
+
+    return call
 
 
 def _seg(ident: str) -> str:
@@ -121,19 +161,25 @@ def transport_error(exc: httpx.TransportError, request: httpx.Request) -> Transp
 
 
 class BaseClient:
-    """Configuration and every operation of the API, without IO (see the module docstring)."""
+    """Configuration and every operation of the API, without IO (see the module docstring).
+
+    Subclasses set ``_release_http``: a blocking httpx client for the
+    ``ReleaseQueue``'s thread, which releases the outputs of dropped arrays.
+    """
 
     _array_cls: type[_RemoteBase]
+    _release_http: httpx.Client
 
     def __init__(
         self,
         base_url: str = DEFAULT_URL,
         *,
         api_key: str | None | NotGiven = NOT_GIVEN,
-        timeout: Timeout | float | None = Timeout(),
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
         headers: Mapping[str, str] | None = None,
         wire_format: WireFormat = "msgpack",
         max_response_bytes: int | None = None,
+        progress: bool | NotGiven = NOT_GIVEN,
     ) -> None:
         if wire_format not in ("msgpack", "json"):
             raise ValueError(f"wire_format must be 'msgpack' or 'json', got {wire_format!r}")
@@ -143,7 +189,25 @@ class BaseClient:
         self.wire_format: WireFormat = wire_format
         self.max_response_bytes = max_response_bytes
         self._extra_headers = dict(headers or {})
+        self.progress = progress_default() if isinstance(progress, NotGiven) else progress
         self._platforms: tuple[str, ...] | None | NotGiven = NOT_GIVEN
+        self._programs: set[str] = set()  # program ids the server is known to have
+        self._releases = ReleaseQueue(_weakly(self._post_releases))
+        # A client dropped without close() ends its release thread too.
+        weakref.finalize(self, self._releases.stop)
+
+    def _new_lock(self) -> Any:
+        """A lock for ``_Acquire``, of the kind this client's driver waits for."""
+        raise NotImplementedError
+
+    def _knows_program(self, program_id: str) -> bool:
+        return program_id in self._programs
+
+    def _remember_program(self, program_id: str) -> None:
+        self._programs.add(program_id)
+
+    def _forget_programs(self, program_ids: Iterable[str]) -> None:
+        self._programs.difference_update(program_ids)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -224,10 +288,20 @@ class BaseClient:
             return dict(a)
         return np.asarray(a)
 
-    def _wrap(self, ex: _Execution, avals: Sequence[Aval] | None = None) -> list[Any]:
-        """The remote arrays of an execution (``avals`` overrides the server's)."""
-        state = _FutureState(self, ex.future_id, ex.outputs)
-        return [self._array_cls(state, i, a) for i, a in enumerate(avals or ex.out_avals)]
+    def _wrap(self, ex: _Execution, avals: Sequence[Aval] | None = None,
+              keys: Sequence[KeyType | None] | None = None, name: str = "") -> list[Any]:
+        """The remote arrays of an execution (``avals`` overrides the server's).
+
+        ``keys`` gives the ``KeyType`` of outputs that are typed PRNG keys; ``name``
+        is what compile progress calls the computation.
+        """
+        if "jax" in sys.modules:  # without jax, nobody can hand them to jax
+            register_with_jax()
+        avals = avals or ex.out_avals
+        values = None if ex.outputs is None else dict(enumerate(ex.outputs))
+        state = _FutureState(self, ex.future_id, len(avals), self._releases, values=values, name=name)
+        keys = keys or (None,) * len(avals)
+        return [self._array_cls(state, i, a, k) for i, (a, k) in enumerate(zip(avals, keys))]
 
     @staticmethod
     def _outputs(body: Any) -> list[np.ndarray]:
@@ -259,17 +333,46 @@ class BaseClient:
         reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/compile", None, content, ctype)
         return reply.parse(CompileInfo.from_json)
 
-    def _op_execute(self, program_id: str, args: Iterable[Any], wait: float | None,
-                    static_key: str) -> Op[_Execution]:
+    def _op_execute(self, program_id: str, args: Sequence[Any], wait: float | None,
+                    static_key: str, donate: Sequence[int] = ()) -> Op[_Execution]:
+        """Run a program; the remote arrays of ours at ``donate`` are deleted once it is queued."""
         body: dict[str, Any] = {"args": [self._arg(a) for a in args]}
         if static_key:
             body["static_key"] = static_key
+        if donate:
+            body["donate"] = list(donate)
         content, ctype = self._encode(body)
         ask = None if wait is None else min(wait, self.timeout.poll)
         params = None if ask is None else {"wait": _ms(ask)}
         reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/execute", params,
                             content, ctype, wait=ask or 0.0)
-        return reply.parse(functools.partial(self._execution, reply.status))
+        ex = reply.parse(functools.partial(self._execution, reply.status))
+        for i in donate:
+            if isinstance(args[i], _RemoteBase) and args[i]._belongs_to(self):
+                args[i]._release_here()  # the server released it
+        return ex
+
+    def _op_put(self, x: Any) -> Op[Any]:
+        """Upload the arrays of pytree ``x`` once (``POST /v1/arrays``); the tree of remote arrays.
+
+        Leaves are canonicalized as ``jax.device_put`` does; remote arrays of this
+        client stay as they are.
+        """
+        import jax
+
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        todo = [i for i, leaf in enumerate(leaves)
+                if not (isinstance(leaf, _RemoteBase) and leaf._belongs_to(self))]
+        if todo:
+            inputs = [local_input(local_value(leaves[i])) for i in todo]
+            content, ctype = self._encode({"arrays": [value for value, _, _ in inputs]})
+            reply = yield _Call("POST", "/v1/arrays", None, content, ctype)
+            ex = reply.parse(functools.partial(self._execution, reply.status))
+            avals = [Aval(v.shape, wire.dtype_name(v.dtype), spec.weak_type) for v, spec, _ in inputs]
+            arrays = self._wrap(ex, avals, [key for _, _, key in inputs], "device_put")
+            for i, array in zip(todo, arrays):
+                leaves[i] = array
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _execution(self, status: int, body: Any) -> _Execution:
         if not isinstance(body, Mapping) or not isinstance(body.get("future_id"), str):
@@ -287,31 +390,83 @@ class BaseClient:
         reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}", params, wait=ask or 0.0)
         return reply.parse(FutureInfo.from_json)
 
-    def _op_result(self, future_id: str, wait: float | None) -> Op[list[np.ndarray]]:
-        """Long-poll ``/result`` in slices of at most ``timeout.poll`` until done or ``wait``."""
+    def _op_result(self, future_id: str, wait: float | None, outputs: Sequence[int] | None = None,
+                   name: str | None = None) -> Op[list[np.ndarray]]:
+        """Long-poll ``/result`` in slices of at most ``timeout.poll`` until done or ``wait``.
+
+        ``outputs`` asks for those outputs only, in that order. Past ``PROGRESS_AFTER``
+        seconds it looks once whether the future is compiling (see ``_op_watch``).
+        """
         deadline = None if wait is None else time.monotonic() + wait
+        watch_at = time.monotonic() + PROGRESS_AFTER if self.progress else math.inf
+        chosen = {} if outputs is None else {"outputs": ",".join(map(str, outputs))}
         backoff = 0.01
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ask = self.timeout.poll if left is None else min(self.timeout.poll, left)
+            ask = min(self.timeout.poll, _left(deadline), max(watch_at - time.monotonic(), 0.0))
             started = time.monotonic()
             try:
                 reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}/result",
-                                    {"wait": _ms(ask)} if ask > 0 else None, wait=ask)
+                                    {**chosen, "wait": _ms(ask)} if ask > 0 else chosen or None,
+                                    wait=ask)
                 return reply.parse(self._outputs)
             except FuturePending as e:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise JitserveTimeout(f"future {future_id} not done after {wait} s",
                                           request=e.request) from e
-                if time.monotonic() - started < ask / 2:
+                if time.monotonic() >= watch_at:
+                    watch_at = math.inf
+                    info = yield from self._op_future(future_id, None)
+                    yield from self._op_watch(info, name, deadline)
+                elif time.monotonic() - started < ask / 2:
                     # The server answered early without holding the request: back off.
-                    yield _Sleep(backoff if left is None else min(backoff, left))
+                    yield _Sleep(min(backoff, _left(deadline)))
                     backoff = min(backoff * 2, 1.0)
+
+    def _op_wait(self, future_id: str, name: str | None = None) -> Op[FutureInfo]:
+        """Long-poll the future's status until it finishes, showing compile progress as ``_op_result``."""
+        watch_at = time.monotonic() + PROGRESS_AFTER if self.progress else math.inf
+        while True:
+            info = yield from self._op_future(
+                future_id, min(self.timeout.poll, max(watch_at - time.monotonic(), 0.0)))
+            if info.done:
+                return info
+            if time.monotonic() >= watch_at:
+                watch_at = math.inf
+                yield from self._op_watch(info, name, None)
+
+    def _op_watch(self, info: FutureInfo, name: str | None, deadline: float | None) -> Op[None]:
+        """While ``info``'s future compiles, show for how long; returns when it stops, or at ``deadline``."""
+        if info.status != wire.FutureStatus.COMPILING:
+            return
+        with compile_progress(name or f"future {info.future_id}", self.base_url) as show:
+            while info.status == wire.FutureStatus.COMPILING:
+                show(float(info.timings.get("compile_s") or 0.0))
+                ask = min(PROGRESS_TICK, _left(deadline))
+                if ask <= 0:
+                    return
+                started = time.monotonic()
+                info = yield from self._op_future(info.future_id, ask)
+                if info.status == wire.FutureStatus.COMPILING and time.monotonic() - started < ask / 2:
+                    yield _Sleep(ask / 2)  # a server that does not hold the request
 
     def _op_delete(self, future_id: str) -> Op[str]:
         reply = yield _Call("DELETE", f"/v1/futures/{_seg(future_id)}")
         body = reply.body
         return str(body.get("status", "")) if isinstance(body, Mapping) else ""
+
+    def _release_call(self, refs: Iterable[Ref]) -> _Call:
+        content, ctype = self._encode({"outputs": [{"future": f, "output": i} for f, i in refs]})
+        return _Call("POST", "/v1/futures/release", None, content, ctype)
+
+    def _op_release(self, refs: Iterable[Ref]) -> Op[int]:
+        reply = yield self._release_call(refs)
+        body = reply.body
+        return int(body.get("released", 0)) if isinstance(body, Mapping) else 0
+
+    def _post_releases(self, refs: list[Ref]) -> None:
+        """Send one batch for the ``ReleaseQueue``, from its thread, over ``_release_http``."""
+        request = self._build_request(self._release_http, self._release_call(refs))
+        self._release_http.send(request).raise_for_status()
 
     def _op_get(self, path: str) -> Op[Any]:
         reply = yield _Call("GET", path)
@@ -356,6 +511,6 @@ def platforms_of(doc: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(found)) or None
 
 
-def drive_step(op: Op[T], value: Any, exc: JitserveError | None) -> _Call | _Sleep:
+def drive_step(op: Op[T], value: Any, exc: JitserveError | None) -> _Call | _Sleep | _Acquire:
     """Advance ``op`` with an answer or an exception; ``StopIteration`` carries its result."""
     return op.throw(exc) if exc is not None else op.send(value)

@@ -9,24 +9,16 @@ without it (``pip install jitserve[jit]`` brings it for ``jit``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import hashlib
 import inspect
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-
-from jitserve import wire
-from jitserve.client._base import BaseClient, Op
-from jitserve.client._models import Aval
-from jitserve.client._remote import _RemoteBase
+from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
+from jitserve.client._remote import _RemoteBase, local_value
+from jitserve.client._trace import Compiled, local_input, trace
 from jitserve.client.errors import NotFound
-
-if TYPE_CHECKING:
-    import jax
 
 __all__ = ["AsyncRemoteFunction", "JIT_FORMATS", "RemoteFunction"]
 
@@ -35,31 +27,26 @@ JIT_FORMATS = ("jax_export", "jaxpr")
 
 
 @dataclasses.dataclass(frozen=True)
-class Compiled:
-    """One traced signature of a remote function.
-
-    Attributes:
-      program_id: sha256 hex of ``program`` (the server's id for it too).
-      program: the program bytes (``Exported.serialize()``, or a msgpack jaxpr
-        document), kept to upload again if the server has lost them.
-      out_tree: the jax ``PyTreeDef`` of the outputs.
-      out_avals: the outputs' avals, known without asking the server.
-    """
-
-    program_id: str
-    program: bytes
-    out_tree: Any
-    out_avals: tuple[Aval, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class _Split:
-    """A call's arguments: hashable statics, and dynamic leaves with their tree."""
+    """A call's arguments: hashable statics, and dynamic leaves with their tree.
+
+    ``donated`` says, per leaf, whether it belongs to a donated argument.
+    """
 
     static_pos: tuple[tuple[int, Any], ...]
     static_kw: tuple[tuple[str, Any], ...]
     treedef: Any
     leaves: list[Any]
+    donated: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """One leaf as the program sees it: the wire value (or our remote array), spec and key impl."""
+
+    value: Any
+    spec: Any
+    key: str | None
 
 
 def _as_tuple(x: Any, kind: type) -> tuple[Any, ...]:
@@ -73,9 +60,9 @@ def check_jit_format(format: str) -> str:
     return format
 
 
-def _resolve_statics(fn: Callable[..., Any], nums: tuple[int, ...],
+def _resolve_argnums(fn: Callable[..., Any], nums: tuple[int, ...],
                      names: tuple[str, ...]) -> tuple[tuple[int, ...], frozenset[str]]:
-    """Complete static argnums from argnames and back, through ``fn``'s signature, as jax.jit does."""
+    """Complete argnums from argnames and back, through ``fn``'s signature, as jax.jit does."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -88,19 +75,13 @@ def _resolve_statics(fn: Callable[..., Any], nums: tuple[int, ...],
     return tuple(sorted(out_nums)), frozenset(out_names)
 
 
-def _no_source_locations() -> contextlib.AbstractContextManager[Any]:
-    """Leave file:line locations out of the exported module, for this thread only.
+def _donated_leaves(flags: Any, tree: Any) -> tuple[bool, ...]:
+    """Per leaf of ``tree``, the flag of the argument it belongs to (``flags`` is a prefix of ``tree``)."""
+    import jax
 
-    By default jax records the Python call stack of the *caller* in every op's
-    location, so the same function called from two places (or from two checkouts)
-    would export different bytes, get two program ids, and compile twice on the
-    server. Op names (``jit(f)/sin``) stay. The switch is jax's thread-local
-    config context (jax is pinned; without it, bytes are merely less shareable).
-    """
-    from jax._src import config
-
-    limit = getattr(config, "traceback_in_locations_limit", None)
-    return limit(0) if limit is not None else contextlib.nullcontext()
+    per_arg = jax.tree_util.tree_map(
+        lambda flag, sub: [flag] * len(jax.tree_util.tree_leaves(sub)), flags, tree)
+    return tuple(jax.tree_util.tree_leaves(per_arg))
 
 
 class _RemoteFunctionBase:
@@ -109,16 +90,21 @@ class _RemoteFunctionBase:
     def __init__(self, client: BaseClient, fn: Callable[..., Any], *,
                  static_argnums: int | Sequence[int] = (),
                  static_argnames: str | Iterable[str] = (),
+                 donate_argnums: int | Sequence[int] = (),
+                 donate_argnames: str | Iterable[str] = (),
                  format: str = "jax_export") -> None:
         if not callable(fn):
             raise TypeError(f"jit needs a callable, got {fn!r:.100}")
         self._client = client
         self._fn = fn
+        self._name = str(getattr(fn, "__name__", "fn"))
         self._format = check_jit_format(format)
-        self._static_argnums, self._static_argnames = _resolve_statics(
+        self._static_argnums, self._static_argnames = _resolve_argnums(
             fn, _as_tuple(static_argnums, int), _as_tuple(static_argnames, str))
+        self._donate_argnums, self._donate_argnames = _resolve_argnums(
+            fn, _as_tuple(donate_argnums, int), _as_tuple(donate_argnames, str))
         self._cache: dict[Hashable, Compiled] = {}
-        self._known: set[str] = set()  # program ids the server is known to have
+        self._locks: dict[Hashable, Any] = {}  # one per signature: trace and upload it once
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -130,8 +116,8 @@ class _RemoteFunctionBase:
 
     def clear_cache(self) -> None:
         """Forget traced signatures; the next calls trace (and check the server) again."""
+        self._client._forget_programs(c.program_id for c in self._cache.values())
         self._cache.clear()
-        self._known.clear()
 
     # ------------------------------------------------------------------ arguments
 
@@ -143,54 +129,47 @@ class _RemoteFunctionBase:
         static_pos = tuple((i, args[i]) for i in sorted(nums) if 0 <= i < n)
         static_kw = tuple(sorted(((k, v) for k, v in kwargs.items()
                                   if k in self._static_argnames), key=lambda kv: kv[0]))
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in nums)
-        dyn_kw = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
-        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kw))
+        dyn_pos = [i for i in range(n) if i not in nums]
+        dyn = (tuple(args[i] for i in dyn_pos),
+               {k: v for k, v in kwargs.items() if k not in self._static_argnames})
+        leaves, treedef = jax.tree_util.tree_flatten(dyn)
         try:
             hash((static_pos, static_kw))
         except TypeError as e:
             raise ValueError(f"Non-hashable static arguments are not supported ({e}); "
                              "static arguments must be hashable, as with jax.jit") from e
-        return _Split(static_pos, static_kw, treedef, leaves)
+        return _Split(static_pos, static_kw, treedef, leaves, self._donated(n, dyn_pos, dyn))
 
-    def _leaf(self, leaf: Any) -> tuple[Any, jax.ShapeDtypeStruct]:
-        """A leaf's wire value and its spec: a reference for our own remote arrays."""
+    def _donated(self, n: int, dyn_pos: list[int], dyn: tuple[tuple[Any, ...], dict[str, Any]]
+                 ) -> tuple[bool, ...]:
+        """Per dynamic leaf, whether it is donated (``n``: how many positional arguments)."""
+        if not self._donate_argnums and not self._donate_argnames:
+            return ()
+        nums = {i + n if i < 0 else i for i in self._donate_argnums}
+        flags = (tuple(i in nums for i in dyn_pos), {k: k in self._donate_argnames for k in dyn[1]})
+        return _donated_leaves(flags, dyn)
+
+    def _input(self, leaf: Any) -> _Input:
+        """A leaf's wire value and spec: our own remote arrays go as themselves (references)."""
         import jax
 
         if isinstance(leaf, _RemoteBase) and leaf._belongs_to(self._client):
-            return leaf.ref(), jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        if isinstance(leaf, _RemoteBase):
-            leaf = np.asarray(leaf)
-        # jax.typeof gives the aval jax.jit would see: canonical dtype (x64 or not),
-        # and weak_type for Python scalars.
-        aval = jax.typeof(leaf)
-        value = np.asarray(leaf)
-        if value.dtype != aval.dtype:
-            value = value.astype(aval.dtype)
-        return value, jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+            leaf.ref()  # raises RuntimeError for a deleted array, before anything is traced
+            a = leaf.aval
+            spec = jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            return _Input(leaf, spec, leaf.key_type.impl if leaf.key_type else None)
+        value, spec, key = local_input(local_value(leaf))
+        return _Input(value, spec, key.impl if key else None)
 
     # ------------------------------------------------------------------ tracing
 
-    def _key(self, split: _Split, specs: list[Any], platforms: Any) -> Hashable:
+    def _key(self, split: _Split, inputs: list[_Input], platforms: Any) -> Hashable:
         import jax
 
-        avals = tuple((tuple(s.shape), s.dtype.name, bool(s.weak_type)) for s in specs)
+        avals = tuple((tuple(i.spec.shape), i.spec.dtype.name, bool(i.spec.weak_type), i.key)
+                      for i in inputs)
         return (split.static_pos, split.static_kw, split.treedef, avals, platforms,
                 bool(jax.config.jax_enable_x64))
-
-    def _trace(self, split: _Split, specs: list[Any],
-               platforms: tuple[str, ...] | None) -> Compiled:
-        import jax
-
-        bound = self._bound(split)
-        spec_args, spec_kw = jax.tree_util.tree_unflatten(split.treedef, specs)
-        if self._format == "jaxpr":
-            return _trace_jaxpr(bound, spec_args, spec_kw)
-        with _no_source_locations():
-            exported = jax.export.export(jax.jit(bound), platforms=platforms)(*spec_args, **spec_kw)
-        program = bytes(exported.serialize())
-        out_avals = tuple(_aval(a) for a in exported.out_avals)
-        return Compiled(hashlib.sha256(program).hexdigest(), program, exported.out_tree, out_avals)
 
     def _bound(self, split: _Split) -> Callable[..., Any]:
         """``fn`` of the dynamic arguments alone, the statics put back in their places."""
@@ -202,8 +181,6 @@ class _RemoteFunctionBase:
                 args.insert(i, v)
             return fn(*args, **dyn_kw, **static_kw)
 
-        bound.__name__ = getattr(fn, "__name__", "fn")
-        bound.__qualname__ = getattr(fn, "__qualname__", bound.__name__)
         return bound
 
     # ------------------------------------------------------------------ the call
@@ -212,67 +189,74 @@ class _RemoteFunctionBase:
         import jax
 
         split = self._split(args, kwargs)
-        values, specs = zip(*map(self._leaf, split.leaves)) if split.leaves else ((), ())
+        inputs = [self._input(leaf) for leaf in split.leaves]
         # A jaxpr names no platform; an export is made for the server's.
         platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
-        key = self._key(split, list(specs), platforms)
+        key = self._key(split, inputs, platforms)
         compiled = self._cache.get(key)
-        if compiled is None:
-            compiled = self._cache.setdefault(key, self._trace(split, list(specs), platforms))
-        yield from self._op_ensure_uploaded(compiled)
-        ex = yield from self._op_execute(compiled, list(values))
-        arrays = self._client._wrap(ex, compiled.out_avals)
+        if compiled is None or not self._client._knows_program(compiled.program_id):
+            compiled = yield from self._op_prepare(key, split, inputs, platforms)
+        values = [i.value for i in inputs]
+        donate = [n for n, d in enumerate(split.donated) if d and isinstance(values[n], _RemoteBase)]
+        ex = yield from self._op_execute(compiled, values, donate)
+        arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name)
         return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
+
+    def _op_prepare(self, key: Hashable, split: _Split, inputs: list[_Input],
+                    platforms: tuple[str, ...] | None) -> Op[Compiled]:
+        """Trace and upload signature ``key`` once, however many calls want it at the same time."""
+        lock = self._locks.setdefault(key, self._client._new_lock())
+        yield _Acquire(lock)
+        try:
+            compiled = self._cache.get(key)
+            if compiled is None:
+                compiled = self._cache[key] = trace(
+                    self._bound(split), self._name, split.treedef, [i.spec for i in inputs],
+                    [i.key for i in inputs], format=self._format, platforms=platforms)
+            yield from self._op_ensure_uploaded(compiled)
+        finally:
+            lock.release()
+        return compiled
 
     def _op_ensure_uploaded(self, compiled: Compiled, check: bool = True) -> Op[None]:
         """Upload the program unless the server has it (``check``: ask first, it is cheap)."""
-        if compiled.program_id in self._known:
+        client = self._client
+        if client._knows_program(compiled.program_id):
             return
-        if not check or (yield from self._client._op_get_program(compiled.program_id)) is None:
-            yield from self._client._op_upload(compiled.program, self._format)
-        self._known.add(compiled.program_id)
+        if not check or (yield from client._op_get_program(compiled.program_id)) is None:
+            yield from client._op_upload(compiled.program, self._format)
+        client._remember_program(compiled.program_id)
 
-    def _op_execute(self, compiled: Compiled, values: list[Any]) -> Op[Any]:
+    def _op_execute(self, compiled: Compiled, values: list[Any], donate: list[int]) -> Op[_Execution]:
         op = self._client._op_execute
         try:
-            return (yield from op(compiled.program_id, values, None, ""))
+            return (yield from op(compiled.program_id, values, None, "", donate))
         except NotFound:
             # The server may have lost the program (a restart); a missing future
             # reference is the other 404, and re-raises below.
-            self._known.discard(compiled.program_id)
+            self._client._forget_programs([compiled.program_id])
             if (yield from self._client._op_get_program(compiled.program_id)) is not None:
                 raise
         yield from self._op_ensure_uploaded(compiled, check=False)
-        return (yield from op(compiled.program_id, values, None, ""))
-
-
-def _aval(aval: Any) -> Aval:
-    return Aval(tuple(int(d) for d in aval.shape), wire.dtype_name(aval.dtype), bool(aval.weak_type))
-
-
-def _trace_jaxpr(bound: Callable[..., Any], spec_args: Any, spec_kw: Any) -> Compiled:
-    """Trace to a jaxpr on the flat leaves and encode it (msgpack: the smaller encoding).
-
-    ``trace_flat`` flattens ``(args, kwargs)`` exactly as ``_split`` did, so the
-    document's inputs are the call's dynamic leaves in order; the pytree
-    structure of the outputs stays here, as with ``jax.export``.
-    """
-    from jitserve.client.jaxpr import encode_jaxpr, trace_flat
-
-    closed, _, out_tree = trace_flat(bound, *spec_args, **spec_kw)
-    program = encode_jaxpr(closed, format="msgpack")
-    out_avals = tuple(_aval(a) for a in closed.out_avals)
-    return Compiled(hashlib.sha256(program).hexdigest(), program, out_tree, out_avals)
+        return (yield from op(compiled.program_id, values, None, "", donate))
 
 
 class RemoteFunction(_RemoteFunctionBase):
     """A function jitted on the server, made by ``Client.jit``; call it like ``jax.jit(fn)``.
 
-    A call splits static from dynamic arguments, traces and exports ``fn`` once per
-    signature (static values, pytree structure, shapes, dtypes, weak types) as a
-    ``jax.export`` artifact or, with ``format="jaxpr"``, a jaxpr document, uploads
-    the program if the server lacks it, and runs it. It returns at once: the outputs'
-    pytree with a ``RemoteArray`` per leaf, shapes and dtypes already known.
+    A call splits static from dynamic arguments, traces ``fn`` once per signature
+    (static values, pytree structure, shapes, dtypes, weak types, key types) into a
+    program of flat leaves, a ``jax.export`` artifact or, with ``format="jaxpr"``, a
+    jaxpr document, uploads the program if the server lacks it, and runs it. It
+    returns as soon as the server has queued the run (before any compile ends): the
+    outputs' pytree with a ``RemoteArray`` per leaf, shapes and dtypes already known.
+
+    Arguments and outputs may be any pytree ``jax.jit`` takes (optax states, flax
+    structs, typed PRNG keys...): the trees stay here, only leaves travel. Leaves
+    of ``donate_argnums`` arguments that are remote arrays of this client are
+    donated: the server may reuse their memory, and they are deleted here.
+    A function with host callbacks (``jax.debug.print``...) raises
+    ``HostCallbackError`` before anything is sent.
 
     Example::
 

@@ -15,6 +15,7 @@ from jitserve.wire import Aval, FutureStatus
 
 __all__ = [
     "CompileInfo",
+    "DEFAULT_TIMEOUT",
     "FutureInfo",
     "NOT_GIVEN",
     "NotGiven",
@@ -75,6 +76,10 @@ class Timeout:
         read = None if self.request is None else self.request + wait
         connect = None if isinstance(self.connect, NotGiven) else self.connect  # set in __post_init__
         return httpx.Timeout(read, connect=connect)
+
+
+#: The ``Timeout`` a client gets when none is given.
+DEFAULT_TIMEOUT: Final = Timeout()
 
 
 def _field(doc: Any, key: str, types: type | tuple[type, ...], what: str) -> Any:

@@ -3,61 +3,161 @@
 A future has one or more outputs; each output is a remote array. Siblings share
 one ``_FutureState``, so the outputs are fetched once, by whichever sibling asks
 first, and cached for all of them.
+
+Memory is managed as jax manages device buffers: an output lives on the server
+while its remote array lives here. When the array is garbage-collected its
+output is queued for release (``ReleaseQueue``); ``delete()`` releases it at
+once, and donating it to a call hands it over to the server. Either way the
+array is then deleted, and using it raises ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import logging
+import operator
 import threading
 import time
+import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jitserve import wire
 from jitserve.client._models import Aval
+from jitserve.client._release import ReleaseQueue
 from jitserve.client.errors import JitserveTimeout, ProtocolError
 
 if TYPE_CHECKING:
     from jitserve.client._async import AsyncClient
     from jitserve.client._sync import Client
 
-__all__ = ["AsyncRemoteArray", "RemoteArray"]
+__all__ = ["AsyncRemoteArray", "KeyType", "RemoteArray", "local_value", "register_with_jax"]
+
+logger = logging.getLogger("jitserve.client")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyType:
+    """What makes an array of typed PRNG keys out of its ``uint32`` data.
+
+    Attributes:
+      impl: the PRNG implementation's name (``"threefry2x32"``).
+      dtype: jax's key dtype (``key<fry>``).
+      data_ndim: how many trailing axes of the data make one key (1 for threefry).
+    """
+
+    impl: str
+    dtype: Any
+    data_ndim: int
+
+    def wrap(self, data: Any) -> Any:
+        """The jax key array whose data is ``data``."""
+        import jax
+
+        return jax.random.wrap_key_data(data, impl=self.impl)
 
 
 class _FutureState:
-    """What the siblings of one future share: its id, client and fetched outputs."""
+    """What the siblings of one future share: its id, client, fetched values, released outputs.
 
-    def __init__(self, client: Any, future_id: str,
-                 outputs: list[np.ndarray] | None = None) -> None:
+    ``values`` is ``None`` until fetched, then maps output index to value for every
+    output not released at the time. ``released`` holds the outputs given back to
+    the server (dropped, deleted or donated): a fetch never asks for them.
+    """
+
+    def __init__(self, client: Any, future_id: str, n_outputs: int, releases: ReleaseQueue, *,
+                 values: dict[int, np.ndarray] | None = None, name: str = "") -> None:
         self.client = client
         self.future_id = future_id
-        self.outputs = outputs
+        self.n_outputs = n_outputs
+        self.releases = releases
+        self.values = values
+        self.name = name
+        self.released: set[int] = set()
         self.lock = threading.Lock()
         self.alock: asyncio.Lock | None = None  # made on first async use, in its loop
+        self.tasks: set[asyncio.Task[Any]] = set()  # background fetches, kept alive
+
+    def wanted(self) -> list[int] | None:
+        """The outputs a fetch asks for; ``None``: all of them."""
+        if not self.released:
+            return None
+        return [i for i in range(self.n_outputs) if i not in self.released]
+
+    def keep(self, outputs: list[np.ndarray], wanted: list[int] | None) -> None:
+        """Cache the outputs a fetch of ``wanted`` brought back."""
+        self.values = dict(zip(range(self.n_outputs) if wanted is None else wanted, outputs))
 
     def output(self, index: int) -> np.ndarray:
-        assert self.outputs is not None
-        if index >= len(self.outputs):
-            raise ProtocolError(f"future {self.future_id} has {len(self.outputs)} outputs; "
+        assert self.values is not None
+        if index not in self.values:
+            raise ProtocolError(f"future {self.future_id} sent {len(self.values)} outputs; "
                                 f"output {index} is missing")
-        return self.outputs[index]
+        return self.values[index]
+
+    def forget(self, index: int) -> None:
+        """Mark output ``index`` released, here only (the server knows, or is told by the caller)."""
+        self.released.add(index)
+        if self.values is not None:
+            self.values.pop(index, None)
+
+    def drop(self, index: int) -> None:
+        """Output ``index`` is garbage: forget it and queue its release (a finalizer; never raises)."""
+        self.forget(index)
+        self.releases.put(self.future_id, index)
+
+
+def local_value(x: Any) -> Any:
+    """A remote array's value here (see ``_RemoteBase._local``); anything else as it is."""
+    return x._local() if isinstance(x, _RemoteBase) else x
+
+
+def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """An operator method and its reflected twin, both on the fetched values."""
+    def forward(self: _RemoteBase, other: Any) -> Any:
+        return op(self._local(), local_value(other))
+
+    def reflected(self: _RemoteBase, other: Any) -> Any:
+        return op(local_value(other), self._local())
+
+    return forward, reflected
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable[..., Any]:
+    def method(self: _RemoteBase) -> Any:
+        return op(self._local())
+
+    return method
 
 
 class _RemoteBase:
-    """What sync and async remote arrays share: identity, shape, dtype, repr."""
+    """What sync and async remote arrays share: identity, metadata, lifetime, operators.
 
-    __slots__ = ("_future", "aval", "dtype", "index", "shape")
+    Indexing, arithmetic and comparisons fetch the value and apply numpy (see
+    ``RemoteArray``); ``_local`` is how each kind gets the value.
+    """
 
-    def __init__(self, future: _FutureState, index: int, aval: Aval) -> None:
+    __slots__ = ("__weakref__", "_finalizer", "_future", "aval", "dtype", "index", "key_type",
+                 "shape")
+
+    def __init__(self, future: _FutureState, index: int, aval: Aval,
+                 key_type: KeyType | None = None) -> None:
         self._future = future
         self.index = index
         self.aval = aval
-        self.shape: tuple[Any, ...] = tuple(aval.shape)
+        self.key_type = key_type
+        shape = tuple(aval.shape)
+        self.shape: tuple[Any, ...] = shape[:len(shape) - key_type.data_ndim] if key_type else shape
         try:
-            self.dtype: np.dtype = wire.dtype_from_name(aval.dtype)
+            self.dtype: Any = key_type.dtype if key_type else wire.dtype_from_name(aval.dtype)
         except wire.WireError as e:
             raise ProtocolError(f"output {index} of future {future.future_id}: {e}") from None
+        self._finalizer = weakref.finalize(self, future.drop, index)
+        self._finalizer.atexit = False  # at exit the server's TTL frees it; no IO then
 
     @property
     def future_id(self) -> str:
@@ -74,22 +174,127 @@ class _RemoteBase:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        """Bytes on the server (a key array's: its data's)."""
+        data_shape: tuple[Any, ...] = tuple(self.aval.shape)
+        return int(np.prod(data_shape, dtype=np.int64)) * wire.dtype_from_name(self.aval.dtype).itemsize
+
+    def is_deleted(self) -> bool:
+        """Whether this output was deleted or donated (as ``jax.Array.is_deleted``)."""
+        return self.index in self._future.released
 
     def ref(self) -> dict[str, Any]:
         """The wire reference that stands in for this array in a later execute."""
+        self._check_live()
         return {"future": self.future_id, "output": self.index}
+
+    def _check_live(self) -> None:
+        if self.is_deleted():
+            dtype = getattr(self.dtype, "name", self.dtype)
+            raise RuntimeError(f"Array has been deleted with shape={dtype}{list(self.shape)}"
+                               f" (output {self.index} of future {self.future_id})")
 
     def _belongs_to(self, client: Any) -> bool:
         return self._future.client is client
 
+    def _release_here(self) -> bool:
+        """Mark this output released (deleted, or donated: the server released it) without
+        queueing it; ``False`` if it already was."""
+        if self.is_deleted():
+            return False
+        self._finalizer.detach()
+        self._future.forget(self.index)
+        return True
+
+    def _as_value(self, data: np.ndarray) -> Any:
+        """The user's value of fetched wire data: a key array for keys, else the numpy array."""
+        return self.key_type.wrap(data) if self.key_type else data
+
     def _cached(self) -> np.ndarray | None:
-        return None if self._future.outputs is None else self._future.output(self.index)
+        return None if self._future.values is None else self._future.output(self.index)
+
+    def _local(self) -> Any:
+        """This array's value, here (fetching it if this kind of array can)."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
-        state = "fetched" if self._future.outputs is not None else "remote"
+        state = ("deleted" if self.is_deleted() else
+                 "fetched" if self._future.values is not None else "remote")
+        dtype = getattr(self.dtype, "name", self.dtype)
         return (f"{type(self).__name__}(future={self.future_id!r}, index={self.index}, "
-                f"shape={self.shape}, dtype={self.dtype.name}, {state})")
+                f"shape={self.shape}, dtype={dtype}, {state})")
+
+    # ------------------------------------------------------------------ the array API
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        value = self._local()
+        if self.key_type is not None:
+            return np.asarray(value)  # raises jax's TypeError, as a local key array does
+        return _as_requested(value, dtype, copy)
+
+    def __jax_array__(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.asarray(self._local())
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return int(self.shape[0])
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.shape:
+            raise TypeError("iteration over a 0-d array")
+        return iter(self._local())
+
+    def __getitem__(self, idx: Any) -> Any:
+        return self._local()[local_value(idx)]
+
+    def __bool__(self) -> bool:
+        return bool(self._local())
+
+    def __int__(self) -> int:
+        return int(self._local())
+
+    def __float__(self) -> float:
+        return float(self._local())
+
+    def __complex__(self) -> complex:
+        return complex(self._local())
+
+    def __index__(self) -> int:
+        return operator.index(self._local())
+
+    def __format__(self, spec: str) -> str:
+        return format(self._local(), spec) if spec else repr(self)
+
+    def item(self, *args: Any) -> Any:
+        """The value of one element as a Python scalar, as ``numpy.ndarray.item``."""
+        return self._local().item(*args)
+
+    def tolist(self) -> Any:
+        """The value as nested Python lists, as ``numpy.ndarray.tolist``."""
+        return self._local().tolist()
+
+    __add__, __radd__ = _binary(operator.add)
+    __sub__, __rsub__ = _binary(operator.sub)
+    __mul__, __rmul__ = _binary(operator.mul)
+    __truediv__, __rtruediv__ = _binary(operator.truediv)
+    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
+    __mod__, __rmod__ = _binary(operator.mod)
+    __pow__, __rpow__ = _binary(operator.pow)
+    __matmul__, __rmatmul__ = _binary(operator.matmul)
+    __and__, __rand__ = _binary(operator.and_)
+    __or__, __ror__ = _binary(operator.or_)
+    __xor__, __rxor__ = _binary(operator.xor)
+    __lshift__, __rlshift__ = _binary(operator.lshift)
+    __rshift__, __rrshift__ = _binary(operator.rshift)
+    __eq__ = _binary(operator.eq)[0]  # type: ignore[assignment]
+    __ne__ = _binary(operator.ne)[0]  # type: ignore[assignment]
+    __lt__, __le__ = _binary(operator.lt)[0], _binary(operator.le)[0]
+    __gt__, __ge__ = _binary(operator.gt)[0], _binary(operator.ge)[0]
+    __neg__, __pos__ = _unary(operator.neg), _unary(operator.pos)
+    __abs__, __invert__ = _unary(operator.abs), _unary(operator.invert)
+    __hash__ = None  # type: ignore[assignment]  # unhashable, like jax and numpy arrays
 
 
 def _as_requested(a: np.ndarray, dtype: Any, copy: bool | None) -> np.ndarray:
@@ -102,69 +307,104 @@ def _as_requested(a: np.ndarray, dtype: Any, copy: bool | None) -> np.ndarray:
 
 
 class RemoteArray(_RemoteBase):
-    """One output of a future on the server; fetch it with ``result()`` or ``np.asarray``.
+    """One output of a future on the server; it acts as an array.
 
     Pass it to a later call and the data never leaves the server::
 
         y = f(x)                 # RemoteArray, at once
         z = f(y)                 # y is sent as a reference
         z.result(timeout=10)     # numpy array
+        float(loss), jnp.sum(z), z[0], z + 1
+
+    ``shape``, ``dtype``, ``ndim``, ``size`` and ``nbytes`` are known at once.
+    Everything that needs the value fetches it (once for all outputs of the
+    future) and computes here: ``np.asarray``, ``jnp`` functions, indexing,
+    arithmetic and comparisons (with numpy: ``y + 1`` is a numpy array),
+    ``float()``, ``item()``. To compute on the server, do it inside a jitted
+    function.
+
+    An output of typed PRNG keys has the key dtype and shape; its value is a jax
+    key array. The output is released on the server when this object is
+    garbage-collected, or at once by ``delete()``.
     """
 
     __slots__ = ()
-
-    def result(self, timeout: float | None = None) -> np.ndarray:
-        """The array's value (read-only), waiting up to ``timeout`` seconds (``None``: no limit).
-
-        Raises ``JitserveTimeout`` when the future is not done in time, and the
-        future's error (``FutureFailed``...) if it failed.
-        """
-        st = self._future
-        if st.outputs is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if not st.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-                raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s")
-            try:
-                if st.outputs is None:
-                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    st.outputs = self._client.result(st.future_id, wait=left)
-            finally:
-                st.lock.release()
-        return st.output(self.index)
 
     @property
     def _client(self) -> Client:
         return self._future.client  # type: ignore[no-any-return]
 
+    def result(self, timeout: float | None = None) -> Any:
+        """The array's value (read-only), waiting up to ``timeout`` seconds (``None``: no limit).
+
+        Raises ``JitserveTimeout`` when the future is not done in time, the
+        future's error (``FutureFailed``, ``CompileError``...) if it failed, and
+        ``RuntimeError`` if this array was deleted.
+        """
+        self._check_live()
+        st = self._future
+        if st.values is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if not st.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s")
+            try:
+                if st.values is None:
+                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    wanted = st.wanted()
+                    st.keep(self._client.result(st.future_id, wait=left, outputs=wanted,
+                                                name=st.name), wanted)
+            finally:
+                st.lock.release()
+        return self._as_value(st.output(self.index))
+
+    def _local(self) -> Any:
+        return self.result()
+
+    def is_ready(self) -> bool:
+        """Whether the value is computed (done, failed or cancelled), without waiting for it."""
+        self._check_live()
+        return self._future.values is not None or self._client.future(self.future_id).done
+
     def done(self) -> bool:
-        """Whether the future finished (done, failed or cancelled); asks the server once."""
-        return self._future.outputs is not None or self._client.future(self.future_id).done
+        """Same as ``is_ready()``."""
+        return self.is_ready()
 
     def block_until_ready(self) -> RemoteArray:
         """Wait until the value is computed, like ``jax.Array.block_until_ready``; returns self.
 
         The value stays on the server (nothing is downloaded); a failed future raises.
         """
-        if self._future.outputs is None:
-            info = self._client.future(self.future_id, wait=self._client.timeout.poll)
-            while not info.done:
-                info = self._client.future(self.future_id, wait=self._client.timeout.poll)
-            if info.status != "done":
+        self._check_live()
+        if self._future.values is None:
+            info = self._client.wait(self.future_id, name=self._future.name)
+            if info.status != wire.FutureStatus.DONE:
                 self.result()  # raises the future's error
         return self
 
-    def delete(self) -> None:
-        """Free the future on the server: every output of it, not only this one."""
-        self._client.delete(self.future_id)
+    def copy_to_host_async(self) -> None:
+        """Start fetching the value in a background thread; ``result()`` then finds it here."""
+        self._check_live()
+        if self._future.values is None:
+            threading.Thread(target=self._prefetch, name="jitserve-prefetch", daemon=True).start()
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return _as_requested(self.result(), dtype, copy)
+    def _prefetch(self) -> None:
+        try:
+            self.result()
+        except Exception as e:  # noqa: BLE001 - result() raises it again to whoever asks
+            logger.debug("prefetching %r failed: %s", self, e)
+
+    def delete(self) -> None:
+        """Free this output on the server now, as ``jax.Array.delete``; its siblings stay."""
+        if self._release_here():
+            self._client.release([(self.future_id, self.index)])
 
 
 class AsyncRemoteArray(_RemoteBase):
     """``RemoteArray`` for ``AsyncClient``: the methods that talk to the server are awaitable.
 
-    ``await a`` is ``await a.result()``. ``np.asarray(a)`` works once the value is fetched.
+    ``await a`` is ``await a.result()``. ``np.asarray(a)``, indexing, arithmetic
+    and ``float(a)`` work once the value is fetched (``await a.result()``, or
+    ``copy_to_host_async()`` and a moment); before, they raise ``TypeError``.
     """
 
     __slots__ = ()
@@ -173,10 +413,11 @@ class AsyncRemoteArray(_RemoteBase):
     def _client(self) -> AsyncClient:
         return self._future.client  # type: ignore[no-any-return]
 
-    async def result(self, timeout: float | None = None) -> np.ndarray:
+    async def result(self, timeout: float | None = None) -> Any:
         """The array's value, waiting up to ``timeout`` seconds (``None``: no limit)."""
+        self._check_live()
         st = self._future
-        if st.outputs is None:
+        if st.values is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             st.alock = st.alock or asyncio.Lock()
             try:
@@ -185,38 +426,79 @@ class AsyncRemoteArray(_RemoteBase):
             except TimeoutError:
                 raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s") from None
             try:
-                if st.outputs is None:
+                if st.values is None:
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    st.outputs = await self._client.result(st.future_id, wait=left)
+                    wanted = st.wanted()
+                    st.keep(await self._client.result(st.future_id, wait=left, outputs=wanted,
+                                                      name=st.name), wanted)
             finally:
                 st.alock.release()
-        return st.output(self.index)
+        return self._as_value(st.output(self.index))
 
     def __await__(self) -> Any:
         return self.result().__await__()
 
-    async def done(self) -> bool:
-        """Whether the future finished (done, failed or cancelled)."""
-        if self._future.outputs is not None:
-            return True
-        return (await self._client.future(self.future_id)).done
-
-    async def block_until_ready(self) -> AsyncRemoteArray:
-        """Wait until the value is computed, without downloading it; returns self."""
-        if self._future.outputs is None:
-            info = await self._client.future(self.future_id, wait=self._client.timeout.poll)
-            while not info.done:
-                info = await self._client.future(self.future_id, wait=self._client.timeout.poll)
-            if info.status != "done":
-                await self.result()  # raises the future's error
-        return self
-
-    async def delete(self) -> None:
-        """Free the future on the server: every output of it, not only this one."""
-        await self._client.delete(self.future_id)
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+    def _local(self) -> Any:
+        self._check_live()
         value = self._cached()
         if value is None:
             raise TypeError(f"{self!r} is not fetched yet: `await x.result()` first")
-        return _as_requested(value, dtype, copy)
+        return self._as_value(value)
+
+    async def is_ready(self) -> bool:
+        """Whether the value is computed (done, failed or cancelled), without waiting for it."""
+        self._check_live()
+        if self._future.values is not None:
+            return True
+        return (await self._client.future(self.future_id)).done
+
+    async def done(self) -> bool:
+        """Same as ``is_ready()``."""
+        return await self.is_ready()
+
+    async def block_until_ready(self) -> AsyncRemoteArray:
+        """Wait until the value is computed, without downloading it; returns self."""
+        self._check_live()
+        if self._future.values is None:
+            info = await self._client.wait(self.future_id, name=self._future.name)
+            if info.status != wire.FutureStatus.DONE:
+                await self.result()  # raises the future's error
+        return self
+
+    def copy_to_host_async(self) -> None:
+        """Start fetching the value in a task of the running loop; ``await x`` then finds it here."""
+        self._check_live()
+        if self._future.values is None:
+            task = asyncio.get_running_loop().create_task(self.result())
+            self._future.tasks.add(task)
+            task.add_done_callback(self._prefetched)
+
+    def _prefetched(self, task: asyncio.Task[Any]) -> None:
+        self._future.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # result() raises it again
+            logger.debug("prefetching %r failed: %s", self, task.exception())
+
+    async def delete(self) -> None:
+        """Free this output on the server now; its siblings stay."""
+        if self._release_here():
+            await self._client.release([(self.future_id, self.index)])
+
+
+@functools.cache
+def register_with_jax() -> None:
+    """Let jax functions take remote arrays as they take numpy arrays: by their fetched value.
+
+    jax 0.10 no longer calls ``__jax_array__`` when it abstracts the argument of a
+    jitted function (``jnp.sum`` is one), so the remote array types join jax's
+    tables of array types, with the aval and value of the fetched value. The tables
+    are jax internals (jax is pinned); if they move, only ``jnp.asarray(y)`` and
+    operators with jax arrays keep working, and this says so once in the log.
+    """
+    try:
+        from jax._src import core, dtypes
+
+        core.pytype_aval_mappings[_RemoteBase] = lambda x: core.shaped_abstractify(x._local())
+        dtypes.register_canonicalize_value_handler(
+            _RemoteBase, lambda x: dtypes.canonicalize_value(x._local()))
+    except (ImportError, AttributeError) as e:
+        logger.warning("jax functions will not take remote arrays (jnp.asarray(y) will): %s", e)

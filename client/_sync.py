@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -14,7 +15,9 @@ from jitserve.client._base import (
     DEFAULT_URL,
     BaseClient,
     Op,
+    Ref,
     WireFormat,
+    _Acquire,
     _Call,
     _Reply,
     drive_step,
@@ -22,7 +25,15 @@ from jitserve.client._base import (
     transport_error,
 )
 from jitserve.client._jit import RemoteFunction, check_jit_format
-from jitserve.client._models import NOT_GIVEN, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
+from jitserve.client._models import (
+    DEFAULT_TIMEOUT,
+    NOT_GIVEN,
+    CompileInfo,
+    FutureInfo,
+    NotGiven,
+    ProgramInfo,
+    Timeout,
+)
 from jitserve.client._remote import RemoteArray
 from jitserve.client.errors import JitserveError, ProtocolError
 
@@ -50,6 +61,8 @@ class Client(BaseClient):
       headers: extra headers for every request.
       wire_format: ``"msgpack"`` (default) or ``"json"`` request and answer bodies.
       max_response_bytes: refuse to decode answers larger than this.
+      progress: show that a wait is a compile (a bar, or a log line; ``_progress``);
+        defaults to ``$JITSERVE_PROGRESS`` (``0`` turns it off), else on.
     """
 
     _array_cls = RemoteArray
@@ -59,16 +72,22 @@ class Client(BaseClient):
         base_url: str = DEFAULT_URL,
         *,
         api_key: str | None | NotGiven = NOT_GIVEN,
-        timeout: Timeout | float | None = Timeout(),
+        timeout: Timeout | float | None = DEFAULT_TIMEOUT,
         transport: httpx.BaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
         wire_format: WireFormat = "msgpack",
         max_response_bytes: int | None = None,
+        progress: bool | NotGiven = NOT_GIVEN,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
-                         wire_format=wire_format, max_response_bytes=max_response_bytes)
+                         wire_format=wire_format, max_response_bytes=max_response_bytes,
+                         progress=progress)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers(),
                                   timeout=self.timeout.to_httpx(), transport=transport)
+        self._release_http = self._http  # httpx.Client is thread-safe
+
+    def _new_lock(self) -> threading.Lock:
+        return threading.Lock()
 
     # ------------------------------------------------------------------ IO
 
@@ -99,22 +118,28 @@ class Client(BaseClient):
     def _drive(self, op: Op[T]) -> T:
         value: Any = None
         exc: JitserveError | None = None
-        while True:
-            try:
-                step = drive_step(op, value, exc)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            value, exc = None, None
-            try:
-                if isinstance(step, _Call):
-                    value = self._send(step)
-                else:
-                    time.sleep(step.seconds)
-            except JitserveError as e:
-                exc = e
+        try:
+            while True:
+                try:
+                    step = drive_step(op, value, exc)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                value, exc = None, None
+                try:
+                    if isinstance(step, _Call):
+                        value = self._send(step)
+                    elif isinstance(step, _Acquire):
+                        step.lock.acquire()
+                    else:
+                        time.sleep(step.seconds)
+                except JitserveError as e:
+                    exc = e
+        finally:
+            op.close()  # an interrupted call releases what it holds now, not at garbage collection
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Send the pending releases of dropped arrays, then close the connection pool."""
+        self._releases.close()
         self._http.close()
 
     def __enter__(self) -> Client:
@@ -140,26 +165,54 @@ class Client(BaseClient):
         return self._drive(self._op_compile(program_id, in_avals, static_key))
 
     def execute(self, program_id: str, args: Sequence[Any], *, wait: float | None = None,
-                static_key: str = "") -> list[RemoteArray]:
+                static_key: str = "", donate: Sequence[int] = ()) -> list[RemoteArray]:
         """Run a program on flattened input leaves; one ``RemoteArray`` per output.
 
         ``args`` are arrays (anything ``np.asarray`` takes) or ``RemoteArray`` s of
         this client, sent as references. With ``wait`` (seconds, capped at
         ``timeout.poll``) the server may hold the answer until the outputs are
-        ready; they then come back already fetched.
+        ready; they then come back already fetched. ``donate`` lists indices of
+        ``args`` (references) the server may reuse; those arrays are deleted here.
         """
-        return self._wrap(self._drive(self._op_execute(program_id, args, wait, static_key)))
+        return self._wrap(self._drive(self._op_execute(program_id, args, wait, static_key, donate)))
 
     def future(self, future_id: str, *, wait: float | None = None) -> FutureInfo:
         """A future's state; ``wait`` long-polls until it leaves pending/running."""
         return self._drive(self._op_future(future_id, wait))
 
-    def result(self, future_id: str, *, wait: float | None = None) -> list[np.ndarray]:
-        """All outputs of a future, waiting up to ``wait`` seconds (``None``: as long as it takes).
+    def result(self, future_id: str, *, wait: float | None = None,
+               outputs: Sequence[int] | None = None, name: str | None = None) -> list[np.ndarray]:
+        """The outputs of a future, waiting up to ``wait`` seconds (``None``: as long as it takes).
 
-        Raises ``JitserveTimeout`` if not done in time, and the future's error if it failed.
+        ``outputs`` asks for those outputs only, in that order (``None``: all).
+        Raises ``JitserveTimeout`` if not done in time, and the future's error if it
+        failed (``CompileError`` if its program did not compile). A wait on a
+        compiling future shows progress; ``name`` is what it calls the computation.
         """
-        return self._drive(self._op_result(future_id, wait))
+        return self._drive(self._op_result(future_id, wait, outputs, name))
+
+    def wait(self, future_id: str, *, name: str | None = None) -> FutureInfo:
+        """Wait until the future finishes (done, failed or cancelled), fetching nothing; its state."""
+        return self._drive(self._op_wait(future_id, name))
+
+    def release(self, outputs: Iterable[Ref]) -> int:
+        """Free ``(future_id, output)`` pairs on the server now; how many it knew.
+
+        Remote arrays do this themselves when garbage-collected or deleted.
+        """
+        return self._drive(self._op_release(outputs))
+
+    def device_put(self, x: Any) -> Any:
+        """Upload an array, or a pytree of arrays, once; the same tree of ``RemoteArray`` s.
+
+        For values every call reuses, such as parameters: passed to a jitted
+        function they go as references. Leaves get jax's dtypes (as
+        ``jax.device_put``), so this imports jax; remote arrays of this client
+        stay as they are.
+
+        >>> params = c.device_put({"w": np.ones((3, 3)), "b": np.zeros(3)})   # doctest: +SKIP
+        """
+        return self._drive(self._op_put(x))
 
     def delete(self, future_id: str) -> str:
         """Cancel the future if it has not started and free its outputs; its new status."""
@@ -179,17 +232,21 @@ class Client(BaseClient):
 
     @overload
     def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
-            ) -> RemoteFunction: ...
+            static_argnames: str | Iterable[str] = (),
+            donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
+            format: str = "jax_export") -> RemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = (), format: str = "jax_export"
-            ) -> Callable[[Callable[..., Any]], RemoteFunction]: ...
+            static_argnames: str | Iterable[str] = (),
+            donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
+            format: str = "jax_export") -> Callable[[Callable[..., Any]], RemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
-            static_argnames: str | Iterable[str] = (), format: str = "jax_export") -> Any:
+            static_argnames: str | Iterable[str] = (),
+            donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
+            format: str = "jax_export") -> Any:
         """Like ``jax.jit``, but the function runs on the server; see ``RemoteFunction``.
 
         Also a decorator: ``@c.jit`` or ``@c.jit(static_argnums=1)``.
@@ -197,7 +254,8 @@ class Client(BaseClient):
         ``format`` is what each traced signature is sent as: ``"jax_export"`` (the
         default, a ``jax.export`` artifact) or ``"jaxpr"`` (a jaxpr document,
         ``docs/jaxpr-format.md``, which the server decodes against an allowlist).
-        Any other value raises ``ValueError``.
+        Any other value raises ``ValueError``. ``donate_argnums``/``donate_argnames``
+        are ``jax.jit``'s: donated remote arrays are deleted by the call.
 
         >>> f = c.jit(lambda x, n: x ** n, static_argnums=1)   # doctest: +SKIP
         >>> f(np.arange(3.0), 2).result()                       # doctest: +SKIP
@@ -205,6 +263,8 @@ class Client(BaseClient):
         """
         def make(f: Callable[..., Any]) -> RemoteFunction:
             return RemoteFunction(self, f, static_argnums=static_argnums,
-                                  static_argnames=static_argnames, format=format)
+                                  static_argnames=static_argnames,
+                                  donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+                                  format=format)
         check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

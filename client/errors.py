@@ -3,6 +3,8 @@
 One tree; catch ``JitserveError`` for all of them::
 
     JitserveError
+    ├── HostCallbackError           the jitted function calls back into Python (jax.debug.print,
+    │                               pure_callback...): refused before upload (also a ValueError)
     ├── TransportError              no HTTP answer came back
     │   ├── ConnectError            the server could not be reached
     │   └── RequestTimeout          one HTTP exchange ran out of time (also a JitserveTimeout)
@@ -20,6 +22,8 @@ One tree; catch ``JitserveError`` for all of them::
         ├── FutureError             a future that has no outputs to give
         │   ├── FuturePending       409 future_pending (not done yet)
         │   ├── FutureFailed        future_failed: its execution failed (.error)
+        │   │   └── CompileError    ... because its program did not compile; .code is the
+        │   │                       compiler's (compile_failed...); also a ProgramError
         │   ├── FutureCancelled     409 future_cancelled
         │   └── FutureExpired       410 future_expired
         └── ServerError             5xx
@@ -43,12 +47,14 @@ from jitserve.wire import PROGRAM_ERRORS, ErrorCode
 __all__ = [
     "APIError",
     "BadRequest",
+    "CompileError",
     "ConnectError",
     "FutureCancelled",
     "FutureError",
     "FutureExpired",
     "FutureFailed",
     "FuturePending",
+    "HostCallbackError",
     "JitserveError",
     "JitserveTimeout",
     "NotFound",
@@ -72,6 +78,16 @@ class JitserveError(Exception):
         super().__init__(message)
         self.message = message
         self.request = request
+
+
+class HostCallbackError(JitserveError, ValueError):
+    """The jitted function calls back into the caller's Python, which a server cannot do.
+
+    ``jax.debug.print``, ``jax.debug.callback``, ``jax.pure_callback`` and
+    ``jax.experimental.io_callback`` run Python of the calling process in the
+    middle of the program. Return the value as an output and print or use it on
+    the client; compute a ``pure_callback``'s value on the client, or in jax.numpy.
+    """
 
 
 class TransportError(JitserveError):
@@ -162,6 +178,16 @@ class FutureFailed(FutureError):
         return {"code": self.code, "message": self.message, **self.details}
 
 
+class CompileError(FutureFailed, ProgramError):
+    """The future failed because its program did not compile (or was refused by the compiler).
+
+    Calls return before the compile ends, so a compile error arrives as the
+    future's: ``code`` is the compiler's (``compile_failed``, ``compile_timeout``,
+    ``unsafe_program``...), and ``except ProgramError`` catches it as it catches
+    the same error answered to a request.
+    """
+
+
 class FutureCancelled(FutureError):
     """The future was cancelled (deleted before it ran)."""
 
@@ -218,6 +244,9 @@ def error_from_response(response: httpx.Response, body: Any) -> APIError:
         message = _text(response) or response.reason_phrase
         details = {}
     cls = error_class(status, code)
+    cause = details.get("cause")
+    if cls is FutureFailed and isinstance(cause, Mapping) and cause.get("code") in PROGRAM_ERRORS:
+        cls, code = CompileError, str(cause["code"])
     kw: dict[str, Any] = {"status_code": status, "code": code, "details": details,
                           "request": _request(response), "response": response}
     if cls is TooManyRequests:

@@ -38,6 +38,7 @@ class FakeServer:
         self.hold_execute = False     # answer 202 even when the caller asked to wait
         self.fail_with: dict[str, Any] | None = None  # next futures fail with this error
         self.devices_doc: Any = {"platform": "cpu", "device_kind": "cpu", "device_count": 1}
+        self.released: list[tuple[str, int]] = []  # every (future, output) released, in order
         self._ids = itertools.count()
 
     # ------------------------------------------------------------ plumbing
@@ -65,7 +66,9 @@ class FakeServer:
         return [parts[2]] if parts[0] == "v1" and len(parts) > 2 else []
 
     def paths(self) -> list[str]:
-        return [f"{r.method} {r.url.path}" for r in self.requests]
+        """The requests made, but the releases the client sends in the background (``released``)."""
+        return [f"{r.method} {r.url.path}" for r in self.requests
+                if r.url.path != "/v1/futures/release"]
 
     @staticmethod
     def body(request: httpx.Request) -> Any:
@@ -129,6 +132,8 @@ class FakeServer:
         fid = f"fut{next(self._ids)}"
         self.futures[fid] = fut = self._run(pid, args)
         fut["future_id"] = fid
+        body = self.body(request)
+        self._release([body["args"][i] for i in body.get("donate", ())])
         if "wait" in request.url.params and not self.hold_execute and fut["status"] == "done":
             return self.answer(request, {"future_id": fid, "outputs": fut["outputs"],
                                          "out_tree": None})
@@ -168,7 +173,42 @@ class FakeServer:
             return error(409, "future_pending", f"future {fid} is not done")
         if fut["status"] == "failed":
             return error(422, "future_failed", fut["error"]["message"], cause=fut["error"])
-        return self.answer(request, {"outputs": fut["outputs"], "out_tree": None})
+        asked = request.url.params.get("outputs")
+        wanted = range(len(fut["outputs"])) if asked is None else [int(i) for i in asked.split(",")]
+        if any(fut["outputs"][i] is None for i in wanted):
+            return error(404, "not_found", f"an output of future {fid} was released")
+        return self.answer(request, {"outputs": [fut["outputs"][i] for i in wanted],
+                                     "out_tree": None})
+
+    def _post_futures_id(self, request: httpx.Request, what: str) -> httpx.Response:
+        if what != "release":
+            return error(404, "not_found", f"no route POST /v1/futures/{what}")
+        released = self._release(self.body(request)["outputs"])
+        return self.answer(request, {"released": released,
+                                     "unknown": len(self.body(request)["outputs"]) - released})
+
+    def _release(self, refs: list[dict[str, Any]]) -> int:
+        """Free outputs (a future goes when all of its have); how many were known."""
+        known = 0
+        for ref in refs:
+            fut = self.futures.get(ref["future"])
+            if fut is None or fut["outputs"][ref["output"]] is None:
+                continue
+            known += 1
+            self.released.append((ref["future"], ref["output"]))
+            fut["outputs"][ref["output"]] = None
+            if all(o is None for o in fut["outputs"]):
+                del self.futures[ref["future"]]
+        return known
+
+    def _post_arrays(self, request: httpx.Request) -> httpx.Response:
+        arrays = self.body(request)["arrays"]
+        fid = f"fut{next(self._ids)}"
+        avals = [{"shape": list(a.shape), "dtype": a.dtype.name} for a in arrays]
+        self.futures[fid] = {"future_id": fid, "status": "done", "error": None,
+                             "outputs": list(arrays), "out_avals": avals}
+        return self.answer(request, {"future_id": fid, "status": "done", "out_avals": avals,
+                                     "out_tree": None, "executable_id": "", "tier": "put"}, 201)
 
     def _delete_futures_id(self, request: httpx.Request, fid: str) -> httpx.Response:
         if self.futures.pop(fid, None) is None:

@@ -16,7 +16,7 @@ if _HERE not in sys.path:
 
 from client_fakes import FAST, FakeServer  # noqa: E402
 
-from jitserve.client import AsyncClient, Client
+from jitserve.client import AsyncClient, Client  # noqa: E402
 
 
 @pytest.fixture

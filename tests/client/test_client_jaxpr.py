@@ -21,7 +21,14 @@ import pytest
 from client_fakes import FakeServer
 
 from jitserve import wire
-from jitserve.client import AsyncClient, AsyncRemoteArray, Client, RemoteArray, RemoteFunction
+from jitserve.client import (
+    AsyncClient,
+    AsyncRemoteArray,
+    Client,
+    HostCallbackError,
+    RemoteArray,
+    RemoteFunction,
+)
 from jitserve.client._jit import JIT_FORMATS
 from jitserve.client.jaxpr import JaxprEncodeError
 from jitserve.compiler.jaxpr import decode_document
@@ -204,11 +211,25 @@ def test_control_flow_and_constants(client: Client) -> None:
 
 def test_unencodable_function_raises_before_any_request(client: Client,
                                                         server: JaxprFakeServer) -> None:
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
+
+    def sharded(x: Any) -> Any:
+        return jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, PartitionSpec("d")))
+
+    with pytest.raises(JaxprEncodeError, match="NamedSharding"):
+        client.jit(sharded, format="jaxpr")(X)
+    assert server.requests == []
+
+
+def test_host_callbacks_are_refused_before_any_request(client: Client,
+                                                       server: JaxprFakeServer) -> None:
     def noisy(x: Any) -> Any:
         jax.debug.print("x = {}", x)
         return x + 1
 
-    with pytest.raises(JaxprEncodeError, match="effects"):
+    with pytest.raises(HostCallbackError, match="print it on the client"):
         client.jit(noisy, format="jaxpr")(X)
     assert server.requests == []
 

@@ -90,8 +90,13 @@ def test_program_id_is_the_sha256_of_the_export(client: Client, server: FakeServ
 def test_upload_skipped_when_the_server_has_the_program(client: Client, server: FakeServer) -> None:
     client.jit(jnp.tanh)(X)
     server.requests.clear()
-    client.jit(jnp.tanh)(X)  # a new RemoteFunction: checks, finds it, does not upload
-    assert [p.split(" ")[0] for p in server.paths()] == ["GET", "POST"]
+    client.jit(jnp.tanh)(X)  # a new RemoteFunction: the client knows the program is there
+    assert [p.split(" ")[0] for p in server.paths()] == ["POST"]
+    with Client("http://jitserve.test", api_key=None, timeout=FAST,
+                transport=httpx.MockTransport(server)) as other:
+        server.requests.clear()
+        other.jit(jnp.tanh)(X)  # a new client: checks, finds it, does not upload
+    assert [p.split(" ")[0] for p in server.paths()] == ["GET", "GET", "POST"]
     assert not any(p == "POST /v1/programs" for p in server.paths())
 
 
@@ -209,9 +214,22 @@ def test_reupload_when_the_server_lost_the_program(client: Client, server: FakeS
 def test_missing_future_reference_is_not_found(client: Client, server: FakeServer) -> None:
     f = client.jit(jnp.exp)
     y = f(X)
-    y.delete()
+    client.delete(y.future_id)  # behind the array's back
     with pytest.raises(NotFound, match="unknown future"):
         f(y)
+
+
+def test_deleted_array_cannot_be_used(client: Client, server: FakeServer) -> None:
+    f = client.jit(jnp.exp)
+    y = f(X)
+    y.delete()
+    assert y.is_deleted() and server.released == [(y.future_id, 0)]
+    server.requests.clear()
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        f(y)
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        np.asarray(y)
+    assert server.requests == []
 
 
 def test_outputs_none_and_zero_leaves(client: Client) -> None:

@@ -32,7 +32,7 @@ def future(server: FakeServer, c: Client | AsyncClient, outputs: list[np.ndarray
     fid = f"f{len(server.futures)}"
     avals = [{"shape": list(o.shape), "dtype": o.dtype.name} for o in outputs]
     server.futures[fid] = {"future_id": fid, "status": status, "error": error,
-                           "outputs": outputs, "out_avals": avals}
+                           "outputs": list(outputs), "out_avals": avals}
     ex = _Execution(fid, tuple(Aval(o.shape, o.dtype.name) for o in outputs), None, None)
     return c._wrap(ex)
 
@@ -112,12 +112,18 @@ def test_failed_future(server: FakeServer, client: Client) -> None:
     assert info.value.details["cause"]["code"] == "internal"
 
 
-def test_delete_frees_the_whole_future(server: FakeServer, client: Client) -> None:
+def test_delete_frees_only_that_output(server: FakeServer, client: Client) -> None:
     a, b = future(server, client)
     a.delete()
-    assert "f0" not in server.futures
+    a.delete()  # a second time does nothing, as in jax
+    assert server.released == [("f0", 0)]
+    assert b.result() == 7  # the sibling's fetch asks for its own output only
+    assert server.requests[-1].url.params["outputs"] == "1"
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        a.result()
+    client.delete("f0")
     with pytest.raises(NotFound):
-        b.result()
+        client.result("f0")
 
 
 def test_fetched_values_survive_delete(server: FakeServer, client: Client) -> None:
@@ -170,9 +176,12 @@ async def test_async_concurrent_fetch_once(server: FakeServer, aclient: AsyncCli
 
 
 async def test_async_timeout_and_delete(server: FakeServer, aclient: AsyncClient) -> None:
-    a, _ = future(server, aclient)
+    a, b = future(server, aclient)
     server.pending_polls = 10**6
     with pytest.raises(JitserveTimeout):
         await a.result(timeout=0.3)
     await a.delete()
+    await b.delete()
     assert server.futures == {}
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        await b.result()

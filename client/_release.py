@@ -1,0 +1,79 @@
+"""``ReleaseQueue``: give the outputs of garbage-collected remote arrays back to the server.
+
+A remote array's finalizer may run in any thread, in the middle of any code (a
+garbage collection), so it only puts ``(future_id, output)`` on a queue; it never
+does IO, takes a lock, or raises. One daemon thread per client takes them off in
+batches and sends ``POST /v1/futures/release``, so this works the same under
+``Client`` and ``AsyncClient``. A failed release is logged and forgotten: the
+server frees the output at its time to live anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["ReleaseQueue", "Ref"]
+
+logger = logging.getLogger("jitserve.client")
+
+#: One output of a future: ``(future_id, output index)``.
+Ref = tuple[str, int]
+_STOP = ("", -1)
+
+
+class ReleaseQueue:
+    """Batches released outputs and sends them from one daemon thread.
+
+    Args:
+      send: posts one batch to the server (called from the thread; may raise).
+      interval: seconds a batch waits for more releases before it is sent.
+      batch: a batch this full is sent at once.
+    """
+
+    def __init__(self, send: Callable[[list[Ref]], object], *, interval: float = 0.05,
+                 batch: int = 512) -> None:
+        self._send = send
+        self._interval = interval
+        self._batch = batch
+        self._queue: queue.SimpleQueue[Ref] = queue.SimpleQueue()  # put() is safe in finalizers
+        self._thread = threading.Thread(target=self._run, name="jitserve-release", daemon=True)
+        self._thread.start()
+
+    def put(self, future_id: str, output: int) -> None:
+        """Queue one output for release; safe from any thread and from a finalizer."""
+        self._queue.put((future_id, output))
+
+    def stop(self) -> None:
+        """Let the thread send what is queued and end, without waiting for it (safe in finalizers)."""
+        self._queue.put(_STOP)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, once, and stop the thread (waiting at most ``timeout`` s)."""
+        if self._thread.is_alive():
+            self.stop()
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + self._interval
+            while len(batch) < self._batch and batch[-1] is not _STOP:
+                try:
+                    batch.append(self._queue.get(timeout=max(deadline - time.monotonic(), 0.0)))
+                except queue.Empty:
+                    break
+            stop = batch[-1] is _STOP
+            self._post([ref for ref in batch if ref is not _STOP])
+
+    def _post(self, refs: list[Ref]) -> None:
+        if not refs:
+            return
+        try:
+            self._send(refs)
+        except Exception as e:  # noqa: BLE001 - the server's TTL frees them; never kill the thread
+            logger.debug("releasing %d outputs failed: %s", len(refs), e)
