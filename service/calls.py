@@ -230,7 +230,7 @@ class Calls:
         avals = [aval for _, aval in resolved]
         inputs = [a for a, _ in resolved]
         runtime = self._place(owner, program, inputs)
-        self._hold(inputs)
+        self._executor.hold(inputs)
         try:
             known = self._index.get(call_key(program.program_id, avals, options))
             if known is None and program.out_avals is not None:
@@ -318,13 +318,6 @@ class Calls:
             raise RuntimeRefusal(_code(e.code), f"keeping the arrays on the device failed: "
                                                 f"{e}") from None
         return fut
-
-    def _hold(self, inputs: Sequence[Arg]) -> None:
-        """Keep the outputs ``inputs`` name until the run has read them."""
-        self._runtimes.retain([a for a in inputs if isinstance(a, Buffer)])
-        for a in inputs:
-            if isinstance(a, FutureRef):
-                self._futures.pin(a.future, a.index)
 
     def _transferred(self, inputs: Sequence[Arg]) -> None:
         self._metrics.transferred("in", sum(a.nbytes for a in inputs

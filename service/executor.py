@@ -218,6 +218,13 @@ class Executor:
         job.task.add_done_callback(lambda _: self._let_go(job))
         return job
 
+    def hold(self, args: Sequence[Arg]) -> None:
+        """Keep the outputs ``args`` name until the run has read them (``drop`` undoes it)."""
+        self._runtimes.retain([a for a in args if isinstance(a, Buffer)])
+        for a in args:
+            if isinstance(a, FutureRef):
+                self._futures.pin(a.future, a.index)
+
     def drop(self, args: Sequence[Arg]) -> None:
         """Let go of the holds a call took on ``args`` (it will not run)."""
         self._runtimes.release([a for a in args if isinstance(a, Buffer)])
