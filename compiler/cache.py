@@ -389,6 +389,20 @@ class MemoryCache(Generic[V]):
                 _, (_, evicted) = self._items.popitem(last=False)
                 self._bytes -= evicted
 
+    def pop(self, key: str) -> V | None:
+        """Remove ``key``; its value, or ``None`` if it was not kept."""
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is None:
+                return None
+            self._bytes -= item[1]
+            return item[0]
+
+    def items(self) -> list[tuple[str, V]]:
+        """A snapshot of the keys and values, least recently used first."""
+        with self._lock:
+            return [(key, value) for key, (value, _) in self._items.items()]
+
     def values(self) -> list[V]:
         """A snapshot of the values, least recently used first (not touching the order)."""
         with self._lock:
@@ -466,6 +480,18 @@ class TieredStore(Generic[V]):
     def remember(self, key: str, value: V) -> None:
         """Keep ``value`` in memory only."""
         self.memory.put(key, value, self._size(value))
+
+    def delete(self, key: str) -> list[str]:
+        """Drop ``key`` from memory and every tier; the names of those that held it.
+
+        A tier that fails is a warning, as in a lookup (and not named).
+        """
+        held = [TierName.MEMORY.value] if self.memory.pop(key) is not None else []
+        for tier in self.tiers:
+            if self._contains(tier, key):
+                held.append(str(tier.name))
+            self._delete(tier, key)
+        return held
 
     def _read(self, tier: Tier, key: str) -> tuple[V, bytes] | None:
         """The value of ``key`` in ``tier`` and its bytes; ``None`` on a miss."""

@@ -96,7 +96,11 @@ class Catalog:
 
         Fields: ``executable_id``, ``program_id``, ``raw_size`` (executable bytes),
         ``compile_seconds``, ``created``, ``jaxlib_version``, ``platform``,
-        ``device_kind``, ``source`` (``redis`` or ``memory``); shared records add
+        ``device_kind``, ``key_parts`` (the cache key's named parts),
+        ``recompiled_because`` (the parts that differed from the program's nearest
+        earlier key when it compiled; ``None`` for its first), ``cost`` (XLA's cost
+        analysis: ``flops``, ``transcendentals``, ``bytes_accessed``), ``memory``
+        (``MemoryStats``), ``source`` (``redis`` or ``memory``); shared records add
         ``size`` (stored bytes), ``hits``, ``last_hit`` and ``jax_version``.
         Raises ``CacheUnavailable`` when the shared cache cannot answer.
         """
@@ -124,9 +128,13 @@ def _shared_record(record: dict[str, Any]) -> dict[str, Any]:
 
 def _local_record(executable: Executable) -> dict[str, Any]:
     meta = executable.meta
+    memory = executable.memory
     return {"executable_id": executable.executable_id, "program_id": meta.get("program_id"),
             "raw_size": executable.nbytes, "compile_seconds": meta.get("compile_seconds"),
             "created": meta.get("created"), "jaxlib_version": meta.get("jaxlib_version"),
             "platform": meta.get("platform"), "device_kind": meta.get("device_kind"),
+            "jax_version": (meta.get("key_parts") or {}).get("jax"),
+            "key_parts": meta.get("key_parts"), "recompiled_because": meta.get("recompiled_because"),
+            "cost": meta.get("cost"), "memory": None if memory is None else memory.to_json(),
             "source": TierName.MEMORY.value}
 

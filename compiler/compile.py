@@ -49,7 +49,14 @@ from jitserve.compiler.cache import (
 from jitserve.compiler.catalog import Catalog
 from jitserve.compiler.disk import DEFAULT_MAX_BYTES, DiskBudget
 from jitserve.compiler.errors import LimitExceeded, SignatureMismatch
-from jitserve.compiler.keys import Backend, cache_key, key_parts, options_digest
+from jitserve.compiler.keys import (
+    Backend,
+    KeyHistory,
+    cache_key,
+    key_parts,
+    nearest_reasons,
+    options_digest,
+)
 from jitserve.compiler.program_store import StoredPrograms
 from jitserve.compiler.programs import Program, decode_program, lower
 from jitserve.compiler.redis.settings import RedisSettings
@@ -59,7 +66,8 @@ from jitserve.wire import Aval, TierName
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
 
-__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", "check_inputs"]
+__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", "check_inputs",
+           "cost_of"]
 
 logger = logging.getLogger("jitserve.compiler")
 
@@ -124,12 +132,15 @@ class MemoryStats:
       alias_bytes: outputs that reuse an input's buffer (0 unless inputs are donated).
       temp_bytes: intermediates, allocated for the run and freed after it: a while
         loop's carry, say, which no declared output shows.
+      generated_code_bytes: the executable's own code (0 where the backend keeps none
+        on the device, as on CPU).
     """
 
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
+    generated_code_bytes: int = 0
 
     @property
     def run_bytes(self) -> int:
@@ -143,7 +154,8 @@ class MemoryStats:
     def from_json(cls, doc: Any) -> MemoryStats | None:
         """The stats of a meta's ``memory``; ``None`` if absent or malformed (an older entry)."""
         try:
-            return cls(**{f.name: int(doc[f.name]) for f in dataclasses.fields(cls)})
+            return cls(**{f.name: int(doc[f.name]) for f in dataclasses.fields(cls)
+                          if f.name in doc or f.default is dataclasses.MISSING})
         except (TypeError, KeyError, ValueError):
             return None
 
@@ -153,10 +165,26 @@ class MemoryStats:
         try:
             s = loaded.get_compiled_memory_stats()
             return cls(int(s.argument_size_in_bytes), int(s.output_size_in_bytes),
-                       int(s.alias_size_in_bytes), int(s.temp_size_in_bytes))
+                       int(s.alias_size_in_bytes), int(s.temp_size_in_bytes),
+                       int(s.generated_code_size_in_bytes))
         except Exception as e:  # a backend without memory analysis: nothing to bound
             logger.debug("no memory analysis for an executable: %s", e)
             return None
+
+
+def cost_of(loaded: Any) -> dict[str, float] | None:
+    """XLA's cost analysis of a loaded executable: ``flops``, ``transcendentals`` and
+    ``bytes_accessed`` (estimates for one run); ``None`` where the backend gives none."""
+    try:
+        analysis = loaded.cost_analysis()
+        if isinstance(analysis, list):  # one per module in some jaxlib versions
+            analysis = analysis[0] if analysis else {}
+        cost = {"flops": analysis.get("flops"), "transcendentals": analysis.get("transcendentals"),
+                "bytes_accessed": analysis.get("bytes accessed")}
+    except Exception as e:  # a backend without cost analysis: nothing to report
+        logger.debug("no cost analysis for an executable: %s", e)
+        return None
+    return {k: float(v) for k, v in cost.items() if isinstance(v, (int, float))}
 
 
 class Executable:
@@ -164,6 +192,7 @@ class Executable:
 
     ``memory`` is XLA's account of the device bytes one run needs (``MemoryStats``),
     or ``None`` where the backend gives none; it is also in ``meta["memory"]``.
+    ``meta["cost"]`` is XLA's cost analysis (``cost_of``), made at compile time.
     """
 
     def __init__(self, loaded: Any, executable_id: str, meta: dict[str, Any], nbytes: int) -> None:
@@ -175,6 +204,8 @@ class Executable:
         self.memory = MemoryStats.of(loaded) or MemoryStats.from_json(meta.get("memory"))
         if self.memory is not None:
             meta["memory"] = self.memory.to_json()
+        if meta.get("cost") is None:  # an entry from before cost analyses were kept
+            meta["cost"] = cost_of(loaded)
         self.meta = meta
         self.nbytes = nbytes
 
@@ -267,6 +298,7 @@ class Compiler:
         self._inflight: dict[str, concurrent.futures.Future[Executable]] = {}
         self._lock = threading.Lock()
         self._compilations = 0
+        self._history = KeyHistory()  # each program's keys' parts: why a compile happened
 
     @property
     def platform(self) -> str:
@@ -301,7 +333,8 @@ class Compiler:
         """
         concrete = self._concrete_avals(program, in_avals)
         donate = _donated(donate, len(concrete))
-        key = self._key(program, concrete, static_key, donate)
+        parts = self._parts(program, concrete, static_key, donate)
+        key = cache_key(parts)
         hit = self._executables.cached(key)
         if hit is not None:
             return Lookup(hit, key, TierName.MEMORY, 0.0)
@@ -309,7 +342,9 @@ class Compiler:
         if not leader:
             return Lookup(future.result(), key, TierName.MEMORY, 0.0)
         try:
-            lookup = self._resolve(program, concrete, static_key, donate, key)
+            lookup = self._resolve(program, concrete, static_key, donate, key, parts)
+            self._history.record(program.program_id, key, parts,
+                                 lookup.executable.meta.get("created"))
         except BaseException as e:
             future.set_exception(e)
             raise
@@ -350,6 +385,12 @@ class Compiler:
         return {"compilations": self._compilations, "l1_entries": len(memory),
                 "l1_bytes": memory.nbytes}
 
+    def forget(self, executable_id: str) -> list[str]:
+        """Drop ``executable_id`` from every tier (L1, disk, Redis) and from the keys'
+        history; the names of the tiers that held it. A later lookup compiles it again."""
+        self._history.forget(executable_id)
+        return self._executables.delete(executable_id)
+
     def close(self) -> None:
         """Stop the compile workers, and the Redis connection if there is one."""
         self._pool.close()
@@ -360,9 +401,25 @@ class Compiler:
 
     def _key(self, program: Program, concrete: Sequence[Aval], static_key: str,
              donate: tuple[int, ...]) -> str:
-        return cache_key(key_parts(program_id=program.program_id, in_avals=concrete,
-                                   static_key=static_key, backend=self._key_backend,
-                                   donate=donate))
+        return cache_key(self._parts(program, concrete, static_key, donate))
+
+    def _parts(self, program: Program, concrete: Sequence[Aval], static_key: str,
+               donate: tuple[int, ...]) -> list[tuple[str, str]]:
+        return key_parts(program_id=program.program_id, in_avals=concrete,
+                         static_key=static_key, backend=self._key_backend, donate=donate)
+
+    def _recompile_reasons(self, program_id: str, key: str,
+                           parts: Sequence[tuple[str, str]]) -> list[str] | None:
+        """Why ``key`` compiles although ``program_id`` has other keys: the parts that differ
+        from the nearest of them (this process's, and the shared tier's); ``None`` for a
+        program's first key."""
+        previous = self._history.previous(program_id, key)
+        if self._shared is not None:
+            for other, (at, other_parts) in self._shared.executables.history(program_id).items():
+                if other != key:
+                    previous.setdefault(other, (at, other_parts))
+        recent_first = sorted(previous.values(), key=lambda item: item[0], reverse=True)
+        return nearest_reasons([p for _, p in recent_first], dict(parts))
 
     def _concrete_avals(self, program: Program, in_avals: Sequence[Aval] | None) -> tuple[Aval, ...]:
         if in_avals is None:
@@ -392,7 +449,7 @@ class Compiler:
             return future, True
 
     def _resolve(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                 donate: tuple[int, ...], key: str) -> Lookup:
+                 donate: tuple[int, ...], key: str, parts: list[tuple[str, str]]) -> Lookup:
         hit = self._from_tiers(key)
         if hit is not None:
             return hit
@@ -401,7 +458,7 @@ class Compiler:
                 hit = self._from_tiers(key)  # another process compiled it while we waited
                 if hit is not None:
                     return hit
-            return self._compile_and_store(program, concrete, static_key, donate, key)
+            return self._compile_and_store(program, concrete, static_key, donate, key, parts)
 
     def _from_tiers(self, key: str) -> Lookup | None:
         found = self._executables.get(key)
@@ -415,9 +472,13 @@ class Compiler:
         return contextlib.nullcontext(True)
 
     def _compile_and_store(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                           donate: tuple[int, ...], key: str) -> Lookup:
+                           donate: tuple[int, ...], key: str,
+                           parts: list[tuple[str, str]]) -> Lookup:
         start = time.perf_counter()
         executable, serialized = self._compile(program, concrete, static_key, donate, key)
+        executable.meta["key_parts"] = dict(parts)
+        executable.meta["recompiled_because"] = self._recompile_reasons(
+            program.program_id, key, parts)
         seconds = time.perf_counter() - start
         executable.meta["compile_seconds"] = seconds
         # Store the worker's bytes, never a re-serialization of the loaded

@@ -8,17 +8,26 @@ jitserve keys the same things, plus what its own API adds: the program id, the
 concrete input avals, the static arguments, and the runtime type.
 
 Each part is logged at debug level, so that a miss can be explained by diffing
-two logs. The key is also the ``executable_id`` the API reports.
+two logs. The key is also the ``executable_id`` the API reports. When a program
+compiles again for other parts, ``recompile_reasons`` says which parts differ
+from the nearest earlier key of the same program (``KeyHistory`` keeps them)::
+
+    recompile_reasons(dict(old_parts), dict(new_parts))
+    # ["shape: arg 0 float32[8] -> float32[16]"]
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
+import re
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,7 +35,8 @@ import jaxlib
 
 from jitserve.wire import Aval
 
-__all__ = ["KEY_SCHEMA_VERSION", "Backend", "cache_key", "key_parts", "options_digest", "xla_flags"]
+__all__ = ["KEY_SCHEMA_VERSION", "Backend", "KeyHistory", "cache_key", "key_parts", "nearest_reasons",
+           "options_digest", "recompile_reasons", "xla_flags"]
 
 logger = logging.getLogger("jitserve.compiler.keys")
 
@@ -136,3 +146,113 @@ def cache_key(parts: Sequence[tuple[str, str]]) -> str:
         for name, value in parts:
             logger.debug("cache key %s part %s = %.500s", key[:16], name, value)
     return key
+
+
+# What kind of difference each part is, as a recompile reason names it.
+_PART_KINDS = {
+    "static": "static", "donate": "donate", "program": "program",
+    "compile_options": "flags", "xla_flags": "flags",
+    "schema": "versions", "jax": "versions", "jaxlib": "versions",
+    "platform": "backend", "runtime_type": "backend", "device_kind": "backend",
+    "device_count": "backend",
+}
+_AVAL = re.compile(r"^(?P<dtype>[^\[]+)\[(?P<shape>[^\]]*)\](?P<weak>~weak)?$")
+
+
+def _short(name: str, value: str) -> str:
+    if name == "compile_options":
+        return value[:12] or "''"
+    return repr(value) if len(value) <= 80 else repr(value[:77] + "...")
+
+
+def _aval_reasons(old: str, new: str) -> list[str]:
+    """What differs between two ``in_avals`` parts, input by input."""
+    before, after = (old.split(";") if old else []), (new.split(";") if new else [])
+    if len(before) != len(after):
+        return [f"shape: {len(before)} -> {len(after)} inputs"]
+    out = []
+    for i, (a, b) in enumerate(zip(before, after)):
+        if a == b:
+            continue
+        ma, mb = _AVAL.match(a), _AVAL.match(b)
+        kinds = ([k for k, field in (("dtype", "dtype"), ("shape", "shape"), ("weak_type", "weak"))
+                  if ma.group(field) != mb.group(field)] if ma and mb else ["shape"])
+        out.extend(f"{kind}: arg {i} {a} -> {b}" for kind in kinds)
+    return out
+
+
+def recompile_reasons(previous: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
+    """The parts of key ``current`` that differ from ``previous``, in the parts' order, as
+    ``"<kind>: <what> <old> -> <new>"``; kinds: ``shape``, ``dtype``, ``weak_type``,
+    ``static``, ``donate``, ``flags``, ``versions``, ``backend``, ``program``.
+
+    Both are ``dict(key_parts(...))``; a part missing from one (``donate`` when none
+    was donated) counts as empty.
+    """
+    out = []
+    for name in [*current, *(n for n in previous if n not in current)]:
+        old, new = previous.get(name, ""), current.get(name, "")
+        if old == new:
+            continue
+        if name == "in_avals":
+            out.extend(_aval_reasons(old, new))
+        else:
+            kind = _PART_KINDS.get(name, name)
+            out.append(f"{kind}: {name} {_short(name, old)} -> {_short(name, new)}")
+    return out
+
+
+def nearest_reasons(previous: Iterable[Mapping[str, str]],
+                    current: Mapping[str, str]) -> list[str] | None:
+    """``recompile_reasons`` against the nearest of ``previous`` (most recent first: the
+    fewest differences, the most recent of equals); ``None`` when there is none."""
+    best: list[str] | None = None
+    for parts in previous:
+        reasons = recompile_reasons(parts, current)
+        if reasons and (best is None or len(reasons) < len(best)):
+            best = reasons
+    return best
+
+
+class KeyHistory:
+    """The named parts of each program's recent keys, in this process (thread-safe, bounded).
+
+    ``recompile_reasons`` compares a new key with these. A shared tier (Redis)
+    keeps its own copy, so other processes' keys count too.
+
+    Args:
+      max_programs: programs remembered, least recently used forgotten first.
+      per_program: keys remembered per program, oldest forgotten first.
+    """
+
+    def __init__(self, max_programs: int = 1024, per_program: int = 64) -> None:
+        self.max_programs, self.per_program = max_programs, per_program
+        self._by_program: collections.OrderedDict[
+            str, collections.OrderedDict[str, tuple[float, dict[str, str]]]] = (
+            collections.OrderedDict())
+        self._lock = threading.Lock()
+
+    def record(self, program_id: str, key: str, parts: Mapping[str, str],
+               at: float | None = None) -> None:
+        """Remember ``key`` (whose parts are ``parts``) of ``program_id``."""
+        with self._lock:
+            keys = self._by_program.pop(program_id, None) or collections.OrderedDict()
+            keys.pop(key, None)
+            keys[key] = (time.time() if at is None else at, dict(parts))
+            while len(keys) > self.per_program:
+                keys.popitem(last=False)
+            self._by_program[program_id] = keys
+            while len(self._by_program) > self.max_programs:
+                self._by_program.popitem(last=False)
+
+    def previous(self, program_id: str, but: str = "") -> dict[str, tuple[float, dict[str, str]]]:
+        """``program_id``'s remembered keys other than ``but``: ``{key: (when, parts)}``."""
+        with self._lock:
+            keys = self._by_program.get(program_id) or {}
+            return {k: v for k, v in keys.items() if k != but}
+
+    def forget(self, key: str) -> None:
+        """Drop ``key`` from every program's history (a deleted executable)."""
+        with self._lock:
+            for keys in self._by_program.values():
+                keys.pop(key, None)

@@ -26,6 +26,7 @@ Key layout under ``jitserve:v<LAYOUT_VERSION>:<deployment prefix>:``::
 
     exe:<executable_id>     the entry bytes (``encode_entry``: signed, zstd)
     meta:<executable_id>    a hash beside it: sizes, compile seconds, hits, versions
+    keys:<program_id>       a hash: the key parts of the program's executables (history)
     prog:<program_id>       the program blob (``compiler.program_store``: format, bytes)
     lock:<executable_id>    the compile lock: a random token, with an expiry
     flight:<executable_id>  a pub/sub channel: "stored" / "released" wake waiters

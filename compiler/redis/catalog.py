@@ -34,7 +34,9 @@ class RedisCatalog:
         Fields: ``executable_id``, ``program_id``, ``size`` (stored bytes,
         compressed), ``raw_size`` (executable bytes), ``compile_seconds``,
         ``created``, ``last_hit`` (Unix seconds or ``None``), ``hits``,
-        ``jax_version``, ``jaxlib_version``, ``platform``, ``device_kind``.
+        ``jax_version``, ``jaxlib_version``, ``platform``, ``device_kind``,
+        ``key_parts``, ``recompiled_because``, ``cost``, ``memory`` (``None`` in
+        records stored before they were kept).
         Raises ``RedisUnavailable`` when Redis cannot answer.
         """
         def op(r: redis.Redis) -> list[Any]:

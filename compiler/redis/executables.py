@@ -11,12 +11,16 @@ the Redis private all the same (docs/redis.md, "Trust boundary").
 Records (under ``RedisSettings.key_prefix``)::
 
     exe:<executable_id>     the entry bytes (``encode_entry``: signed, zstd)
-    meta:<executable_id>    a hash beside it: sizes, compile seconds, hits, versions
+    meta:<executable_id>    a hash beside it: sizes, compile seconds, hits, versions, the
+                            key's parts, why it compiled, XLA's cost and memory analyses
+    keys:<program_id>       a hash of the program's executables: id -> its key's parts
+                            (JSON, with when), what a new key of the program is compared with
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from typing import Any
@@ -50,6 +54,8 @@ return 1
 
 _META_FLOATS = ("compile_seconds", "created", "last_hit")
 _META_INTS = ("size", "raw_size", "hits")
+# Structured fields, kept as JSON strings in the hash.
+_META_JSON = ("key_parts", "recompiled_because", "cost", "memory")
 
 
 class ExecutableTier(RedisTier):
@@ -77,6 +83,37 @@ class ExecutableTier(RedisTier):
     def records(self, key: str) -> list[str]:
         return [self.key(key), self.meta_key(key)]
 
+    def history_key(self, program_id: str) -> str:
+        """The Redis key of the hash of ``program_id``'s keys' parts."""
+        return self.connection.key("keys", program_id)
+
+    def history(self, program_id: str) -> dict[str, tuple[float, dict[str, str]]]:
+        """``program_id``'s stored keys: ``{executable_id: (created, parts)}``; empty when
+        Redis is down (a compile's reasons then come from this process alone)."""
+        raw = self.connection.run("history", lambda r: r.hgetall(self.history_key(program_id)),
+                                  None) or {}
+        out = {}
+        for key, value in raw.items():
+            try:
+                doc = json.loads(value)
+                out[key.decode()] = (float(doc["at"]), {str(k): str(v)
+                                                        for k, v in doc["parts"].items()})
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not one of ours: it explains nothing
+        return out
+
+    def delete(self, key: str) -> None:
+        """Drop the entry, its record and its place in its program's history."""
+        def op(r: redis.Redis) -> None:
+            program_id = r.hget(self.meta_key(key), "program_id")
+            pipe = r.pipeline(transaction=True)
+            pipe.delete(*self.records(key))
+            if program_id:
+                pipe.hdel(self.history_key(program_id.decode()), key)
+            pipe.execute()
+
+        self.connection.run("delete executables", op, None)
+
     def put(self, key: str, data: bytes) -> None:
         """Store an entry (``encode_entry`` bytes) with its metadata record; wake the waiters."""
         try:
@@ -92,10 +129,17 @@ class ExecutableTier(RedisTier):
         return self.lock.hold(key)
 
     def _add_meta(self, pipe: Any, key: str, meta: dict[str, str]) -> None:
+        ttl_ms = self.connection.settings.ttl_ms
         pipe.delete(self.meta_key(key))
         pipe.hset(self.meta_key(key), mapping=meta)
-        if self.connection.settings.ttl_ms:
-            pipe.pexpire(self.meta_key(key), self.connection.settings.ttl_ms)
+        if ttl_ms:
+            pipe.pexpire(self.meta_key(key), ttl_ms)
+        if meta.get("program_id") and meta.get("key_parts") not in (None, "null"):
+            history = self.history_key(meta["program_id"])
+            pipe.hset(history, key, json.dumps({"at": float(meta["created"]),
+                                                "parts": json.loads(meta["key_parts"])}))
+            if ttl_ms:
+                pipe.pexpire(history, ttl_ms)
         pipe.publish(self.lock.channel(key), "stored")
 
     def _read(self, r: redis.Redis, key: str) -> bytes | None:
@@ -125,7 +169,8 @@ def meta_record(key: str, size: int, entry: Entry) -> dict[str, str]:
             "jax_version": jax.__version__,
             "jaxlib_version": str(meta.get("jaxlib_version", "")),
             "platform": str(meta.get("platform", "")),
-            "device_kind": str(meta.get("device_kind", ""))}
+            "device_kind": str(meta.get("device_kind", "")),
+            **{name: json.dumps(meta.get(name)) for name in _META_JSON}}
 
 
 def parse_meta(raw: dict[bytes, bytes]) -> dict[str, Any]:
@@ -136,4 +181,9 @@ def parse_meta(raw: dict[bytes, bytes]) -> dict[str, Any]:
     for name in _META_FLOATS:
         value = record.get(name)
         record[name] = float(value) if value else None
+    for name in _META_JSON:
+        try:
+            record[name] = json.loads(record.get(name) or "null")
+        except ValueError:
+            record[name] = None
     return record
