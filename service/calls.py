@@ -233,7 +233,8 @@ class Calls:
         self._executor.hold(inputs)
         try:
             known = self._index.get(call_key(program.program_id, avals, options))
-            if known is None and program.out_avals is not None:
+            if known is None and program.out_avals is not None and all(
+                    a.is_static for a in program.out_avals):
                 fut = self._compiling(program, avals, options, owner, runtime, inputs,
                                       timeout_s)
                 self._give_up(args, options.donate, owner)
@@ -372,6 +373,17 @@ class Calls:
         """The executables this process has looked up (the catalog's local listing)."""
         return self._index.values()
 
+    async def forget(self, executable_id: str) -> list[str]:
+        """Drop ``executable_id`` wherever it is kept: every runtime's L1, the disk and
+        Redis tiers (each runtime drops it from all), and this process's index, so the
+        next call compiles it again. The tiers that held it (``index`` for this process's)."""
+        replies = await self._runtimes.broadcast("forget", {"executable_id": executable_id},
+                                                 timeout_s=self._lookup_timeout_s)
+        held = {tier for reply in replies for tier in reply.get("tiers", ())}
+        if self._index.forget(executable_id):
+            held.add("index")
+        return sorted(held)
+
 
 def _check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
     """``donate`` as sorted argument indices; ``BadRequest`` for one past the arguments."""
@@ -434,9 +446,13 @@ def _log_lookup(program: Program, lookup: Lookup) -> None:
     exe = lookup.executable
     signature = ", ".join(str(a) for a in exe.in_avals)
     name = program.name or "program"
+    compiled = lookup.tier == TierName.COMPILED
+    reasons = exe.meta.get("recompiled_because") if compiled else None
+    because = f" because {'; '.join(reasons)}" if reasons else ""
     compile_log.info(
-        "%s %s %s(%s) tier=%s %.3fs", "compiled" if lookup.tier == TierName.COMPILED else "loaded",
-        program.program_id[:12], name, signature, lookup.tier, lookup.compile_seconds,
+        "%s %s %s(%s) tier=%s %.3fs%s", "compiled" if compiled else "loaded",
+        program.program_id[:12], name, signature, lookup.tier, lookup.compile_seconds, because,
         extra={"fields": {"program_id": program.program_id, "function": program.name or None,
                           "executable_id": lookup.executable_id, "signature": signature,
-                          "tier": str(lookup.tier), "seconds": round(lookup.compile_seconds, 6)}})
+                          "tier": str(lookup.tier), "seconds": round(lookup.compile_seconds, 6),
+                          "recompiled_because": reasons}})

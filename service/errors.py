@@ -7,6 +7,7 @@ code's HTTP status is the wire contract's (``jitserve.wire.ERROR_STATUS``)::
     ├── BadRequest             bad_request          400
     │   └── UnsupportedMediaType  unsupported_media_type  415
     ├── Unauthorized           unauthorized         401
+    ├── Forbidden              forbidden            403
     ├── NotFound               not_found            404
     ├── FuturePending          future_pending       409
     ├── FutureFailed           future_failed        422
@@ -43,6 +44,7 @@ from jitserve.wire import ErrorCode, WireError
 
 __all__ = [
     "BadRequest",
+    "Forbidden",
     "FutureCancelled",
     "FutureExpired",
     "FutureFailed",
@@ -88,6 +90,12 @@ class Unauthorized(ServiceError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
+
+
+class Forbidden(ServiceError):
+    """A valid API key that may not do this (an admin route, ``JITSERVE_ADMIN_KEYS``)."""
+
+    code = ErrorCode.FORBIDDEN
 
 
 class NotFound(ServiceError):
@@ -136,6 +144,7 @@ class Unavailable(ServiceError):
 
 # Starlette's own HTTP errors (unknown route, wrong method) by status.
 _HTTP_CODES = {e.status: e for e in (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZED,
+                                     ErrorCode.FORBIDDEN,
                                      ErrorCode.NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED,
                                      ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.TOO_MANY_REQUESTS)}
 

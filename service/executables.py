@@ -86,6 +86,13 @@ class ExecutableIndex:
     def put(self, key: str, executable: RemoteExecutable) -> None:
         self._by_call.put(key, executable, 1)
 
+    def forget(self, executable_id: str) -> bool:
+        """Drop every call that names ``executable_id``; whether any did."""
+        calls = [k for k, exe in self._by_call.items() if exe.executable_id == executable_id]
+        for key in calls:
+            self._by_call.pop(key)
+        return bool(calls)
+
     def values(self) -> list[RemoteExecutable]:
         """One record per executable id (several calls may share one)."""
         seen: dict[str, RemoteExecutable] = {}

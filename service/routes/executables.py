@@ -10,6 +10,10 @@ a local listing would silently answer another question.
 With API keys on, a key lists and reads only its own executables (those looked
 up for its programs, ``service.tenants``); another key's is ``404 not_found``,
 worded as for an unknown id.
+
+``DELETE /v1/executables/{id}`` is an admin route: with API keys on, only the
+keys in ``JITSERVE_ADMIN_KEYS`` may use it (``403 forbidden`` for the others);
+it drops the executable from every tier, so the next call compiles it again.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler import Catalog, EntryPage
 from jitserve.compiler.catalog import parse_cursor
-from jitserve.service.deps import CatalogDep, Owner, TenantsDep, get_owner
-from jitserve.service.errors import BadRequest, NotFound
+from jitserve.service.deps import CallsDep, CatalogDep, Owner, SettingsDep, TenantsDep, get_owner
+from jitserve.service.errors import BadRequest, Forbidden, NotFound
 from jitserve.service.openapi import errors
-from jitserve.service.schemas import ExecutableInfo, ExecutablePage
+from jitserve.service.schemas import ExecutableDeleted, ExecutableInfo, ExecutablePage
 from jitserve.wire import ErrorCode
 
 __all__ = ["router"]
@@ -65,6 +69,24 @@ async def get_executable(executable_id: str, catalog: CatalogDep, tenants: Tenan
     if record is None:
         raise NotFound(f"no cached executable {executable_id!r:.80}")
     return _info(record)
+
+
+@router.delete("/{executable_id}", response_model=ExecutableDeleted,
+               responses=errors(ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND))
+async def delete_executable(executable_id: str, calls: CallsDep, settings: SettingsDep,
+                            owner: Owner) -> ExecutableDeleted:
+    """Drop an executable from every tier (each runtime's memory, disk, Redis); admin only.
+
+    The next call that needs it compiles it again. 404 when no tier held it.
+    """
+    if not settings.is_admin(owner):
+        raise Forbidden("deleting executables needs an admin key (JITSERVE_ADMIN_KEYS)")
+    if len(executable_id) != 64 or not all(c in "0123456789abcdef" for c in executable_id):
+        raise NotFound(f"no cached executable {executable_id!r:.80}")
+    tiers = await calls.forget(executable_id)
+    if not tiers:
+        raise NotFound(f"no cached executable {executable_id!r:.80}")
+    return ExecutableDeleted(executable_id=executable_id, tiers=tiers)
 
 
 def _owned_page(catalog: Catalog, owned: Sequence[str], cursor: str | None,

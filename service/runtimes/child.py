@@ -297,6 +297,10 @@ class RuntimeServer:
         finally:
             mapping.close()
 
+    def op_forget(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Drop an executable from every tier (``DELETE /v1/executables/{id}``)."""
+        return {"tiers": self.compiler.forget(str(m["executable_id"]))}
+
     def op_stats(self, m: dict[str, Any]) -> dict[str, Any]:
         catalog = self.compiler.catalog
         return {"buffers": len(self.buffers), **self.compiler.stats(), "cache": catalog.state,
@@ -307,9 +311,14 @@ def _program_json(program: Any) -> dict[str, Any]:
     return {**program.to_json(), "name": program.name}
 
 
+# The structured parts of an executable's meta its record shows (compiler.catalog).
+_RECORD_FIELDS = ("key_parts", "recompiled_because", "cost")
+
+
 def _lookup_json(lookup: Any) -> dict[str, Any]:
     exe = lookup.executable
-    meta = {k: v for k, v in exe.meta.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    meta = {k: v for k, v in exe.meta.items()
+            if isinstance(v, (str, int, float, bool, type(None))) or k in _RECORD_FIELDS}
     return {"executable_id": lookup.executable_id, "tier": str(lookup.tier),
             "compile_seconds": lookup.compile_seconds, "nbytes": exe.nbytes,
             "in_avals": [a.to_json() for a in exe.in_avals],

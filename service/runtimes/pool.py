@@ -665,6 +665,22 @@ class RuntimePool:
                         redis[k] = redis.get(k, 0) + v
         return {"cache": cache, "redis": redis}
 
+    async def broadcast(self, op: str, message: dict[str, Any], *,
+                        timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """Send ``op`` to every runtime that is up; their answers. A runtime that is
+        down (it starts empty) or fails the request is left out."""
+        async def one(runtime: Runtime) -> dict[str, Any] | None:
+            if runtime.state != "up":
+                return None
+            try:
+                return await runtime.request(op, message, timeout_s=timeout_s)
+            except RemoteError as e:
+                log.warning("runtime %d failed %s: %s", runtime.index, op, e)
+                return None
+
+        replies = await asyncio.gather(*(one(r) for r in self.runtimes))
+        return [r for r in replies if r is not None]
+
     def _fold(self, index: int, generation: int, doc: dict[str, Any]) -> None:
         with self._lock:
             old = self._latest.get(index)
