@@ -22,6 +22,7 @@ from jitserve.client._base import (
     drive_step,
     fill,
     transport_error,
+    unavailable_delay,
 )
 from jitserve.client._jit import AsyncRemoteFunction, check_jit_format
 from jitserve.client._models import (
@@ -34,7 +35,7 @@ from jitserve.client._models import (
     Timeout,
 )
 from jitserve.client._remote import AsyncRemoteArray
-from jitserve.client.errors import JitserveError, ProtocolError
+from jitserve.client.errors import APIError, JitserveError, ProtocolError
 
 __all__ = ["AsyncClient"]
 
@@ -83,6 +84,18 @@ class AsyncClient(BaseClient):
     # ------------------------------------------------------------------ IO
 
     async def _send(self, call: _Call) -> _Reply:
+        attempt = 0
+        while True:
+            try:
+                return await self._send_once(call)
+            except APIError as e:
+                delay = unavailable_delay(e, attempt)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _send_once(self, call: _Call) -> _Reply:
         request = self._build_request(self._http, call)
         try:
             response = await self._http.send(request, stream=True)

@@ -39,6 +39,7 @@ from jitserve.client._release import Ref, ReleaseQueue
 from jitserve.client._remote import KeyType, _FutureState, _RemoteBase, local_value, register_with_jax
 from jitserve.client._trace import local_input
 from jitserve.client.errors import (
+    APIError,
     ConnectError,
     FuturePending,
     JitserveError,
@@ -148,6 +149,18 @@ def _weakly(method: Callable[[list[Ref]], None]) -> Callable[[list[Ref]], None]:
 def _seg(ident: str) -> str:
     """A path segment for an id; quoting keeps a hostile id inside its segment."""
     return quote(str(ident), safe="")
+
+
+# A 503 (the replica drains, or cannot reach another's future for a moment) means the
+# request was not taken: sending it again is safe. Waits of 0.25, 0.5, 1, 2 s.
+_UNAVAILABLE_RETRIES = 4
+
+
+def unavailable_delay(error: APIError, attempt: int) -> float | None:
+    """Seconds to wait before sending again a request answered ``error``; ``None`` to give up."""
+    if error.status_code != 503 or attempt >= _UNAVAILABLE_RETRIES:
+        return None
+    return 0.25 * 2 ** attempt
 
 
 def transport_error(exc: httpx.TransportError, request: httpx.Request) -> TransportError:

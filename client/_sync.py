@@ -23,6 +23,7 @@ from jitserve.client._base import (
     drive_step,
     fill,
     transport_error,
+    unavailable_delay,
 )
 from jitserve.client._jit import RemoteFunction, check_jit_format
 from jitserve.client._models import (
@@ -35,7 +36,7 @@ from jitserve.client._models import (
     Timeout,
 )
 from jitserve.client._remote import RemoteArray
-from jitserve.client.errors import JitserveError, ProtocolError
+from jitserve.client.errors import APIError, JitserveError, ProtocolError
 
 __all__ = ["Client"]
 
@@ -92,6 +93,18 @@ class Client(BaseClient):
     # ------------------------------------------------------------------ IO
 
     def _send(self, call: _Call) -> _Reply:
+        attempt = 0
+        while True:
+            try:
+                return self._send_once(call)
+            except APIError as e:
+                delay = unavailable_delay(e, attempt)
+                if delay is None:
+                    raise
+            time.sleep(delay)
+            attempt += 1
+
+    def _send_once(self, call: _Call) -> _Reply:
         request = self._build_request(self._http, call)
         try:
             response = self._http.send(request, stream=True)

@@ -206,7 +206,7 @@ _BY_CODE: dict[str, type[APIError]] = {  # ErrorCode is a str enum: plain string
     ErrorCode.NOT_FOUND: NotFound, ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLarge,
     ErrorCode.TOO_MANY_REQUESTS: TooManyRequests, ErrorCode.FUTURE_PENDING: FuturePending,
     ErrorCode.FUTURE_FAILED: FutureFailed, ErrorCode.FUTURE_CANCELLED: FutureCancelled,
-    ErrorCode.FUTURE_EXPIRED: FutureExpired,
+    ErrorCode.FUTURE_EXPIRED: FutureExpired, ErrorCode.REPLICA_LOST: FutureFailed,
     **{code: ProgramError for code in PROGRAM_ERRORS},
 }
 

@@ -120,13 +120,17 @@ class BodyReader:
 
     async def message(self) -> Any:
         """The body decoded as msgpack or JSON (by ``Content-Type``); ``None`` if empty."""
+        return (await self.raw_message())[1]
+
+    async def raw_message(self) -> tuple[bytearray, Any]:
+        """The body, and the body decoded as ``message`` decodes it."""
         kind = self._content_kind()
         body = await self.read()
         if not body:
-            return None
+            return body, None
         if kind == "json":
-            return wire.loads_json(body, max_bytes=self.max_bytes)
-        return wire.unpackb(body, max_bytes=self.max_bytes)
+            return body, wire.loads_json(body, max_bytes=self.max_bytes)
+        return body, wire.unpackb(body, max_bytes=self.max_bytes)
 
     def _declared_length(self) -> int | None:
         raw = self.request.headers.get("content-length")

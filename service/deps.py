@@ -18,6 +18,8 @@ from jitserve.compiler import Catalog
 from jitserve.service.auth import authenticate
 from jitserve.service.bodies import BodyReader, wants_json
 from jitserve.service.calls import Calls
+from jitserve.service.cluster import OWNER_HEADER, PEER_HEADER, Cluster
+from jitserve.service.errors import Unauthorized
 from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.service.programs import ProgramStore
@@ -30,6 +32,7 @@ __all__ = [
     "Body",
     "CallsDep",
     "CatalogDep",
+    "ClusterDep",
     "FutureStoreDep",
     "MetricsDep",
     "Owner",
@@ -96,9 +99,30 @@ _bearer = HTTPBearer(auto_error=False, description="an API key (JITSERVE_API_KEY
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-async def get_owner(settings: SettingsDep, credentials: Bearer) -> str | None:
-    """The caller's owner id (API-key digest), or ``None`` when auth is off."""
-    return authenticate(None if credentials is None else credentials.credentials, settings)
+async def get_owner(request: Request, settings: SettingsDep, credentials: Bearer) -> str | None:
+    """The caller's owner id (API-key digest), or ``None`` when auth is off.
+
+    A request another replica forwarded (``service.cluster``) is signed by it, and
+    names the owner it authenticated; it is served here, never forwarded again.
+    """
+    signature = request.headers.get(PEER_HEADER)
+    if signature is None:
+        return authenticate(None if credentials is None else credentials.credentials, settings)
+    cluster: Cluster | None = getattr(_state(request), "cluster", None)
+    if cluster is None:
+        raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
+    owner = request.headers.get(OWNER_HEADER) or None
+    cluster.check(signature, request.method, request.url.path, owner)
+    request.state.forwarded = True
+    return owner
+
+
+async def get_cluster(request: Request) -> Cluster | None:
+    """The replicas, for a request this replica may forward; ``None`` without Redis,
+    and for a request that was forwarded here (served here, whatever it names)."""
+    if getattr(request.state, "forwarded", False):
+        return None
+    return getattr(_state(request), "cluster", None)
 
 
 async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> BodyReader:
@@ -134,6 +158,8 @@ async def get_wait_s(
 
 
 Owner = Annotated[str | None, Depends(get_owner)]
+# Declared after Owner in a handler, so the request's signature is checked first.
+ClusterDep = Annotated[Cluster | None, Depends(get_cluster)]
 Body = Annotated[BodyReader, Depends(get_body)]
 ProgramBody = Annotated[BodyReader, Depends(get_program_body)]
 AsJSON = Annotated[bool, Depends(get_as_json)]

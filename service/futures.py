@@ -159,6 +159,10 @@ class FutureStore:
         self.on_final: Callable[[Future], None] | None = None
         # Called with a future's outputs when it lets go of them (buffers on a runtime).
         self.on_release: Callable[[list[Any]], None] | None = None
+        # Called on every change of a future's state (the replicas' mirror, cluster.py).
+        self.on_change: Callable[[Future], None] | None = None
+        # Starts every new id: the replica that holds the future (cluster.py), or "".
+        self.id_prefix = ""
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0, compiling: bool = False) -> Future:
@@ -169,7 +173,7 @@ class FutureStore:
         self._check_owner_limits(need, owner)
         self._check_limits(need)
         now = self._clock()
-        fut = Future(secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
+        fut = Future(self.id_prefix + secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
                      out_tree, now, now + self.ttl_s, need, timings=Timings(compile_s=compile_s))
         if compiling:
             fut.status = FutureStatus.COMPILING
@@ -177,6 +181,7 @@ class FutureStore:
         self.device_bytes += need
         self._live_of[owner] += 1
         self._bytes_of[owner] += need
+        self._changed(fut)
         return fut
 
     def live_of(self, owner: str | None) -> int:
@@ -256,6 +261,7 @@ class FutureStore:
             fut.timings.compile_s = compile_s
             fut.status = FutureStatus.PENDING
             fut._notify()
+            self._changed(fut)
 
     def mark_running(self, fut: Future, queued_s: float) -> None:
         """The execution started."""
@@ -263,11 +269,15 @@ class FutureStore:
             fut.status = FutureStatus.RUNNING
             fut.timings.queued_s = queued_s
             fut._notify()
+            self._changed(fut)
 
     def complete(self, fut: Future, outputs: list[Any], run_s: float) -> None:
         """The execution finished with ``outputs`` (device arrays)."""
         fut.timings.run_s = run_s
         fut.outputs = list(outputs)
+        if fut.status.is_final:  # failed meanwhile (fail_all): nobody may read them
+            self._settle(fut)
+            return
         if fut.removed is None:
             fut.expires_at = self._clock() + self.ttl_s
         self._finish(fut, FutureStatus.DONE)
@@ -313,14 +323,31 @@ class FutureStore:
                          "message": f"its outputs were lost: runtime {runtime.index} {why}"}
             self._settle(fut)
             fut._notify()
+            self._changed(fut)
         return len(lost)
+
+    def fail_all(self, code: str, message: str) -> int:
+        """Fail every live future with ``code`` (its outputs freed); returns how many."""
+        live = [f for f in self._futures.values() if f.status is not FutureStatus.FAILED]
+        for fut in live:
+            if fut.job is not None:
+                fut.job.cancel()
+            fut.error = {"code": code, "message": message}
+            self._finish(fut, FutureStatus.FAILED)
+            self._settle(fut)
+        return len(live)
 
     def _finish(self, fut: Future, status: FutureStatus) -> None:
         fut.status = status
         fut.job = None
         fut._notify()
+        self._changed(fut)
         if self.on_final is not None:
             self.on_final(fut)
+
+    def _changed(self, fut: Future) -> None:
+        if self.on_change is not None:
+            self.on_change(fut)
 
     def release(self, refs: Sequence[tuple[str, int]], owner: str | None) -> tuple[int, int]:
         """Let go of outputs ``(future_id, index)`` of ``owner``'s futures.
@@ -365,6 +392,7 @@ class FutureStore:
             fut.removed = why
         self._settle(fut)  # one still to run settles when it ends
         fut._notify()
+        self._changed(fut)
 
     def _settle(self, fut: Future) -> None:
         """Free the outputs nobody may fetch any more (released, or the future left
@@ -432,6 +460,14 @@ class FutureStore:
 
     def __len__(self) -> int:
         return len(self._futures)
+
+    def live(self) -> list[Future]:
+        """The live futures."""
+        return list(self._futures.values())
+
+    def busy(self) -> int:
+        """How many live futures are still compiling, waiting or running."""
+        return sum(not f.status.is_final for f in self._futures.values())
 
     def clear(self) -> None:
         """Cancel what has not started and forget every future (shutdown)."""

@@ -85,6 +85,12 @@ class Metrics:
         self.redis_bytes = Counter("jitserve_redis_bytes", "bytes moved to and from Redis",
                                    ["direction"], registry=r)
         self._redis_seen = {"errors": 0, "bytes_read": 0, "bytes_written": 0}
+        # Replicas (service/cluster.py): bytes forwarded to and received from other
+        # replicas, and replicas this one saw lost.
+        self.peer_bytes_total = Counter("jitserve_peer_bytes", "bytes moved between replicas",
+                                        ["direction"], registry=r)
+        self.replicas_lost = Counter("jitserve_replicas_lost", "replicas noticed lost",
+                                     registry=r)
         # Memory and connections: requests and connections cut short, and the scratch
         # memory of running programs (service/bodies.py, connections.py, executor.py).
         self.bodies_aborted = Counter("jitserve_request_bodies_aborted",
@@ -137,6 +143,14 @@ class Metrics:
     def transferred(self, direction: str, nbytes: int) -> None:
         """Count array bytes moved ``"in"`` (requests) or ``"out"`` (responses)."""
         self.transfer_bytes.labels(direction).inc(nbytes)
+
+    def peer_bytes(self, direction: str, nbytes: int) -> None:
+        """Count bytes sent to (``"out"``) or received from (``"in"``) another replica."""
+        self.peer_bytes_total.labels(direction).inc(nbytes)
+
+    def replica_lost(self) -> None:
+        """Count a replica noticed lost."""
+        self.replicas_lost.inc()
 
     def body_aborted(self, reason: str) -> None:
         """Count a request body cut short: ``"disconnect"`` or ``"timeout"``."""

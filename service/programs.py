@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.programs import Program
 from jitserve.service.calls import refusal
+from jitserve.service.cluster import Cluster
 from jitserve.service.errors import NotFound
 from jitserve.service.runtimes import RemoteError, RuntimePool
 from jitserve.service.tenants import Tenants
@@ -51,6 +52,9 @@ class ProgramStore:
         self._memory: MemoryCache[Program] = MemoryCache(max_entries, max_bytes)
         self._timeout_s = timeout_s
         self._lock = asyncio.Lock()
+        # The replicas (service/cluster.py): which programs each API key uploaded
+        # through any of them.
+        self.cluster: Cluster | None = None
 
     async def put(self, data: bytes, format: str | None = None,
                   owner: str | None = None) -> tuple[Program, bool]:
@@ -77,13 +81,23 @@ class ProgramStore:
         if program is None:
             program = Program.from_json(reply["program"], data)
             self._memory.put(program_id, program, len(data))
+        if self.cluster is not None and owner is not None:
+            await self.cluster.claim_program(owner, program.program_id)
         created = self._tenants.claim_program(owner, program.program_id, len(data),
                                               stored_before=not stored_now)
         return program, created
 
-    async def get(self, program_id: str, owner: str | None = None) -> Program:
-        """``owner``'s program ``program_id``; ``NotFound`` when it has none by that id."""
-        if not self._tenants.sees_program(owner, program_id):
+    async def get(self, program_id: str, owner: str | None = None, *,
+                  vouched: bool = False) -> Program:
+        """``owner``'s program ``program_id``; ``NotFound`` when it has none by that id.
+
+        ``vouched``: another replica, which checked that the program is ``owner``'s,
+        forwarded the request (``service.cluster``); it becomes ``owner``'s here too.
+        """
+        seen = self._tenants.sees_program(owner, program_id)
+        if not seen and not vouched and (
+                self.cluster is None or owner is None
+                or not await self.cluster.owns_program(owner, program_id)):
             raise _not_found(program_id)
         program = self._memory.get(program_id)
         if program is None:
@@ -92,6 +106,9 @@ class ProgramStore:
                 program = self._memory.get(program_id) or await self._read(program_id, owner)
         if program is None:
             raise _not_found(program_id)
+        if not seen:
+            self._tenants.claim_program(owner, program_id, len(program.payload),
+                                        stored_before=True)
         return program
 
     async def _read(self, program_id: str, owner: str | None) -> Program | None:
@@ -116,6 +133,8 @@ class ProgramStore:
         """
         if not self._tenants.scoped or owner is None:
             await self.get(program_id, owner)  # unscoped: it must exist to be deleted
+        if self.cluster is not None and owner is not None:
+            await self.cluster.drop_program(owner, program_id)
         if not self._tenants.drop_program(owner, program_id):
             raise _not_found(program_id)
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections import defaultdict
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from jitserve.service.bodies import outputs_response
+from jitserve.service.cluster import Cluster, ReplicaLost
 from jitserve.service.deps import (
     AsJSON,
     Body,
+    ClusterDep,
     FutureStoreDep,
     MetricsDep,
     Owner,
@@ -26,6 +30,7 @@ from jitserve.service.errors import (
 )
 from jitserve.service.futures import Future
 from jitserve.service.openapi import errors, message_body, outputs_content
+from jitserve.service.routes.replicas import relay, remote_replica
 from jitserve.service.schemas import (
     DeleteResult,
     FutureView,
@@ -38,7 +43,8 @@ from jitserve.wire import ErrorCode, FutureStatus
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)],
-                   responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND))
+                   responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND,
+                                    ErrorCode.UNAVAILABLE))
 
 OutputsQuery = Annotated[str | None, Query(
     pattern=r"^\d{1,6}(,\d{1,6})*$", max_length=70_000,
@@ -49,7 +55,8 @@ OutputsQuery = Annotated[str | None, Query(
              openapi_extra=message_body(ReleaseRequest, ReleaseRequest, required=True),
              responses=errors(ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                               ErrorCode.PAYLOAD_TOO_LARGE))
-async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner) -> ReleaseResult:
+async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner,
+                          cluster: ClusterDep) -> ReleaseResult:
     """Let go of outputs, as a client's arrays are garbage-collected.
 
     Each output's device memory is freed once no accepted call still has to read
@@ -58,14 +65,45 @@ async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner) -> 
     References to nothing of the caller's are counted in ``unknown``.
     """
     req = parse(ReleaseRequest, await body.message(), "release request")
-    released, unknown = futures.release([(r.future, r.output) for r in req.outputs], owner)
+    refs = [(r.future, r.output) for r in req.outputs]
+    elsewhere: defaultdict[str, list[tuple[str, int]]] = defaultdict(list)
+    if cluster is not None:
+        for ref in refs:
+            if (rid := remote_replica(cluster, ref[0])) is not None:
+                elsewhere[rid].append(ref)
+        refs = [r for r in refs if remote_replica(cluster, r[0]) is None]
+    released, unknown = futures.release(refs, owner)
+    if elsewhere:
+        assert cluster is not None
+        counts = await asyncio.gather(*(_release_at(cluster, rid, group, owner)
+                                        for rid, group in elsewhere.items()))
+        released += sum(r for r, _ in counts)
+        unknown += sum(u for _, u in counts)
     return ReleaseResult(released=released, unknown=unknown)
+
+
+async def _release_at(cluster: Cluster, rid: str, refs: list[tuple[str, int]],
+                      owner: str | None) -> tuple[int, int]:
+    """Release ``refs`` at replica ``rid``; a lost replica's are already gone (unknown)."""
+    body = ReleaseRequest.model_validate(
+        {"outputs": [{"future": f, "output": k} for f, k in refs]}).model_dump_json().encode()
+    try:
+        async with cluster.forward(rid, "POST", "/v1/futures/release", owner, content=body,
+                                   headers={"content-type": "application/json"}) as answer:
+            doc = ReleaseResult.model_validate_json(await answer.aread())
+    except ReplicaLost:
+        return 0, len(refs)
+    return doc.released, doc.unknown
 
 
 @router.get("/{future_id}", response_model=FutureView, responses=errors(ErrorCode.BAD_REQUEST))
 async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
-                     wait: WaitSeconds) -> FutureView:
+                     cluster: ClusterDep, wait: WaitSeconds) -> FutureView:
     """The future's status; ``?wait=<ms>`` long-polls until the status changes."""
+    if remote_replica(cluster, future_id) is not None:
+        assert cluster is not None
+        doc = await cluster.wait_change(future_id, owner, None, wait)
+        return FutureView.model_validate(doc)
     fut = futures.get(future_id, owner)
     if wait and not fut.status.is_final:
         await fut.wait_change(fut.status, wait)
@@ -76,11 +114,15 @@ async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
             responses={200: {"description": "the outputs (msgpack, or JSON on Accept)",
                              "content": outputs_content()},
                        **errors(ErrorCode.BAD_REQUEST, ErrorCode.FUTURE_PENDING,
-                                ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED)})
-async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDep,
-                     runtimes: RuntimesDep, owner: Owner, wait: WaitSeconds,
-                     as_json: AsJSON, outputs: OutputsQuery = None) -> Response:
+                                ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED,
+                                ErrorCode.REPLICA_LOST)})
+async def get_result(future_id: str, request: Request, futures: FutureStoreDep,
+                     metrics: MetricsDep, runtimes: RuntimesDep, owner: Owner,
+                     cluster: ClusterDep, wait: WaitSeconds, as_json: AsJSON,
+                     outputs: OutputsQuery = None) -> Response:
     """The outputs of a done future (``?outputs=0,2``: those); ``?wait=<ms>`` waits first."""
+    if (rid := remote_replica(cluster, future_id)) is not None:
+        return await _relay(cluster, rid, request, future_id, owner, wait)
     fut = futures.get(future_id, owner)
     which = None if outputs is None else [int(k) for k in outputs.split(",")]
     for k in which or ():
@@ -94,16 +136,31 @@ async def get_result(future_id: str, futures: FutureStoreDep, metrics: MetricsDe
 
 
 @router.delete("/{future_id}", response_model=DeleteResult, response_model_exclude_none=True)
-async def delete_future(future_id: str, futures: FutureStoreDep, owner: Owner) -> DeleteResult:
+async def delete_future(future_id: str, request: Request, futures: FutureStoreDep,
+                        owner: Owner, cluster: ClusterDep) -> Response | DeleteResult:
     """Cancel the future, and free its outputs.
 
     A running execution is stopped when nothing else runs on its runtime;
     otherwise it runs on (to its end or its deadline), ``detail`` says why, and
     its outputs are dropped when it ends.
     """
+    if (rid := remote_replica(cluster, future_id)) is not None:
+        return await _relay(cluster, rid, request, future_id, owner)
     fut = futures.get(future_id, owner)
     status, detail = futures.delete(fut)
     return DeleteResult(future_id=fut.future_id, status=status.value, detail=detail)
+
+
+async def _relay(cluster: Cluster | None, rid: str, request: Request, future_id: str,
+                 owner: str | None, wait_s: float = 0.0) -> Response:
+    """The answer of replica ``rid``, which holds the future; ``ReplicaLost`` (once the
+    future is known to be the caller's) when that replica is gone."""
+    assert cluster is not None
+    try:
+        return await relay(cluster, rid, request, owner, wait_s=wait_s)
+    except ReplicaLost:
+        await cluster.metadata(future_id, owner)  # NotFound if it is none of the caller's
+        raise
 
 
 def _raise_unless_done(fut: Future) -> None:

@@ -1,0 +1,548 @@
+"""Many replicas, one service: futures any replica can answer for, over Redis.
+
+With ``REDIS_URL`` set, every ``jitserve serve`` process is a *replica* of one
+service (docs/deploy.md, "Many replicas"). A future stays where it was computed:
+its outputs live on its replica's device and are never copied into Redis. What
+Redis holds is what the others need to answer for it:
+
+- **Who is alive.** Each replica writes ``replica:<id>`` (its peer URL, whether
+  it drains) every ``heartbeat_s``, expiring after three periods. A replica whose
+  key expired is *lost*: the first to notice writes ``lost:<id>``, and from then
+  on its futures report ``failed`` with ``replica_lost`` everywhere.
+- **Each future's metadata** (``future:<id>``: owner digest, status, avals,
+  error, timings), mirrored on every change by one writer task that batches the
+  changes into a pipeline, and kept as long as the future. A change is published
+  on one channel; a long-poll on another replica waits for it there, never polls.
+  An execute is answered only once its future's metadata is written, so no
+  replica ever denies a future that was accepted.
+
+A future's id starts with its replica's id (``<replica>.<token>``), so any
+replica knows where its data is without asking. A request for another replica's
+future is answered from the metadata (status, long-poll) or *forwarded* to that
+replica (result, delete, release, and an execute whose inputs live there, which
+then runs there: data moves only when one call reads futures of two replicas).
+Forwarded requests go to the public routes with an ``X-Jitserve-Peer`` header:
+an HMAC of the time, method, path and owner under ``JITSERVE_PEER_SECRET``,
+which clients cannot make; a signed request is served locally, as its owner.
+
+Redis down: each replica keeps serving its own futures, ``/readyz`` says the
+cluster is degraded, and another replica's futures answer ``503 unavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from jitserve.compiler import RedisSettings
+from jitserve.service.errors import FutureFailed, NotFound, Unauthorized, Unavailable
+from jitserve.service.futures import Future
+from jitserve.service.metrics import Metrics
+from jitserve.wire import ErrorCode, FutureStatus
+
+__all__ = ["PEER_HEADER", "OWNER_HEADER", "Cluster", "Peer", "ReplicaLost", "replica_of"]
+
+log = logging.getLogger("jitserve.cluster")
+
+PEER_HEADER = "x-jitserve-peer"
+OWNER_HEADER = "x-jitserve-owner"
+_ID_HEX = 10  # a replica id: 40 random bits, as hex
+_CLOCK_SKEW_S = 60.0  # a signed request older (or newer) than this is refused
+_FLUSH_WAIT_S = 1.0  # the longest an execute waits for its metadata to be written
+_CLAIM_TTL_S = 30 * 86400  # an API key's programs are remembered this long after an upload
+
+
+class ReplicaLost(FutureFailed):
+    """The replica holding a future is gone: the future failed with ``replica_lost``."""
+
+    code = ErrorCode.REPLICA_LOST
+
+
+def replica_of(future_id: str) -> str | None:
+    """The id of the replica that holds ``future_id`` (``None`` for an id of no replica)."""
+    head, sep, _ = future_id.partition(".")
+    if sep and len(head) == _ID_HEX and all(c in "0123456789abcdef" for c in head):
+        return head
+    return None
+
+
+class Peer:
+    """Another replica, as its heartbeat describes it."""
+
+    __slots__ = ("draining", "replica_id", "url")
+
+    def __init__(self, replica_id: str, url: str, draining: bool) -> None:
+        self.replica_id = replica_id
+        self.url = url.rstrip("/")
+        self.draining = draining
+
+    @classmethod
+    def from_json(cls, replica_id: str, raw: bytes | str) -> Peer:
+        doc = json.loads(raw)
+        return cls(replica_id, str(doc["url"]), bool(doc.get("draining")))
+
+
+class Cluster:
+    """This replica's place among the others (one per server process).
+
+    Args:
+      redis: the shared Redis (its ``key_prefix`` names this deployment).
+      peer_url: where the other replicas reach this one.
+      secret: the key of forwarded requests' signatures (the same on every replica).
+      heartbeat_s: how often this replica says it is alive.
+      future_ttl_s: how long futures live (how long a lost replica is remembered).
+      metrics: where bytes moved between replicas are counted.
+    """
+
+    def __init__(self, redis: RedisSettings, *, peer_url: str, secret: bytes,
+                 heartbeat_s: float, future_ttl_s: float, metrics: Metrics) -> None:
+        self.replica_id = secrets.token_hex(_ID_HEX // 2)
+        self.peer_url = peer_url.rstrip("/")
+        self.heartbeat_s = heartbeat_s
+        self.draining = False
+        self.state = "starting"  # "ok" once Redis answered, "degraded" while it does not
+        self.on_self_lost: Callable[[str, str], None] | None = None  # (old id, new id)
+        self._secret = secret
+        self._metrics = metrics
+        self._ns = f"{redis.key_prefix}cluster:"
+        self._ttl_ms = int(3 * heartbeat_s * 1000)
+        self._lost_ttl_ms = int((2 * future_ttl_s + 60) * 1000)
+        self._redis = aioredis.Redis.from_url(
+            redis.url, socket_connect_timeout=redis.connect_timeout_s,
+            socket_timeout=max(redis.socket_timeout_s, 2 * heartbeat_s), health_check_interval=30)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0),
+                                       limits=httpx.Limits(max_connections=256,
+                                                           max_keepalive_connections=64))
+        self._peers: dict[str, Peer] = {}
+        self._lost: dict[str, float] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._dirty: dict[str, Future] = {}
+        self._dirty_event = asyncio.Event()
+        self._writing: dict[str, Future] = {}  # the batch being written
+        self._written_event = asyncio.Event()
+        self._resync: Callable[[], list[Future]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.started = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self, live: Callable[[], list[Future]]) -> None:
+        """Join: first heartbeat (if Redis answers), then the background tasks.
+
+        ``live``: this replica's live futures, written again after Redis was down.
+        """
+        self._resync = live
+        with contextlib.suppress(RedisError, OSError):
+            await self._beat()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._beat_forever(), name="jitserve-heartbeat"),
+                       loop.create_task(self._write_forever(), name="jitserve-mirror"),
+                       loop.create_task(self._listen_forever(), name="jitserve-listen")]
+        log.info("replica %s joined at %s (cluster %s, heartbeat %.1fs)", self.replica_id,
+                 self.peer_url, self.state, self.heartbeat_s,
+                 extra={"fields": {"replica": self.replica_id, "peer_url": self.peer_url,
+                                   "cluster": self.state}})
+
+    async def leave(self, futures: Sequence[Future]) -> None:
+        """Go: ``futures`` (those still held) report ``replica_lost`` from now on."""
+        for fut in futures:
+            if fut.removed is None:
+                self._dirty[fut.future_id] = fut
+        with contextlib.suppress(RedisError, OSError):
+            await self._flush(lost=True)
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(self._key("lost", self.replica_id), "left", px=self._lost_ttl_ms)
+            pipe.delete(self._key("replica", self.replica_id))
+            pipe.zrem(self._key("replicas"), self.replica_id)
+            pipe.publish(self._key("events"), f"lost {self.replica_id}")
+            await pipe.execute()
+        log.info("replica %s left the cluster", self.replica_id)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._http.aclose()
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.aclose()
+
+    def _key(self, *parts: str) -> str:
+        return self._ns + ":".join(parts)
+
+    def _set_state(self, state: str, why: object = None) -> None:
+        if state != self.state:
+            level = logging.WARNING if state == "degraded" else logging.INFO
+            log.log(level, "cluster %s%s", state, f": {why}" if why else "",
+                    extra={"fields": {"cluster": state, "replica": self.replica_id}})
+            self.state = state
+            if state == "ok" and self._resync is not None:
+                for fut in self._resync():  # what was not written while Redis was away
+                    self._mark(fut)
+
+    # -- heartbeats and membership ---------------------------------------------------
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self._beat()
+            except (RedisError, OSError) as e:
+                self._set_state("degraded", e)
+            except Exception:  # a bug must not stop the heartbeat for good
+                log.exception("heartbeat failed")
+
+    async def _beat(self) -> None:
+        """Say this replica is alive, and notice the others that are not."""
+        me = self.replica_id
+        doc = json.dumps({"url": self.peer_url, "draining": self.draining,
+                          "started": self.started})
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.exists(self._key("lost", me))
+        pipe.set(self._key("replica", me), doc, px=self._ttl_ms)
+        pipe.zadd(self._key("replicas"), {me: time.time()})
+        pipe.zrange(self._key("replicas"), 0, -1)
+        was_lost, _, _, members = await pipe.execute()
+        self._set_state("ok")
+        if was_lost:
+            await self._rejoin()
+            return
+        others = [m.decode() for m in members if m.decode() != me]
+        docs = await self._redis.mget([self._key("replica", r) for r in others]) if others else []
+        for rid, raw in zip(others, docs):
+            if raw is None:
+                await self._declare_lost(rid, "stopped sending heartbeats")
+            else:
+                self._peers[rid] = Peer.from_json(rid, raw)
+
+    async def _declare_lost(self, rid: str, why: str) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self._key("lost", rid), why, px=self._lost_ttl_ms, nx=True)
+        pipe.zrem(self._key("replicas"), rid)
+        pipe.publish(self._key("events"), f"lost {rid}")
+        first, _, _ = await pipe.execute()
+        if first:
+            log.warning("replica %s lost: %s; its futures fail with replica_lost", rid, why,
+                        extra={"fields": {"replica": rid, "why": why}})
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._peers.pop(rid, None)
+        if rid not in self._lost:
+            self._metrics.replica_lost()
+        self._lost[rid] = time.monotonic()
+        self._wake(lambda fid: replica_of(fid) == rid)
+        horizon = time.monotonic() - self._lost_ttl_ms / 1000
+        for old in [r for r, t in self._lost.items() if t < horizon]:
+            del self._lost[old]
+
+    async def _rejoin(self) -> None:
+        """The others declared this replica lost (Redis did not hear it for too long):
+        its futures fail here too, as they do there, and it joins under a new id."""
+        old, self.replica_id = self.replica_id, secrets.token_hex(_ID_HEX // 2)
+        log.error("replica %s was declared lost while it ran (Redis did not hear from it); "
+                  "its futures fail with replica_lost, and it rejoins as %s", old,
+                  self.replica_id)
+        if self.on_self_lost is not None:
+            self.on_self_lost(old, self.replica_id)
+        await self._beat()
+
+    async def beat_now(self) -> None:
+        """A heartbeat now (to tell the others at once that this replica drains)."""
+        try:
+            await self._beat()
+        except (RedisError, OSError) as e:
+            self._set_state("degraded", e)
+
+    def alive(self) -> list[Peer]:
+        """The other replicas that were alive at the last heartbeat."""
+        return list(self._peers.values())
+
+    async def peer(self, rid: str) -> Peer:
+        """The live replica ``rid``; ``ReplicaLost`` when it is gone, ``Unavailable``
+        when Redis cannot say."""
+        peer = self._peers.get(rid)
+        if peer is not None:
+            return peer
+        if rid in self._lost:
+            raise _lost(rid)
+        try:  # a replica newer than our last heartbeat, or one never seen
+            raw = await self._redis.get(self._key("replica", rid))
+        except (RedisError, OSError) as e:
+            raise self._unreachable(e) from None
+        if raw is None:
+            raise _lost(rid)
+        peer = self._peers[rid] = Peer.from_json(rid, raw)
+        return peer
+
+    def _unreachable(self, e: BaseException) -> Unavailable:
+        self._set_state("degraded", e)
+        return Unavailable("this future is held by another replica, and Redis (which says "
+                           f"where replicas are) cannot be reached: {type(e).__name__}; "
+                           "retry, or ask the replica that made it")
+
+    # -- the futures' metadata ---------------------------------------------------------
+
+    def changed(self, fut: Future) -> None:
+        """``FutureStore.on_change``: write ``fut``'s state (soon, with others)."""
+        self._mark(fut)
+
+    def _mark(self, fut: Future) -> None:
+        self._dirty[fut.future_id] = fut
+        self._dirty_event.set()
+
+    async def written(self, fut: Future) -> None:
+        """Wait until ``fut`` is in Redis (briefly, and not while Redis is down)."""
+        if self.state == "degraded":
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_FLUSH_WAIT_S):
+                while fut.future_id in self._dirty or fut.future_id in self._writing:
+                    await self._written_event.wait()
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._dirty_event.wait()
+            self._dirty_event.clear()
+            try:
+                await self._flush()
+            except (RedisError, OSError) as e:
+                self._set_state("degraded", e)  # rewritten when it is back (_set_state)
+            except Exception:
+                log.exception("writing futures' metadata failed")
+
+    async def _flush(self, *, lost: bool = False) -> None:
+        batch = self._writing = self._dirty
+        self._dirty = {}
+        try:
+            await self._write(batch, lost)
+        finally:
+            self._writing = {}
+            self._written_event.set()
+            self._written_event = asyncio.Event()
+
+    async def _write(self, batch: dict[str, Future], lost: bool) -> None:
+        if batch:
+            pipe = self._redis.pipeline(transaction=False)
+            for fid, fut in batch.items():
+                key = self._key("future", fid)
+                if fut.removed is not None:
+                    pipe.delete(key)
+                else:
+                    doc = _metadata(fut, self.replica_id, lost)
+                    pipe.set(key, json.dumps(doc, default=str),
+                             pxat=int((max(fut.expires_at, time.time()) + 1) * 1000))
+                pipe.publish(self._key("events"), f"future {fid}")
+            await pipe.execute()
+
+    async def metadata(self, future_id: str, owner: str | None) -> dict[str, Any]:
+        """Another replica's future as ``GET /v1/futures/{id}`` shows it.
+
+        ``NotFound`` when it is unknown or not ``owner``'s; a future whose replica is
+        lost reads ``failed`` with ``replica_lost`` (its outputs went with it).
+        """
+        rid = replica_of(future_id)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.get(self._key("future", future_id))
+            pipe.exists(self._key("replica", rid or "-"))
+            raw, alive = await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise self._unreachable(e) from None
+        if raw is None:
+            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+        doc = json.loads(raw)
+        if not _same_owner(doc.pop("owner", None), owner):
+            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+        lost = not alive or (rid is not None and rid in self._lost)
+        status = doc["status"]
+        if lost and rid is not None and (status == FutureStatus.DONE or status not in _FINAL):
+            doc["status"] = FutureStatus.FAILED.value
+            doc["error"] = _lost_error(rid)
+        doc.pop("replica", None)
+        return doc
+
+    async def wait_change(self, future_id: str, owner: str | None, seen: str | None,
+                          timeout: float) -> dict[str, Any]:
+        """``metadata`` once its status is no longer ``seen`` (or final), or after
+        ``timeout`` seconds; woken by the owner's publication, never by polling."""
+        deadline = time.monotonic() + timeout
+        while True:
+            event = asyncio.Event()
+            self._waiters.setdefault(future_id, set()).add(event)
+            try:
+                doc = await self.metadata(future_id, owner)
+                left = deadline - time.monotonic()
+                if doc["status"] in _FINAL or (seen is not None and doc["status"] != seen) \
+                        or left <= 0:
+                    return doc
+                seen = doc["status"]
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await event.wait()
+            finally:
+                waiting = self._waiters.get(future_id)
+                if waiting is not None:
+                    waiting.discard(event)
+                    if not waiting:
+                        del self._waiters[future_id]
+
+    def _wake(self, which: Callable[[str], bool]) -> None:
+        for fid in [f for f in self._waiters if which(f)]:
+            for event in self._waiters.get(fid, ()):
+                event.set()
+
+    async def _listen_forever(self) -> None:
+        """Wake the long-polls of this replica when the futures they wait for change."""
+        channel = self._key("events")
+        backoff = 0.1
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                backoff = 0.1
+                self._wake(lambda _fid: True)  # anything missed while away: read it again
+                async for message in pubsub.listen():
+                    kind, _, name = message["data"].decode().partition(" ")
+                    if kind == "future":
+                        self._wake(name.__eq__)
+                    elif kind == "lost" and name != self.replica_id:
+                        self._forget(name)
+            except (RedisError, OSError) as e:
+                self._set_state("degraded", e)
+            except Exception:
+                log.exception("listening for futures' changes failed")
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 5.0)
+
+    # -- who owns which program (API keys on) ------------------------------------------
+
+    async def claim_program(self, owner: str, program_id: str) -> None:
+        """Note that ``owner`` uploaded ``program_id``, for the other replicas."""
+        key = self._key("programs", owner)
+        with contextlib.suppress(RedisError, OSError):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.sadd(key, program_id)
+            pipe.expire(key, _CLAIM_TTL_S)
+            await pipe.execute()
+
+    async def owns_program(self, owner: str, program_id: str) -> bool:
+        """Whether ``owner`` uploaded ``program_id`` through any replica."""
+        with contextlib.suppress(RedisError, OSError):
+            return bool(await self._redis.sismember(self._key("programs", owner), program_id))
+        return False
+
+    async def drop_program(self, owner: str, program_id: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.srem(self._key("programs", owner), program_id)
+
+    # -- forwarding ----------------------------------------------------------------------
+
+    def sign(self, method: str, path: str, owner: str | None) -> str:
+        """The ``X-Jitserve-Peer`` value of a request this replica forwards."""
+        stamp = f"{time.time():.3f}"
+        mac = hmac.new(self._secret, _signed(stamp, method, path, owner), hashlib.sha256)
+        return f"{self.replica_id}.{stamp}.{mac.hexdigest()}"
+
+    def check(self, value: str, method: str, path: str, owner: str | None) -> None:
+        """``Unauthorized`` unless ``value`` is a fresh signature of this request."""
+        _, _, rest = value.partition(".")
+        stamp, _, mac = rest.rpartition(".")
+        try:
+            fresh = abs(time.time() - float(stamp)) <= _CLOCK_SKEW_S
+        except ValueError:
+            fresh = False
+        want = hmac.new(self._secret, _signed(stamp, method, path, owner), hashlib.sha256)
+        if not fresh or not hmac.compare_digest(want.hexdigest(), mac):
+            raise Unauthorized("bad or stale peer signature (replicas must share "
+                               "JITSERVE_PEER_SECRET and keep their clocks within a minute)")
+
+    @contextlib.asynccontextmanager
+    async def forward(self, rid: str, method: str, path: str, owner: str | None, *,
+                      params: dict[str, str] | None = None, content: bytes | None = None,
+                      headers: dict[str, str] | None = None,
+                      wait_s: float = 0.0) -> AsyncIterator[httpx.Response]:
+        """Send a request to replica ``rid`` as ``owner``; yields its (streamed) answer.
+
+        ``ReplicaLost`` when ``rid`` is gone (before, or by the time it fails to answer).
+        """
+        peer = await self.peer(rid)
+        sent = {**(headers or {}), PEER_HEADER: self.sign(method, path, owner),
+                OWNER_HEADER: owner or ""}
+        timeout = httpx.Timeout(30.0 + wait_s, connect=2.0)
+        request = self._http.build_request(method, peer.url + path, params=params,
+                                           content=content, headers=sent, timeout=timeout)
+        if content:
+            self._metrics.peer_bytes("out", len(content))
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.TransportError as e:
+            if await self._gone(rid):
+                raise _lost(rid) from None
+            raise Unavailable(f"replica {rid} at {peer.url} did not answer: "
+                              f"{type(e).__name__}") from None
+        try:
+            yield response
+        finally:
+            await response.aclose()
+
+    async def _gone(self, rid: str) -> bool:
+        with contextlib.suppress(RedisError, OSError):
+            if not await self._redis.exists(self._key("replica", rid)):
+                self._forget(rid)
+                return True
+        return False
+
+    def received(self, nbytes: int) -> None:
+        """Count bytes that came from another replica."""
+        self._metrics.peer_bytes("in", nbytes)
+
+
+_FINAL = {s.value for s in FutureStatus if s.is_final}
+
+
+def _signed(stamp: str, method: str, path: str, owner: str | None) -> bytes:
+    return f"{stamp}\n{method.upper()}\n{path}\n{owner or ''}".encode()
+
+
+def _lost_error(rid: str) -> dict[str, str]:
+    return {"code": ErrorCode.REPLICA_LOST.value,
+            "message": f"replica {rid}, which held this future, is gone (crashed, or drained "
+                       "and stopped); its outputs went with it: run the call again"}
+
+
+def _lost(rid: str) -> ReplicaLost:
+    error = _lost_error(rid)
+    return ReplicaLost(error["message"], cause=error)
+
+
+def _metadata(fut: Future, replica_id: str, lost: bool) -> dict[str, Any]:
+    from jitserve.service.schemas import FutureView  # schemas imports futures: no cycle
+
+    doc = FutureView.of(fut).model_dump(mode="json")
+    if lost and not (fut.status.is_final and fut.status is not FutureStatus.DONE):
+        doc["status"] = FutureStatus.FAILED.value
+        doc["error"] = _lost_error(replica_id)
+    doc["owner"] = fut.owner
+    doc["replica"] = replica_id
+    return doc
+
+
+def _same_owner(have: str | None, want: str | None) -> bool:
+    if have is None or want is None:
+        return have is want
+    return hmac.compare_digest(have, want)

@@ -1,0 +1,368 @@
+"""Three ``jitserve serve`` replicas, one Redis, behind a real haproxy (docs/deploy.md).
+
+haproxy balances every request on its own (round robin, HTTP mode), so an SDK
+call's upload, execute, status and result may each land on another replica.
+The module's replicas share one private ``redis-server``; the tests run in file
+order and the last ones are destructive: a replica SIGTERMed (drain), a replica
+SIGKILLed, then Redis stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from corpus import CASES, Case, assert_outputs_match, expected
+from redis_server import RedisServer, free_port
+
+from jitserve import wire
+from jitserve.client import Client
+
+pytestmark = pytest.mark.timeout(300)
+jax.config.update("jax_enable_x64", True)
+
+HEARTBEAT_S = 0.5
+# A lost replica's key expires after 3 heartbeats; the others notice at their next one.
+LOST_WITHIN_S = 4 * HEARTBEAT_S + 2.0
+SECRET = "replicas-e2e-cache-secret-" + "9f1c" * 8
+KEYS = ("replicas-alice-0123456789", "replicas-bob-0123456789")
+AUTH = {"authorization": f"Bearer {KEYS[0]}"}
+MP = {"content-type": wire.MSGPACK, "accept": wire.MSGPACK, **AUTH}
+
+
+class Replica:
+    """One ``jitserve serve`` process of the module."""
+
+    def __init__(self, tmp: Path, name: str, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"{name}.log"
+        (tmp / name).mkdir()
+        full = {k: v for k, v in os.environ.items()
+                if not k.startswith("JITSERVE_") and k != "REDIS_URL"}
+        full.update(env)
+        cmd = [sys.executable, "-m", "jitserve.service", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--cache-dir", str(tmp / name / "cache")]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full)
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"replica exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        pytest.fail(f"replica not ready:\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def replica_id(self) -> str:
+        return str(httpx.get(f"{self.url}/readyz", timeout=5).json()["replica"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def _env(redis_url: str, **more: str) -> dict[str, str]:
+    return {"REDIS_URL": redis_url, "JITSERVE_REDIS_PREFIX": "replicas",
+            "JITSERVE_CACHE_SECRET": SECRET, "JITSERVE_HEARTBEAT_S": str(HEARTBEAT_S),
+            "JITSERVE_RUNTIMES": "1", "JITSERVE_LOG_LEVEL": "info",
+            "JITSERVE_FUTURE_TTL_S": "300", "JITSERVE_DRAIN_TIMEOUT_S": "1",
+            "JITSERVE_API_KEYS": ",".join(KEYS), **more}
+
+
+HAPROXY_CFG = """\
+global
+    maxconn 512
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 300s
+    timeout server 300s
+    option redispatch
+    retries 2
+frontend jitserve
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance roundrobin
+    option httpchk GET /readyz
+    http-check expect status 200
+    default-server inter 300ms fall 2 rise 1
+{servers}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A private Redis, three replicas and haproxy in front of them."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    with RedisServer(tmp / "redis") as redis_server:
+        env = _env(redis_server.url)
+        replicas = [Replica(tmp, f"r{i}", env) for i in range(3)]
+        proxy = None
+        try:
+            for r in replicas:
+                r.wait_ready()
+            port = free_port()
+            servers = "\n".join(f"    server r{i} 127.0.0.1:{r.port} check"
+                                for i, r in enumerate(replicas))
+            cfg = tmp / "haproxy.cfg"
+            cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
+            with (tmp / "haproxy.log").open("wb") as proxy_log:
+                proxy = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"],
+                                         stdout=proxy_log, stderr=subprocess.STDOUT)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.1)
+            yield {"url": url, "replicas": replicas, "redis": redis_server, "env": env,
+                   "tmp": tmp}
+        finally:
+            if proxy is not None:
+                proxy.terminate()
+                proxy.wait(10)
+            for r in replicas:
+                r.stop()
+
+
+def _peer_bytes(url: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("jitserve_peer_bytes_total{"):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def _export(fn: Any, *specs: Any) -> bytes:
+    return bytes(jax.export.export(jax.jit(fn))(*specs).serialize())
+
+
+def _upload(url: str, data: bytes) -> str:
+    r = httpx.post(f"{url}/v1/programs", content=data, timeout=60,
+                   headers={"content-type": wire.OCTET_STREAM, **AUTH})
+    assert r.status_code in (200, 201), r.text
+    return str(r.json()["program_id"])
+
+
+def _execute(url: str, pid: str, args: list[Any], **params: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/programs/{pid}/execute", params=params, timeout=120,
+                      content=wire.packb({"args": args}), headers=MP)
+
+
+def test_sdk_runs_the_corpus_through_the_balancer(cluster: dict[str, Any]) -> None:
+    replicas = cluster["replicas"]
+    ids = {r.replica_id for r in replicas}
+    seen: set[str] = set()
+    with Client(cluster["url"], api_key=KEYS[0], timeout=180, progress=False) as client:
+        cases: list[Case] = list(CASES)
+        for case in cases:
+            out = client.jit(case.fn)(*case.args())
+            leaves = jax.tree_util.tree_leaves(out)
+            seen.update(leaf.future_id.partition(".")[0] for leaf in leaves)
+            assert_outputs_match(case, [np.asarray(leaf) for leaf in leaves], expected(case))
+    assert seen <= ids
+    assert len(seen) == 3, f"every replica should have run some calls, got {seen}"
+
+
+def test_a_chain_of_twenty_steps_hops_replicas(cluster: dict[str, Any]) -> None:
+    replicas = cluster["replicas"]
+    before = sum(_peer_bytes(r.url) for r in replicas)
+    def fn(w: Any, x: Any) -> Any:
+        return jnp.tanh(w @ x) + 0.5 * w, jnp.sum(w)
+
+    step = jax.jit(fn)
+    w0, x = np.eye(8) * 0.5 + 0.01, np.linspace(-1, 1, 64).reshape(8, 8)
+    with Client(cluster["url"], api_key=KEYS[0], timeout=120, progress=False) as client:
+        remote = client.jit(fn)
+        w, local = client.device_put(w0), w0
+        where = []
+        for _ in range(20):
+            w, s = remote(w, x)
+            local, s_local = step(local, x)
+            where.append(w.future_id.partition(".")[0])
+        np.testing.assert_allclose(np.asarray(w), np.asarray(local), rtol=1e-12)
+        np.testing.assert_allclose(float(s), float(s_local), rtol=1e-12)
+    # The chain runs where its data is: every step on the replica of the first.
+    assert len(set(where)) == 1, where
+    moved = sum(_peer_bytes(r.url) for r in replicas) - before
+    print(f"bytes moved between replicas over the chain: {moved:.0f}")
+    assert moved > 0  # executes and results were forwarded to the data's replica
+
+
+def test_any_replica_answers_status_long_poll_result_and_delete(cluster: dict[str, Any]) -> None:
+    a, b, c = cluster["replicas"]
+    pid = _upload(a.url, _export(lambda x: jnp.cumsum(x) * 2,
+                                 jax.ShapeDtypeStruct((5,), np.float64)))
+    x = np.arange(5.0)
+    r = _execute(a.url, pid, [x])
+    assert r.status_code == 202, r.text
+    fid = r.json()["future_id"]
+    assert fid.startswith(a.replica_id + ".")
+    # Long-poll on B until done (woken through Redis), then fetch through C.
+    status = httpx.get(f"{b.url}/v1/futures/{fid}", params={"wait": 30_000}, timeout=60,
+                       headers=AUTH).json()
+    if status["status"] != "done":
+        status = httpx.get(f"{b.url}/v1/futures/{fid}", params={"wait": 30_000},
+                           timeout=60, headers=AUTH).json()
+    assert status["status"] == "done", status
+    assert status["out_avals"] == [{"shape": [5], "dtype": "float64"}]
+    got = httpx.get(f"{c.url}/v1/futures/{fid}/result", headers={"accept": wire.MSGPACK, **AUTH},
+                    timeout=60)
+    assert got.status_code == 200, got.text
+    np.testing.assert_array_equal(wire.unpackb(got.content)["outputs"][0], np.cumsum(x) * 2)
+    as_json = httpx.get(f"{c.url}/v1/futures/{fid}/result", timeout=60,
+                        headers={"accept": "application/json", **AUTH})
+    assert as_json.headers["content-type"].startswith("application/json")
+    assert as_json.json()["outputs"][0]["data"] == (np.cumsum(x) * 2).tolist()
+    # Another API key sees nothing of it, on any replica.
+    bob = {"authorization": f"Bearer {KEYS[1]}"}
+    for replica in (a, b, c):
+        for path in (f"/v1/futures/{fid}", f"/v1/futures/{fid}/result"):
+            r = httpx.get(f"{replica.url}{path}", headers=bob, timeout=30)
+            assert r.status_code == 404, (replica.url, path, r.text)
+    # Chained through B: runs on A, where the input is.
+    r2 = _execute(b.url, pid, [{"future": fid, "output": 0}], wait=30_000)
+    assert r2.status_code == 200, r2.text
+    np.testing.assert_array_equal(wire.unpackb(r2.content)["outputs"][0],
+                                  np.cumsum(np.cumsum(x) * 2) * 2)
+    assert wire.unpackb(r2.content)["future_id"].startswith(a.replica_id + ".")
+    # Deleted through C: gone everywhere.
+    d = httpx.delete(f"{c.url}/v1/futures/{fid}", timeout=30, headers=AUTH)
+    assert d.status_code == 200, d.text
+    for replica in (a, b, c):
+        gone = httpx.get(f"{replica.url}/v1/futures/{fid}", timeout=30, headers=AUTH)
+        assert gone.status_code == 404, (replica.url, gone.text)
+    # Unknown ids, and forged peer requests, are refused.
+    unknown = httpx.get(f"{b.url}/v1/futures/{a.replica_id}.nope", timeout=30, headers=AUTH)
+    assert unknown.status_code == 404, unknown.text
+    forged = httpx.get(f"{a.url}/v1/futures/{fid}", timeout=30,
+                       headers={"x-jitserve-peer": f"{b.replica_id}.{time.time()}.00",
+                                "x-jitserve-owner": ""})
+    assert forged.status_code == 401, forged.text
+
+
+def test_inputs_on_two_replicas_meet_on_one(cluster: dict[str, Any]) -> None:
+    a, b, _ = cluster["replicas"]
+    spec = jax.ShapeDtypeStruct((4,), np.float32)
+    pid = _upload(a.url, _export(lambda x, y: x * y + 1, spec, spec))
+    put_a = httpx.post(f"{a.url}/v1/arrays", content=wire.packb(
+        {"arrays": [np.arange(4, dtype=np.float32)]}), headers=MP, timeout=30).json()
+    put_b = httpx.post(f"{b.url}/v1/arrays", content=wire.packb(
+        {"arrays": [np.full(4, 3, dtype=np.float32)]}), headers=MP, timeout=30).json()
+    refs = [{"future": put_a["future_id"], "output": 0}, {"future": put_b["future_id"], "output": 0}]
+    r = _execute(b.url, pid, refs, wait=30_000)
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0],
+                                  np.arange(4, dtype=np.float32) * 3 + 1)
+
+
+def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any]) -> None:
+    a = cluster["replicas"][0]
+    extra = Replica(cluster["tmp"], "drained", {**cluster["env"], "JITSERVE_DRAIN_TIMEOUT_S": "60"})
+    try:
+        extra.wait_ready()
+        slow = _export(lambda x: jax.lax.fori_loop(0, 400, lambda i, v: jnp.sin(v @ v.T) / 64, x),
+                       jax.ShapeDtypeStruct((256, 256), np.float32))
+        pid = _upload(extra.url, slow)
+        x = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+        fids = [_execute(extra.url, pid, [x]).json()["future_id"] for _ in range(3)]
+        extra.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        ready = httpx.get(f"{extra.url}/readyz", timeout=10)
+        assert ready.status_code == 503 and not ready.json()["error"]["checks"]["draining"]
+        refused = _execute(extra.url, pid, [x])
+        assert refused.status_code == 503 and "retry-after" in refused.headers, refused.text
+        # In-flight executions finish; their results come through another replica.
+        want = np.asarray(jax.jit(lambda x: jax.lax.fori_loop(
+            0, 400, lambda i, v: jnp.sin(v @ v.T) / 64, x))(x))
+        for fid in fids:
+            got = httpx.get(f"{a.url}/v1/futures/{fid}/result", params={"wait": 60_000},
+                            headers={"accept": wire.MSGPACK, **AUTH}, timeout=90)
+            assert got.status_code == 200, got.text
+            np.testing.assert_allclose(wire.unpackb(got.content)["outputs"][0], want,
+                                       rtol=1e-5, atol=1e-6)
+            httpx.request("DELETE", f"{a.url}/v1/futures/{fid}", timeout=30, headers=AUTH)
+        # Everything fetched and deleted: it leaves well before its 60 s drain timeout.
+        assert extra.proc.wait(30) is not None
+    finally:
+        extra.stop()
+
+
+def test_a_killed_replica_fails_its_futures_with_replica_lost(cluster: dict[str, Any]) -> None:
+    a, b, c = cluster["replicas"]
+    pid = _upload(c.url, _export(lambda x: x + 1, jax.ShapeDtypeStruct((3,), np.float32)))
+    done = _execute(c.url, pid, [np.zeros(3, np.float32)], wait=30_000)
+    assert done.status_code == 200, done.text
+    fid = wire.unpackb(done.content)["future_id"]
+    other = _execute(a.url, pid, [np.ones(3, np.float32)], wait=30_000)
+    other_fid = wire.unpackb(other.content)["future_id"]
+    assert httpx.get(f"{b.url}/v1/futures/{fid}", timeout=30, headers=AUTH).json()["status"] == "done"
+    # A long-poll on B is woken by the loss, not left to its timeout.
+    with httpx.Client(timeout=60, headers=AUTH) as http:
+        c.proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        c.proc.wait(10)
+        view = http.get(f"{b.url}/v1/futures/{fid}", params={"wait": 1}).json()
+        while view["status"] == "done" and time.monotonic() - killed_at < 30:
+            view = http.get(f"{b.url}/v1/futures/{fid}", params={"wait": 1}).json()
+        lost_after = time.monotonic() - killed_at
+    print(f"replica_lost reported {lost_after:.2f}s after SIGKILL (bound {LOST_WITHIN_S}s)")
+    assert view["status"] == "failed" and view["error"]["code"] == "replica_lost", view
+    assert lost_after <= LOST_WITHIN_S
+    for replica in (a, b):
+        v = httpx.get(f"{replica.url}/v1/futures/{fid}", timeout=30, headers=AUTH).json()
+        assert v["error"]["code"] == "replica_lost"
+        r = httpx.get(f"{replica.url}/v1/futures/{fid}/result", timeout=30, headers=AUTH)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "replica_lost", r.text
+        chained = _execute(replica.url, pid, [{"future": fid, "output": 0}])
+        assert chained.status_code == 502, chained.text
+        assert chained.json()["error"]["code"] == "replica_lost"
+    # Nobody else's future is touched, and new calls through the balancer succeed.
+    assert httpx.get(f"{b.url}/v1/futures/{other_fid}", timeout=30, headers=AUTH).json()["status"] == "done"
+    time.sleep(1.0)  # haproxy's health check takes the dead one out
+    with Client(cluster["url"], api_key=KEYS[0], timeout=60, progress=False) as client:
+        f = client.jit(lambda v: v * 3)
+        for k in range(6):
+            np.testing.assert_array_equal(np.asarray(f(np.full(3, float(k)))), np.full(3, 3.0 * k))
+
+
+def test_without_redis_replicas_serve_their_own_futures(cluster: dict[str, Any]) -> None:
+    a, b, _ = cluster["replicas"]
+    pid = _upload(a.url, _export(lambda x: x * 2, jax.ShapeDtypeStruct((3,), np.float32)))
+    theirs = wire.unpackb(_execute(b.url, pid, [np.ones(3, np.float32)], wait=30_000).content)
+    cluster["redis"].stop()
+    deadline = time.monotonic() + 15
+    ready = httpx.get(f"{a.url}/readyz", timeout=10).json()
+    while ready.get("cluster") != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ready = httpx.get(f"{a.url}/readyz", timeout=10).json()
+    assert ready["status"] == "ready" and ready["cluster"] == "degraded", ready
+    mine = _execute(a.url, pid, [np.arange(3, dtype=np.float32)], wait=30_000)
+    assert mine.status_code == 200, mine.text
+    np.testing.assert_array_equal(wire.unpackb(mine.content)["outputs"][0],
+                                  np.arange(3, dtype=np.float32) * 2)
+    fid = wire.unpackb(mine.content)["future_id"]
+    assert httpx.get(f"{a.url}/v1/futures/{fid}", timeout=10, headers=AUTH).json()["status"] == "done"
+    other = httpx.get(f"{a.url}/v1/futures/{theirs['future_id']}", timeout=30, headers=AUTH)
+    assert other.status_code == 503, other.text
+    assert "Redis" in other.json()["error"]["message"]

@@ -1,0 +1,55 @@
+"""Replica ids in future ids, and the signatures of forwarded requests (service/cluster.py).
+
+The replicas themselves, with Redis and haproxy, are in tests/e2e/test_replicas_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from jitserve.compiler import RedisSettings
+from jitserve.service.cluster import Cluster, replica_of
+from jitserve.service.errors import Unauthorized
+from jitserve.service.metrics import Metrics
+
+
+def _cluster(secret: bytes) -> Cluster:
+    async def make() -> Cluster:  # its events belong to a loop
+        return Cluster(RedisSettings.from_url("redis://127.0.0.1:1/0"), peer_url="http://p:1",
+                       secret=secret, heartbeat_s=1.0, future_ttl_s=60.0, metrics=Metrics())
+
+    return asyncio.run(make())
+
+
+def test_replica_of_reads_the_prefix_of_a_future_id() -> None:
+    assert replica_of("0123456789.abcDEF-_x") == "0123456789"
+    for not_one in ("abcDEF-_x", "012345678.x", "0123456789x.y", "ABCDEF0123.x", ".x", ""):
+        assert replica_of(not_one) is None
+
+
+def test_a_signature_binds_method_path_and_owner() -> None:
+    a, b = _cluster(b"k" * 32), _cluster(b"k" * 32)
+    sig = a.sign("GET", "/v1/futures/x", "owner1")
+    b.check(sig, "GET", "/v1/futures/x", "owner1")  # the same secret: accepted
+    for method, path, owner in (("DELETE", "/v1/futures/x", "owner1"),
+                                ("GET", "/v1/futures/y", "owner1"),
+                                ("GET", "/v1/futures/x", "owner2"),
+                                ("GET", "/v1/futures/x", None)):
+        with pytest.raises(Unauthorized):
+            b.check(sig, method, path, owner)
+
+
+def test_other_secrets_stale_and_garbage_signatures_are_refused() -> None:
+    a, other = _cluster(b"k" * 32), _cluster(b"z" * 32)
+    with pytest.raises(Unauthorized):
+        a.check(other.sign("GET", "/p", None), "GET", "/p", None)
+    rid, _, rest = a.sign("GET", "/p", None).partition(".")
+    _, _, mac = rest.rpartition(".")
+    with pytest.raises(Unauthorized):
+        a.check(f"{rid}.{time.time() - 3600:.3f}.{mac}", "GET", "/p", None)
+    for garbage in ("", "x", "a.b.c", f"{rid}.nan.{mac}", f"{rid}.inf.{mac}"):
+        with pytest.raises(Unauthorized):
+            a.check(garbage, "GET", "/p", None)
