@@ -16,13 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from jitserve.compiler import Catalog, Compiler
+from jitserve.service import v2
 from jitserve.service.calls import Calls
+from jitserve.service.cluster import Cluster
+from jitserve.service.drain import Drain
 from jitserve.service.errors import install_error_handlers
 from jitserve.service.executables import ExecutableIndex
 from jitserve.service.executor import Executor
@@ -40,6 +44,7 @@ from jitserve.service.runtimes import RuntimePool, make_pool
 from jitserve.service.scheduler import FairScheduler
 from jitserve.service.settings import Settings
 from jitserve.service.tenants import Tenants
+from jitserve.service.warm import start_warming
 
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
@@ -91,6 +96,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     app.include_router(executables_routes.router)
     app.include_router(futures_routes.router)
     app.include_router(arrays_routes.router)
+    app.include_router(v2.router)  # the Open Inference Protocol (docs/v2.md)
     return app
 
 
@@ -146,30 +152,78 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
                         max_run_bytes=settings.execution_bytes_limit)
     index = ExecutableIndex(settings.l1_max_entries)
     shared = await asyncio.to_thread(_open_shared, settings)
+    cluster = _join_cluster(settings, futures, metrics)
     state = app.state
+    state.cluster = cluster
+    state.drain = Drain(futures, cluster, settings.drain_timeout_s)
     state.runtimes = pool
     state.catalog = Catalog(index.values, shared)
     state.tenants = tenants
+    state.models = v2.ModelRegistry(tenants)  # v2 model names -> programs
     state.programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
                                   max_bytes=settings.programs_max_bytes,
                                   timeout_s=settings.decode_timeout_s)
+    state.programs.cluster = cluster
     state.futures = futures
     state.executor = executor
     state.calls = Calls(pool, futures, executor, metrics, index,
                         lookup_timeout_s=2 * settings.compile_timeout_s + 60,
                         tenants=tenants, scheduler=scheduler)
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
+    if cluster is not None:
+        await cluster.start(futures.live)
     _log_startup(settings, pool, state.catalog)
+    # --warm: compile a manifest; /readyz says "warming" until it is done (service/warm.py)
+    state.warming = start_warming(settings, state.programs, state.calls, len(pool.runtimes))
+    grpc_server = None
     try:
+        grpc_server = await v2.start_grpc(app, settings)  # JITSERVE_GRPC_PORT, else None
         yield
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(5)
         sweeper.cancel()
+        if state.warming is not None:
+            await state.warming.stop()
+        if cluster is not None:
+            await cluster.leave(futures.live())  # drained already, or stopped at once
+            await cluster.close()
         pool.remove_lost_listener(lost)
         await state.calls.close()
         await executor.close()
         futures.clear()
         if shared is not None:
             await asyncio.to_thread(shared.close)
+
+
+def _join_cluster(settings: Settings, futures: FutureStore, metrics: Metrics) -> Cluster | None:
+    """This process as a replica of the service on the shared Redis (``None`` without one)."""
+    redis = settings.redis_settings()
+    if redis is None:
+        return None
+    cluster = Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
+                      secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
+                      future_ttl_s=settings.future_ttl_s, metrics=metrics)
+    futures.id_prefix = f"{cluster.replica_id}."
+    futures.on_change = cluster.changed
+
+    def lost(old: str, new: str) -> None:  # the others gave up on this replica
+        futures.fail_all("replica_lost", f"replica {old}, which held this future, was "
+                                         "declared lost (Redis did not hear from it)")
+        futures.id_prefix = f"{new}."
+
+    cluster.on_self_lost = lost
+    return cluster
+
+
+def _own_url(settings: Settings) -> str:
+    """Where peers reach this process: the bound address, or the host's own for 0.0.0.0."""
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
 
 
 def _log_startup(settings: Settings, pool: RuntimePool, catalog: Catalog) -> None:

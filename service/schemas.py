@@ -25,9 +25,11 @@ __all__ = [
     "AvalModel",
     "CompileRequest",
     "CompileResult",
+    "CostInfo",
     "DeleteResult",
     "ErrorBody",
     "ErrorDetail",
+    "ExecutableDeleted",
     "ExecutableInfo",
     "ExecutablePage",
     "ExecuteAccepted",
@@ -36,6 +38,7 @@ __all__ = [
     "ExecuteRequest",
     "FutureRef",
     "FutureView",
+    "MemoryInfo",
     "OutputsJSON",
     "ProgramDeleted",
     "ProgramInfo",
@@ -151,6 +154,32 @@ class ProgramInfo(BaseModel):
     in_tree: Any = None
     out_tree: Any = None
     platforms: list[str]
+    name: str | None = Field(None, description="the model it is a version of (upload with "
+                             "?name=, docs/v2.md)")
+    version: int | None = Field(None, description="its version of that model: 1, 2, ...")
+
+
+_REASONS = ("why it compiled: the parts of its key that differed from the nearest earlier "
+            "key of the same program, e.g. 'shape: arg 0 float32[8] -> float32[16]'; null "
+            "for a program's first executable")
+
+
+class CostInfo(BaseModel):
+    """XLA's cost analysis of an executable (estimates for one run)."""
+
+    flops: float | None = None
+    transcendentals: float | None = None
+    bytes_accessed: float | None = None
+
+
+class MemoryInfo(BaseModel):
+    """XLA's memory analysis of an executable: device bytes of one run."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int = Field(description="outputs that reuse a donated input's buffer")
+    temp_bytes: int = Field(description="intermediates, allocated for the run")
+    generated_code_bytes: int = 0
 
 
 class ExecutableInfo(BaseModel):
@@ -173,7 +202,21 @@ class ExecutableInfo(BaseModel):
     jaxlib_version: str | None = None
     platform: str | None = None
     device_kind: str | None = None
+    key_parts: dict[str, str] | None = Field(
+        None, description="the named parts its cache key (the executable_id) hashes")
+    recompiled_because: list[str] | None = Field(None, description=_REASONS)
+    cost: CostInfo | None = None
+    memory: MemoryInfo | None = None
     source: str
+
+
+class ExecutableDeleted(BaseModel):
+    """Answer of ``DELETE /v1/executables/{id}``: ``tiers`` held it (``memory``: a
+    runtime's L1, ``disk``, ``redis``, ``index``: the server's table of calls)."""
+
+    executable_id: str
+    status: str = "deleted"
+    tiers: list[str]
 
 
 class ExecutablePage(BaseModel):
@@ -200,6 +243,7 @@ class CompileResult(BaseModel):
     in_avals: list[AvalJSON]
     out_avals: list[AvalJSON]
     out_tree: Any = None
+    recompiled_because: list[str] | None = Field(None, description=_REASONS)
 
 
 class ArraysJSON(_Strict):

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     env: Literal["development", "test", "production"] = "production"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # The Open Inference Protocol's gRPC service (service/v2, docs/v2.md) on this port of
+    # `host`; unset: no gRPC (the /v2 REST routes are always served).
+    grpc_port: int | None = Field(None, ge=0, le=65535)
     cache_dir: Path = DEFAULT_CACHE_DIR
     # The shared L2 cache of programs and executables (docs/redis.md); REDIS_URL is
     # the common name. Unset: everything stays on this host.
@@ -72,6 +75,12 @@ class Settings(BaseSettings):
     # page faults, at the price of an RSS that does not shrink after them.
     retain_freed_memory: bool = True
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    # Admin keys: those of api_keys that may also use the admin routes
+    # (DELETE /v1/executables/{id}); with keys on and none of them admin, nobody may.
+    admin_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    # A manifest of programs x signatures compiled at start (service/warm.py);
+    # /readyz answers 503 "warming" until it is done.
+    warm: Path | None = None
 
     # Request limits.
     max_body_bytes: int = Field(1 * GiB, gt=0)
@@ -155,6 +164,21 @@ class Settings(BaseSettings):
     # Open connections plus running requests; past it new requests get 503. Unset: no limit.
     max_connections: int | None = Field(None, gt=0)
 
+    # Replicas (with REDIS_URL; service/cluster.py, docs/deploy.md "Many replicas").
+    # The address peers reach this replica at; unset: http://<host>:<port>, with the
+    # host's own address when it binds every interface (the pod IP in Kubernetes).
+    peer_url: str | None = None
+    # Signs requests forwarded between replicas (HMAC); the same in every replica.
+    # Unset: derived from JITSERVE_CACHE_SECRET, which replicas already share.
+    peer_secret: SecretStr | None = None
+    # Each replica says it is alive this often; one silent for 3 periods is lost, and
+    # its futures fail with replica_lost.
+    heartbeat_s: float = Field(1.0, gt=0, le=60)
+    # On SIGTERM: new executes get 503 and running ones finish; finished results stay
+    # fetchable this long (or until all are fetched), then the process exits and its
+    # remaining futures report replica_lost.
+    drain_timeout_s: float = Field(30.0, ge=0)
+
     @property
     def execution_bytes_limit(self) -> int:
         """``max_execution_bytes``, or ``max_device_bytes`` when it is unset."""
@@ -165,7 +189,7 @@ class Settings(BaseSettings):
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         # The environment gives "k1, k2"; Python callers may give a list.
@@ -183,6 +207,13 @@ class Settings(BaseSettings):
                 "JITSERVE_API_KEYS holds a placeholder or too-short key (under 8 characters); "
                 "set real keys, or JITSERVE_ENV=development to allow them"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_admin_keys(self) -> Settings:
+        if set(self.admin_keys) - set(self.api_keys):
+            raise ValueError("JITSERVE_ADMIN_KEYS holds a key that is not in JITSERVE_API_KEYS; "
+                             "an admin key must also be an API key")
         return self
 
     @model_validator(mode="after")
@@ -236,6 +267,14 @@ class Settings(BaseSettings):
         """sha256 digests of the API keys, the form auth compares and owners store."""
         return tuple(hashlib.sha256(k.encode()).digest() for k in self.api_keys)
 
+    def is_admin(self, owner: str | None) -> bool:
+        """Whether the caller ``owner`` (``service.auth``'s digest) may use admin routes:
+        anyone when auth is off, else the holders of ``admin_keys``."""
+        if not self.auth_enabled:
+            return True
+        return owner is not None and any(
+            hashlib.sha256(k.encode()).hexdigest() == owner for k in self.admin_keys)
+
     # Cache signing: the HMAC secret of executable entries on disk and in Redis, which
     # binds each entry to its key (docs/redis.md, "Trust boundary"). Unset: the
     # compiler keeps a random one in <cache_dir>/cache-secret (one per process with
@@ -270,3 +309,11 @@ class Settings(BaseSettings):
         """The secret that signs cache entries; ``None`` lets the compiler keep its own."""
         value = self.cache_secret.get_secret_value() if self.cache_secret else ""
         return CacheSecret.from_value(value, "JITSERVE_CACHE_SECRET") if value else None
+
+    def peer_secret_bytes(self) -> bytes:
+        """The key that signs forwarded requests: ``peer_secret``, else one derived from
+        ``cache_secret`` (required with Redis, so every replica has the same)."""
+        if self.peer_secret is not None and self.peer_secret.get_secret_value():
+            return self.peer_secret.get_secret_value().encode()
+        base = self.cache_secret.get_secret_value() if self.cache_secret else ""
+        return hashlib.sha256(b"jitserve-peer\0" + base.encode()).digest()

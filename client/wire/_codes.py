@@ -21,6 +21,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     PAYLOAD_TOO_LARGE = "payload_too_large"
@@ -42,6 +43,7 @@ class ErrorCode(enum.StrEnum):
     # the server
     EXECUTION_TIMEOUT = "execution_timeout"
     RUNTIME_CRASHED = "runtime_crashed"
+    REPLICA_LOST = "replica_lost"
     OUT_OF_MEMORY = "out_of_memory"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
@@ -55,6 +57,8 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
     ErrorCode.BAD_REQUEST: 400,
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.UNAUTHORIZED: 401,
+    # A valid key without the right: an admin route (JITSERVE_ADMIN_KEYS).
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
@@ -76,6 +80,8 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
     # A future's failure, also the answer where a call waited for it.
     ErrorCode.EXECUTION_TIMEOUT: 504,
     ErrorCode.RUNTIME_CRASHED: 502,
+    # The replica that held a future's data stopped (crashed, or drained and left).
+    ErrorCode.REPLICA_LOST: 502,
     ErrorCode.OUT_OF_MEMORY: 422,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,

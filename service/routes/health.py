@@ -50,6 +50,13 @@ async def readyz(request: Request, settings: SettingsDep) -> Response:
     or ``local`` (no Redis). A degraded cache is still ready (200): every request
     is served, only slower for executables this host has not seen, so dropping
     the pod would only lose capacity.
+
+    With several replicas (Redis), ``cluster`` is ``ok`` or ``degraded`` (Redis
+    unreachable: this replica serves its own futures, not the others'), and
+    ``replica`` is this one's id. On SIGTERM the ``draining`` check fails first
+    (service/drain.py), so the load balancer stops sending new calls. With
+    ``--warm``, the ``warming`` check fails until the manifest is compiled, and
+    ``warming`` says how far it is (``done``, ``total``, ``failed``).
     """
     state = request.app.state
     pool = getattr(state, "runtimes", None)
@@ -57,13 +64,23 @@ async def readyz(request: Request, settings: SettingsDep) -> Response:
     checks = {"runtimes": bool(runtimes) and all(r["state"] == "up" for r in runtimes)}
     if settings.disk_cache:
         checks["cache_dir"] = await run_in_threadpool(_writable, settings.cache_dir)
+    drain = getattr(state, "drain", None)
+    if drain is not None and drain.draining:
+        checks["draining"] = False
+    warming = getattr(state, "warming", None)  # --warm: not ready until compiled
+    if warming is not None:
+        checks["warming"] = warming.finished
     cache = "local" if pool is None else (await pool.report())["cache"]
+    cluster = getattr(state, "cluster", None)
+    more = {} if cluster is None else {"cluster": cluster.state, "replica": cluster.replica_id}
+    if warming is not None:
+        more["warming"] = warming.describe()
     if all(checks.values()):
-        return JSONResponse({"status": "ready", "checks": checks, "cache": cache,
+        return JSONResponse({"status": "ready", "checks": checks, "cache": cache, **more,
                              "runtimes": runtimes})
     failed = ", ".join(k for k, ok in checks.items() if not ok)
     return JSONResponse(error_body("not_ready", f"not ready: {failed}", checks=checks,
-                                   cache=cache, runtimes=runtimes), 503)
+                                   cache=cache, runtimes=runtimes, **more), 503)
 
 
 @router.get("/metrics", response_class=Response,

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,9 @@ E2E_ENV = {
     "JITSERVE_LOG_LEVEL": "warning",
     # One runtime process each (tests that need more say so): this machine has 2 cores.
     "JITSERVE_RUNTIMES": "1",
+    # Replicas (with Redis) keep unfetched results for this long after SIGTERM; the
+    # tests that drain say how long they want.
+    "JITSERVE_DRAIN_TIMEOUT_S": "1",
 }
 
 
@@ -53,14 +56,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s:
     pytest.fail(f"jitserve did not become healthy in {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
-def _serve(tmp: Path, extra_env: dict[str, str]) -> Iterator[str]:
+def _serve(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()) -> Iterator[str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("JITSERVE_") and k != "REDIS_URL"}
     env.update(E2E_ENV, **extra_env)
     cmd = [sys.executable, "-m", "jitserve.service", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--cache-dir", str(tmp / "cache")]
+           "--cache-dir", str(tmp / "cache"), *args]
     log = tmp / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

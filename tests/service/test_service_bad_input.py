@@ -144,7 +144,7 @@ async def test_streamed_body_over_the_limit_is_413(make_api) -> None:
 async def test_method_not_allowed_and_unknown_routes_are_json(api) -> None:
     r = await api.http.put("/v1/programs")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
-    r = await api.http.get("/v2/nothing")
+    r = await api.http.get("/v9/nothing")  # (/v2 is the inference protocol, docs/v2.md)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
