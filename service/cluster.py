@@ -131,6 +131,7 @@ class Cluster:
         self._dirty: dict[str, Future] = {}
         self._dirty_event = asyncio.Event()
         self._writing: dict[str, Future] = {}  # the batch being written
+        self._flushes = 0  # writes of the writer done (or failed)
         self._written_event = asyncio.Event()
         self._resync: Callable[[], list[Future]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -265,9 +266,10 @@ class Cluster:
         except (RedisError, OSError) as e:
             self._set_state("degraded", e)
 
-    def alive(self) -> list[Peer]:
-        """The other replicas that were alive at the last heartbeat."""
-        return list(self._peers.values())
+    def peer_draining(self, rid: str) -> bool:
+        """Whether replica ``rid`` said at its last heartbeat that it drains."""
+        peer = self._peers.get(rid)
+        return peer is not None and peer.draining
 
     async def peer(self, rid: str) -> Peer:
         """The live replica ``rid``; ``ReplicaLost`` when it is gone, ``Unavailable``
@@ -303,12 +305,16 @@ class Cluster:
         self._dirty_event.set()
 
     async def written(self, fut: Future) -> None:
-        """Wait until ``fut`` is in Redis (briefly, and not while Redis is down)."""
-        if self.state == "degraded":
+        """Wait until ``fut`` (as it was when called) is in Redis: one write of the
+        writer, two if a write without it is under way (briefly; not while Redis is down).
+        Its later changes are not waited for."""
+        fid = fut.future_id
+        if self.state == "degraded" or (fid not in self._dirty and fid not in self._writing):
             return
+        target = self._flushes + (1 if fid in self._writing or not self._writing else 2)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_FLUSH_WAIT_S):
-                while fut.future_id in self._dirty or fut.future_id in self._writing:
+                while self._flushes < target:
                     await self._written_event.wait()
 
     async def _write_forever(self) -> None:
@@ -329,6 +335,7 @@ class Cluster:
             await self._write(batch, lost)
         finally:
             self._writing = {}
+            self._flushes += 1
             self._written_event.set()
             self._written_event = asyncio.Event()
 

@@ -65,14 +65,12 @@ async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner,
     References to nothing of the caller's are counted in ``unknown``.
     """
     req = parse(ReleaseRequest, await body.message(), "release request")
-    refs = [(r.future, r.output) for r in req.outputs]
+    here: list[tuple[str, int]] = []
     elsewhere: defaultdict[str, list[tuple[str, int]]] = defaultdict(list)
-    if cluster is not None:
-        for ref in refs:
-            if (rid := remote_replica(cluster, ref[0])) is not None:
-                elsewhere[rid].append(ref)
-        refs = [r for r in refs if remote_replica(cluster, r[0]) is None]
-    released, unknown = futures.release(refs, owner)
+    for r in req.outputs:
+        rid = remote_replica(cluster, r.future)
+        (here if rid is None else elsewhere[rid]).append((r.future, r.output))
+    released, unknown = futures.release(here, owner)
     if elsewhere:
         assert cluster is not None
         counts = await asyncio.gather(*(_release_at(cluster, rid, group, owner)

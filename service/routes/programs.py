@@ -182,10 +182,9 @@ def _holder(cluster: Cluster, args: list[Any]) -> str | None:
     if not held:
         return None
     rid, count = held.most_common(1)[0]
-    if rid == cluster.replica_id or held[cluster.replica_id] >= count:
+    if rid == cluster.replica_id or held[cluster.replica_id] >= count or cluster.peer_draining(rid):
         return None
-    peer = next((p for p in cluster.alive() if p.replica_id == rid), None)
-    return None if peer is not None and peer.draining else rid
+    return rid
 
 
 async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
