@@ -1,10 +1,12 @@
 """The baseline: a minimal hand-written FastAPI endpoint doing the same work as jitserve.
 
-It decodes a msgpack array, runs the jitted function, and encodes the result —
+It decodes a msgpack (or JSON) array, runs the jitted function, and encodes the result —
 no futures, no caching layers, no validation. bench/service.py compares against it.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +30,14 @@ def healthz() -> dict[str, str]:
 
 @app.post("/run")
 async def run(request: Request) -> Response:
-    body = msgpack.unpackb(await request.body())
-    a = body["args"][0]
+    """msgpack in and out, or JSON (nested lists) when the body is JSON, as jitserve does."""
+    raw = await request.body()
+    if request.headers.get("content-type", "").startswith("application/json"):
+        a = json.loads(raw)["args"][0]
+        y = np.asarray(f(np.asarray(a["data"], dtype=a["dtype"]).reshape(a["shape"])))
+        out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tolist()}]}
+        return Response(json.dumps(out), media_type="application/json")
+    a = msgpack.unpackb(raw)["args"][0]
     x = np.frombuffer(a["data"], dtype=a["dtype"]).reshape(a["shape"])
     y = np.asarray(f(x))
     out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tobytes()}]}

@@ -67,17 +67,40 @@ def baseline_body(x: np.ndarray) -> bytes:
 
 
 def p1(url: str, base: str, n: int) -> dict[str, float]:
+    """A small cached call, three ways: the SDK (msgpack), and raw REST with a msgpack
+    and a JSON body; each against the baseline endpoint in the same encoding."""
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     jitted = jax.jit(f)
     local_ms = median_ms(lambda: np.asarray(jitted(x)), n)
+    packed = baseline_body(x)
+    as_json = json.dumps({"args": [{"dtype": x.dtype.name, "shape": list(x.shape),
+                                    "data": x.tolist()}]}).encode()
+    msgpack_headers = {"content-type": "application/msgpack"}
+    json_headers = {"content-type": "application/json"}
     with Client(url) as c, httpx.Client() as h:
         pid = c.upload(export(f, x)).program_id
-        remote_ms = median_ms(lambda: c.execute(pid, [x], wait=10)[0].result(), n)
-        body = baseline_body(x)
-        base_ms = median_ms(lambda: h.post(f"{base}/run", content=body,
-                                           headers={"content-type": "application/msgpack"}), n)
-    return {"jitserve_ms": remote_ms, "baseline_fastapi_ms": base_ms, "local_jit_ms": local_ms,
-            "ratio_vs_baseline": remote_ms / base_ms, "ratio_vs_local_jit": remote_ms / local_ms}
+        execute = f"{url}/v1/programs/{pid}/execute?wait=10000"
+
+        def raw(body: bytes, headers: dict[str, str]) -> Any:
+            def call() -> None:
+                r = h.post(execute, content=body, headers=headers)
+                assert r.status_code == 200, r.text
+            return call
+
+        sdk_ms = median_ms(lambda: c.execute(pid, [x], wait=10)[0].result(), n)
+        raw_ms = median_ms(raw(packed, msgpack_headers), n)
+        json_ms = median_ms(raw(as_json, json_headers), n)
+        base_ms = median_ms(lambda: h.post(f"{base}/run", content=packed,
+                                           headers=msgpack_headers), n)
+        base_json_ms = median_ms(lambda: h.post(f"{base}/run", content=as_json,
+                                                headers=json_headers), n)
+    return {"jitserve_sdk_ms": sdk_ms, "jitserve_rest_msgpack_ms": raw_ms,
+            "jitserve_rest_json_ms": json_ms, "baseline_fastapi_ms": base_ms,
+            "baseline_fastapi_json_ms": base_json_ms, "local_jit_ms": local_ms,
+            "ratio_vs_baseline": sdk_ms / base_ms,
+            "ratio_rest_msgpack_vs_baseline": raw_ms / base_ms,
+            "ratio_rest_json_vs_baseline_json": json_ms / base_json_ms,
+            "ratio_vs_local_jit": sdk_ms / local_ms}
 
 
 async def _throughput(call: Any, total: int, in_flight: int) -> float:
@@ -94,24 +117,44 @@ async def _throughput(call: Any, total: int, in_flight: int) -> float:
 
 
 async def p2(url: str, base: str, total: int) -> dict[str, float]:
+    """64 calls in flight: the SDK's AsyncClient against the baseline driven by the same
+    HTTP client (httpx), and both servers driven by aiohttp, a faster client that
+    leaves the servers, not the client, as the bound (httpx's pool slows down past
+    16 connections: bench/results/service.json shows both)."""
+    import aiohttp
+
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with AsyncClient(url) as ac, httpx.AsyncClient(limits=limits) as h:
+    headers = {"content-type": "application/msgpack"}
+    body = baseline_body(x)
+    async with AsyncClient(url) as ac, httpx.AsyncClient(limits=limits) as h, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         pid = (await ac.upload(export(f, x))).program_id
 
         async def remote() -> None:
             outs = await ac.execute(pid, [x], wait=30)
             await outs[0].result()
 
-        body = baseline_body(x)
-
         async def base_call() -> None:
-            await h.post(f"{base}/run", content=body, headers={"content-type": "application/msgpack"})
+            await h.post(f"{base}/run", content=body, headers=headers)
+
+        def fast(target: str) -> Any:
+            async def call() -> None:
+                async with session.post(target, data=body, headers=headers) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+            return call
 
         remote_cps = await _throughput(remote, total, 64)
         base_cps = await _throughput(base_call, total, 64)
-    return {"jitserve_calls_per_s": remote_cps, "baseline_calls_per_s": base_cps,
-            "ratio_vs_baseline": remote_cps / base_cps}
+        rest_cps = await _throughput(fast(f"{url}/v1/programs/{pid}/execute?wait=30000"),
+                                     total, 64)
+        base_fast_cps = await _throughput(fast(f"{base}/run"), total, 64)
+    return {"jitserve_sdk_calls_per_s": remote_cps, "baseline_httpx_calls_per_s": base_cps,
+            "ratio_vs_baseline": remote_cps / base_cps,
+            "jitserve_rest_aiohttp_calls_per_s": rest_cps,
+            "baseline_aiohttp_calls_per_s": base_fast_cps,
+            "ratio_rest_vs_baseline_aiohttp": rest_cps / base_fast_cps}
 
 
 class PeakRss:

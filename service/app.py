@@ -37,6 +37,7 @@ from jitserve.service.programs import ProgramStore
 from jitserve.service.quotas import Quotas
 from jitserve.service.routes import arrays as arrays_routes
 from jitserve.service.routes import executables as executables_routes
+from jitserve.service.routes import execute as execute_routes
 from jitserve.service.routes import futures as futures_routes
 from jitserve.service.routes import health as health_routes
 from jitserve.service.routes import programs as programs_routes
@@ -90,6 +91,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
     install_docs(app)
+    app.include_router(execute_routes.router)  # first: every call matches it
     app.include_router(health_routes.router)
     app.include_router(health_routes.devices_router)
     app.include_router(programs_routes.router)

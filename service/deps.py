@@ -42,6 +42,9 @@ __all__ = [
     "SettingsDep",
     "TenantsDep",
     "WaitSeconds",
+    "bearer_token",
+    "request_cluster",
+    "request_owner",
 ]
 
 
@@ -99,16 +102,23 @@ _bearer = HTTPBearer(auto_error=False, description="an API key (JITSERVE_API_KEY
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-async def get_owner(request: Request, settings: SettingsDep, credentials: Bearer) -> str | None:
+async def get_owner(request: Request, credentials: Bearer) -> str | None:
+    """The caller's owner id (``request_owner``); ``credentials`` puts the bearer
+    scheme in the OpenAPI."""
+    return request_owner(request)
+
+
+def request_owner(request: Request) -> str | None:
     """The caller's owner id (API-key digest), or ``None`` when auth is off.
 
     A request another replica forwarded (``service.cluster``) is signed by it, and
     names the owner it authenticated; it is served here, never forwarded again.
     """
+    state = _state(request)
     signature = request.headers.get(PEER_HEADER)
     if signature is None:
-        return authenticate(None if credentials is None else credentials.credentials, settings)
-    cluster: Cluster | None = getattr(_state(request), "cluster", None)
+        return authenticate(bearer_token(request), state.settings)
+    cluster: Cluster | None = getattr(state, "cluster", None)
     if cluster is None:
         raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
     owner = request.headers.get(OWNER_HEADER) or None
@@ -117,12 +127,23 @@ async def get_owner(request: Request, settings: SettingsDep, credentials: Bearer
     return owner
 
 
-async def get_cluster(request: Request) -> Cluster | None:
-    """The replicas, for a request this replica may forward; ``None`` without Redis,
-    and for a request that was forwarded here (served here, whatever it names)."""
+def bearer_token(request: Request) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header (as ``HTTPBearer`` reads it)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token if token and scheme.lower() == "bearer" else None
+
+
+def request_cluster(request: Request) -> Cluster | None:
+    """``get_cluster`` for a handler that takes no dependencies (after ``request_owner``)."""
     if getattr(request.state, "forwarded", False):
         return None
     return getattr(_state(request), "cluster", None)
+
+
+async def get_cluster(request: Request) -> Cluster | None:
+    """The replicas, for a request this replica may forward; ``None`` without Redis,
+    and for a request that was forwarded here (served here, whatever it names)."""
+    return request_cluster(request)
 
 
 async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> BodyReader:

@@ -139,6 +139,7 @@ class TempBudget:
         self._futures = futures
         self._metrics = metrics
         self._changed = asyncio.Condition()
+        self._waiting = 0  # holds waiting for room; none: no lock to take
 
     def _fits(self, nbytes: int) -> bool:
         used = self._futures.device_bytes + self.in_flight
@@ -150,15 +151,23 @@ class TempBudget:
         if nbytes <= 0:
             yield
             return
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._fits(nbytes))
+        if self._waiting == 0 and self._fits(nbytes):  # the common case: no lock round trip
             self._add(nbytes)
+        else:
+            async with self._changed:
+                self._waiting += 1
+                try:
+                    await self._changed.wait_for(lambda: self._fits(nbytes))
+                finally:
+                    self._waiting -= 1
+                self._add(nbytes)
         try:
             yield
         finally:
-            async with self._changed:
-                self._add(-nbytes)
-                self._changed.notify_all()
+            self._add(-nbytes)
+            if self._waiting:
+                async with self._changed:
+                    self._changed.notify_all()
 
     def _add(self, nbytes: int) -> None:
         self.in_flight += nbytes

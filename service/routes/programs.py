@@ -1,4 +1,4 @@
-"""``/v1/programs``: upload, describe, compile, execute and delete programs.
+"""``/v1/programs``: upload, describe, compile and delete programs (execute: ``execute.py``).
 
 Each API key sees only the programs it uploaded (``service.programs``); another
 key's program is ``404 not_found``, worded as for an unknown id.
@@ -6,41 +6,25 @@ key's program is ``404 not_found``, worded as for an unknown id.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Query, Response
 
 from jitserve import wire
 from jitserve.compiler.programs import ProgramFormat
-from jitserve.service.bodies import outputs_response
-from jitserve.service.cluster import Cluster, ReplicaLost, replica_of
 from jitserve.service.deps import (
-    AsJSON,
     Body,
     CallsDep,
-    ClusterDep,
-    MetricsDep,
     Owner,
     ProgramBody,
     ProgramStoreDep,
-    RuntimesDep,
-    WaitSeconds,
     get_owner,
 )
-from jitserve.service.errors import BadRequest
 from jitserve.service.executables import CallOptions
-from jitserve.service.openapi import errors, message_body, outputs_content
-from jitserve.service.routes.replicas import pull, relay, remote_replica
+from jitserve.service.openapi import errors, message_body
 from jitserve.service.schemas import (
     CompileRequest,
     CompileResult,
-    ExecuteAccepted,
-    ExecuteJSON,
-    ExecuteMsgpack,
-    ExecuteRequest,
     ProgramDeleted,
     ProgramInfo,
     parse,
@@ -124,72 +108,3 @@ async def compile_program(program_id: str, programs: ProgramStoreDep, calls: Cal
         compile_seconds=lookup.compile_seconds, in_avals=[a.to_json() for a in exe.in_avals],
         out_avals=[a.to_json() for a in exe.out_avals], out_tree=exe.out_tree,
         recompiled_because=exe.meta.get("recompiled_because"))
-
-
-@router.post("/{program_id}/execute", status_code=202, response_model=ExecuteAccepted,
-             openapi_extra=message_body(ExecuteJSON, ExecuteMsgpack, required=True),
-             responses={200: {"description": "the outputs, when ?wait was long enough",
-                              "content": outputs_content()},
-                        **errors(*_CALL_ERRORS, ErrorCode.FUTURE_CANCELLED,
-                                 ErrorCode.FUTURE_FAILED, ErrorCode.REPLICA_LOST,
-                                 ErrorCode.UNAVAILABLE)})
-async def execute_program(program_id: str, request: Request, programs: ProgramStoreDep,
-                          calls: CallsDep, metrics: MetricsDep, runtimes: RuntimesDep,
-                          body: Body, owner: Owner, cluster: ClusterDep, wait: WaitSeconds,
-                          as_json: AsJSON) -> Response:
-    """Run the program on arrays or future references; answers with a future.
-
-    With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time.
-    With several replicas, a call whose inputs are futures runs where they are.
-    """
-    state = request.app.state
-    state.drain.check_accepting()
-    forwarded = cluster is None and state.cluster is not None
-    program = await programs.get(program_id, owner, vouched=forwarded)
-    raw, message = await body.raw_message()
-    req = parse(ExecuteRequest, _required(message), "execute request")
-    if cluster is not None and (holder := _holder(cluster, req.args)) is not None:
-        with contextlib.suppress(ReplicaLost):  # gone: the call fails here, naming its input
-            return await relay(cluster, holder, request, owner, content=bytes(raw),
-                               wait_s=wait)
-    del raw
-    if state.cluster is not None:  # inputs held by other replicas come here
-        await _pull_inputs(state.cluster, req.args, owner, state.settings.max_wait_ms / 1000)
-    call = await calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
-                               req.donate)
-    del req  # the executor holds the input arrays now; do not pin them while we wait
-    fut = call.future
-    if state.cluster is not None:
-        await state.cluster.written(fut)  # any replica can answer for it from now on
-    if wait and await fut.wait_final(wait) and fut.outputs is not None:
-        return await outputs_response(fut, metrics, as_json, runtimes)
-    accepted = ExecuteAccepted.of(fut, call.tier)
-    return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
-
-
-def _required(message: Any) -> Any:
-    if message is None:
-        raise BadRequest("execute needs a body {'args': [...]}")
-    return message
-
-
-def _holder(cluster: Cluster, args: list[Any]) -> str | None:
-    """The replica a call should run on: the one holding most of its input futures,
-    unless that is this one, or it drains (then the inputs come here)."""
-    held = collections.Counter(replica_of(str(a["future"])) for a in args
-                               if wire.is_future_ref(a))
-    held.pop(None, None)
-    if not held:
-        return None
-    rid, count = held.most_common(1)[0]
-    if rid == cluster.replica_id or held[cluster.replica_id] >= count or cluster.peer_draining(rid):
-        return None
-    return rid
-
-
-async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
-                       wait_s: float) -> None:
-    """Replace references to other replicas' futures in ``args`` by their arrays."""
-    for i, arg in enumerate(args):
-        if wire.is_future_ref(arg) and remote_replica(cluster, str(arg["future"])):
-            args[i] = await pull(cluster, arg, owner, wait_s)

@@ -68,6 +68,11 @@ class RuntimeServer:
         from jitserve.compiler import Compiler
         from jitserve.service.settings import Settings
 
+        # A run blocks its thread until it is done anyway: running it on that thread
+        # spares the hand-off to XLA's dispatch thread and back, three quarters of
+        # the CPU a small run costs (docs/performance.md). Set before the backend starts.
+        with contextlib.suppress(AttributeError, KeyError):
+            jax.config.update("jax_cpu_enable_async_dispatch", False)
         self._jax = jax
         self._pipe = pipe
         self._send_lock = threading.Lock()
@@ -82,6 +87,13 @@ class RuntimeServer:
         self._runs_lock = threading.Lock()
         self._run_slots = settings.executor_threads
         self._queued_runs: collections.deque[dict[str, Any]] = collections.deque()
+        self._sharding = jax.sharding.SingleDeviceSharding(self.device)
+        try:  # jaxlib's transfer; jax.device_put where a jaxlib lacks it
+            from jax._src.lib import xla_client
+
+            self._put = xla_client.batched_device_put
+        except (ImportError, AttributeError):
+            self._put = None
 
     # -- the loop ----------------------------------------------------------------
 
@@ -223,6 +235,17 @@ class RuntimeServer:
 
     # -- runs and buffers --------------------------------------------------------
 
+    def _to_device(self, array: Any) -> Any:
+        """``jax.device_put(array, self.device)`` by jaxlib's own call, which is what
+        ``device_put`` ends in: its Python layers cost 70-100 us per array, 20 times
+        the transfer of a small one (docs/performance.md)."""
+        if self._put is None:
+            return self._jax.device_put(array, self.device)
+        from jax._src import core
+
+        aval = core.ShapedArray(array.shape, array.dtype)
+        return self._put(aval, self._sharding, [array], [self.device], True, enable_x64=True)
+
     def op_run(self, m: dict[str, Any]) -> dict[str, Any]:
         jax = self._jax
         exe = self._executable(m)
@@ -240,7 +263,7 @@ class RuntimeServer:
                     raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
                 args.append(buf.copy() if i in donated and not a.get("give") else buf)
             else:
-                args.append(jax.device_put(next(host_iter), self.device))
+                args.append(self._to_device(next(host_iter)))
         del host, host_iter
         self._send({"id": m["id"], "kind": "started"})
         t0 = time.perf_counter()

@@ -1,0 +1,116 @@
+"""``POST /v1/programs/{id}/execute``: the hot path of a cached call.
+
+FastAPI declares it (its OpenAPI, and the validation of ``?wait``), but the
+handler takes what other routes receive as dependencies from ``app.state``
+itself: resolving a dozen dependencies cost as much as the rest of a cached
+call (docs/performance.md), and this route is the one every call goes through.
+What it does is the same as theirs: ``deps.request_owner`` authenticates (or
+checks a peer's signature), the body is read by a ``BodyReader`` under the
+same limits.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from jitserve import wire
+from jitserve.service.bodies import BodyReader, outputs_response, wants_json
+from jitserve.service.cluster import Cluster, ReplicaLost, replica_of
+from jitserve.service.deps import request_cluster, request_owner
+from jitserve.service.errors import BadRequest
+from jitserve.service.openapi import errors, message_body, outputs_content
+from jitserve.service.routes.replicas import pull, relay, remote_replica
+from jitserve.service.schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
+from jitserve.wire import ErrorCode
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/programs", tags=["programs"])
+
+_ERRORS = (ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST, ErrorCode.INVALID_PROGRAM,
+           ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.UNSAFE_PROGRAM, ErrorCode.LIMIT_EXCEEDED,
+           ErrorCode.PLATFORM_MISMATCH, ErrorCode.TOO_MANY_REQUESTS, ErrorCode.NOT_FOUND,
+           ErrorCode.UNSUPPORTED_MEDIA_TYPE, ErrorCode.SIGNATURE_MISMATCH,
+           ErrorCode.COMPILE_FAILED, ErrorCode.COMPILE_TIMEOUT, ErrorCode.COMPILER_ERROR,
+           ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED, ErrorCode.REPLICA_LOST,
+           ErrorCode.UNAVAILABLE)
+
+
+@router.post("/{program_id}/execute", status_code=202, response_model=ExecuteAccepted,
+             openapi_extra={**message_body(ExecuteJSON, ExecuteMsgpack, required=True),
+                            "security": [{"HTTPBearer": []}]},
+             responses={200: {"description": "the outputs, when ?wait was long enough",
+                              "content": outputs_content()},
+                        **errors(*_ERRORS)})
+async def execute_program(
+    program_id: str, request: Request,
+    wait: Annotated[int | None, Query(ge=0, description="milliseconds to wait for the result")]
+    = None,
+) -> Response:
+    """Run the program on arrays or future references; answers with a future.
+
+    With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time.
+    With several replicas, a call whose inputs are futures runs where they are.
+    """
+    state = request.app.state
+    settings = state.settings
+    owner = request_owner(request)
+    cluster = request_cluster(request)
+    state.drain.check_accepting()
+    forwarded = cluster is None and state.cluster is not None
+    program = await state.programs.get(program_id, owner, vouched=forwarded)
+    body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                      metrics=state.metrics)
+    raw, message = await body.raw_message()
+    req = parse(ExecuteRequest, _required(message), "execute request")
+    wait_s = min(wait or 0, settings.max_wait_ms) / 1000
+    if cluster is not None and (holder := _holder(cluster, req.args)) is not None:
+        with contextlib.suppress(ReplicaLost):  # gone: the call fails here, naming its input
+            return await relay(cluster, holder, request, owner, content=bytes(raw),
+                               wait_s=wait_s)
+    del raw
+    if state.cluster is not None:  # inputs held by other replicas come here
+        await _pull_inputs(state.cluster, req.args, owner, settings.max_wait_ms / 1000)
+    call = await state.calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
+                                     req.donate)
+    del req  # the executor holds the input arrays now; do not pin them while we wait
+    fut = call.future
+    if state.cluster is not None:
+        await state.cluster.written(fut)  # any replica can answer for it from now on
+    if wait_s and await fut.wait_final(wait_s) and fut.outputs is not None:
+        return await outputs_response(fut, state.metrics, wants_json(request), state.runtimes)
+    accepted = ExecuteAccepted.of(fut, call.tier)
+    return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+
+
+def _required(message: Any) -> Any:
+    if message is None:
+        raise BadRequest("execute needs a body {'args': [...]}")
+    return message
+
+
+def _holder(cluster: Cluster, args: list[Any]) -> str | None:
+    """The replica a call should run on: the one holding most of its input futures,
+    unless that is this one, or it drains (then the inputs come here)."""
+    held = collections.Counter(replica_of(str(a["future"])) for a in args
+                               if wire.is_future_ref(a))
+    held.pop(None, None)
+    if not held:
+        return None
+    rid, count = held.most_common(1)[0]
+    if rid == cluster.replica_id or held[cluster.replica_id] >= count or cluster.peer_draining(rid):
+        return None
+    return rid
+
+
+async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
+                       wait_s: float) -> None:
+    """Replace references to other replicas' futures in ``args`` by their arrays."""
+    for i, arg in enumerate(args):
+        if wire.is_future_ref(arg) and remote_replica(cluster, str(arg["future"])):
+            args[i] = await pull(cluster, arg, owner, wait_s)
