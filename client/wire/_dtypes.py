@@ -48,6 +48,10 @@ def dtype_from_name(name: Any) -> np.dtype:
 
 def dtype_name(dtype: Any) -> str:
     """The wire name of a numpy, ml_dtypes or jax dtype (byte order is ignored)."""
+    try:
+        return _NAMES[dtype]  # numpy builds ``dtype.name`` anew each time: 5 us
+    except (KeyError, TypeError):  # TypeError: an unhashable spec
+        pass
     if dtype is None:  # np.dtype(None) would quietly mean float64
         raise WireError("not a dtype: None")
     try:
@@ -56,4 +60,9 @@ def dtype_name(dtype: Any) -> str:
         raise WireError(f"not a dtype: {dtype!r:.100}") from e
     if name not in DTYPES:
         raise WireError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}")
+    if isinstance(dtype, np.dtype):  # a bounded set of keys
+        _NAMES[dtype] = name
     return name
+
+
+_NAMES: dict[Any, str] = {}
