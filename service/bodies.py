@@ -36,6 +36,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from jitserve import wire
+from jitserve.service import jsonwire
 from jitserve.service.errors import (
     BadRequest,
     FutureFailed,
@@ -129,7 +130,7 @@ class BodyReader:
         if not body:
             return body, None
         if kind == "json":
-            return body, wire.loads_json(body, max_bytes=self.max_bytes)
+            return body, jsonwire.loads(body, max_bytes=self.max_bytes)
         return body, wire.unpackb(body, max_bytes=self.max_bytes)
 
     def _declared_length(self) -> int | None:
@@ -230,7 +231,7 @@ def _is_json(media_type: str) -> bool:
 def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200) -> Response:
     """An answer holding numpy arrays: JSON (nested lists) or streamed msgpack."""
     if as_json:
-        return Response(wire.dumps_json(doc), status_code, media_type=wire.JSON)
+        return Response(jsonwire.dumps(doc), status_code, media_type=wire.JSON)
     body = wire.PackedBody(wire.pack_pieces(doc))
     if body.nbytes < wire.STREAM_BYTES:
         return Response(body.join(), status_code, media_type=wire.MSGPACK)
