@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -70,6 +71,8 @@ __all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", 
            "cost_of"]
 
 logger = logging.getLogger("jitserve.compiler")
+
+_EXECUTABLE_ID = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +204,10 @@ class Executable:
         self.in_avals = tuple(Aval.from_json(a) for a in meta["in_avals"])
         self.out_avals = tuple(Aval.from_json(a) for a in meta["out_avals"])
         self.out_tree = meta.get("out_tree")
-        self.memory = MemoryStats.of(loaded) or MemoryStats.from_json(meta.get("memory"))
+        # An entry's meta has the stats its compile measured (for this jaxlib and device
+        # kind, which the entry must match to load): a hit reuses them, since asking the
+        # loaded executable again costs 5-10% of the hit (docs/redis.md, "What a hit costs").
+        self.memory = MemoryStats.from_json(meta.get("memory")) or MemoryStats.of(loaded)
         if self.memory is not None:
             meta["memory"] = self.memory.to_json()
         if meta.get("cost") is None:  # an entry from before cost analyses were kept
@@ -366,6 +372,24 @@ class Compiler:
         key = self.executable_id(program, in_avals, static_key, donate)
         hit = self._executables.cached(key)
         return None if hit is None else Lookup(hit, key, TierName.MEMORY, 0.0)
+
+    def load(self, executable_id: str) -> Lookup | None:
+        """The executable ``executable_id`` from L1 or an L2 tier, or ``None`` if none has it.
+
+        Needs no program: the key is known, so nothing is decoded, lowered or hashed
+        before the read, which is what a fresh process (a restarted runtime) pays for
+        a hit when it is told which executable to run. The entry is still checked
+        (its MAC binds it to ``executable_id``; versions, platform and device kind
+        must match). Never compiles: on ``None`` the caller goes through ``lookup``.
+        Blocks on the tiers (call it from a thread pool, as ``lookup``).
+
+        Example::
+
+            found = compiler.load(executable_id) or compiler.lookup(program, avals)
+        """
+        if not _EXECUTABLE_ID.fullmatch(executable_id):
+            return None  # not a key: nothing to read (and no odd names on the disk)
+        return self._from_tiers(executable_id)
 
     def loaded_executable(self, executable_id: str) -> Executable | None:
         """The executable ``executable_id`` if it is loaded here (L1), else ``None``; never blocks."""

@@ -224,7 +224,10 @@ class RuntimeServer:
 
     def _executable(self, m: dict[str, Any]) -> Any:
         exe = self.compiler.loaded_executable(m["executable_id"])
-        if exe is None:  # evicted, or this runtime restarted since: the tiers have it
+        if exe is None:  # evicted, or this runtime restarted since: the tiers have it,
+            found = self.compiler.load(m["executable_id"])  # by id, no program decode
+            exe = None if found is None else found.executable
+        if exe is None:  # not even there (evicted from L2): compile from the program
             from jitserve.wire import Aval
 
             program = self._program(m["program_id"])

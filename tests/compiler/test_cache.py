@@ -131,6 +131,80 @@ def test_fresh_compiler_hits_disk(make_compiler: MakeCompiler, tmp_path: Path,
     assert hit.executable.out_avals == (Aval((3, 2), "float32"),)
 
 
+def test_load_by_id_needs_no_program(make_compiler: MakeCompiler, tmp_path: Path,
+                                     program_bytes: bytes) -> None:
+    """``Compiler.load`` reads an entry by its key alone (a restarted runtime told which
+    executable to run): no decode, no compile; ``None`` where no tier has it."""
+    first = _lookup_and_check(make_compiler(tmp_path), program_bytes)
+    c = make_compiler(tmp_path)
+    hit = c.load(first.executable_id)
+    assert hit is not None and (hit.tier, hit.executable_id) == ("disk", first.executable_id)
+    (out,) = hit.executable.run([jax.device_put(a, c.device) for a in (X, Y)])
+    np.testing.assert_allclose(np.asarray(out), WANT, rtol=1e-6)
+    assert hit.executable.in_avals == (Aval((3, 4), "float32"), Aval((4, 2), "float32"))
+    again = c.load(first.executable_id)
+    assert again is not None and again.tier == "memory" and again.executable is hit.executable
+    assert c.lookup(c.decode(program_bytes)).tier == "memory"  # the same L1 entry
+    assert c.stats()["compilations"] == 0
+    assert c.load("0" * 64) is None  # no tier has it: never compiles
+    assert c.load("../" + "a" * 61) is None and c.load("") is None  # not keys
+    assert c.stats()["compilations"] == 0
+
+
+def test_load_refuses_an_entry_under_another_key(make_compiler: MakeCompiler, tmp_path: Path,
+                                                 program_bytes: bytes) -> None:
+    """The entry's MAC binds it to its key: a copy under another id is dropped, not loaded."""
+    first = _lookup_and_check(make_compiler(tmp_path), program_bytes)
+    entry = _entry_file(tmp_path)
+    other = "f" * 64
+    (entry.parent.parent / other[:2]).mkdir(exist_ok=True)
+    (entry.parent.parent / other[:2] / other).write_bytes(entry.read_bytes())
+    c = make_compiler(tmp_path)
+    assert c.load(other) is None
+    assert not (entry.parent.parent / other[:2] / other).exists()  # dropped as corrupt
+    assert c.load(first.executable_id) is not None
+
+
+class _Loaded:
+    """A stand-in for a loaded executable that counts its memory analyses."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def get_compiled_memory_stats(self) -> object:
+        self.asked += 1
+        raise RuntimeError("no analysis here")
+
+    def cost_analysis(self) -> dict[str, float]:
+        return {"flops": 1.0}
+
+
+@pytest.mark.parametrize("stored", [
+    {"argument_bytes": 8, "output_bytes": 4, "alias_bytes": 0, "temp_bytes": 16,
+     "generated_code_bytes": 0},
+    {"argument_bytes": 8, "output_bytes": 4, "alias_bytes": 0, "temp_bytes": 16},  # older entry
+])
+def test_a_hit_reuses_the_stored_memory_stats(stored: dict[str, int]) -> None:
+    """An entry's meta has the memory stats its compile measured; a hit does not ask XLA again."""
+    from jitserve.compiler import Executable
+
+    loaded = _Loaded()
+    meta = {"in_avals": [], "out_avals": [], "memory": stored, "cost": {"flops": 1.0}}
+    exe = Executable(loaded, "0" * 64, meta, 10)
+    assert loaded.asked == 0
+    assert exe.memory is not None and exe.memory.temp_bytes == 16
+    assert exe.meta["memory"]["generated_code_bytes"] == 0
+
+
+def test_a_compile_measures_the_memory_stats() -> None:
+    """Without stored stats (a compile) the loaded executable is asked; ``None`` if it cannot say."""
+    from jitserve.compiler import Executable
+
+    loaded = _Loaded()
+    exe = Executable(loaded, "0" * 64, {"in_avals": [], "out_avals": []}, 10)
+    assert loaded.asked == 1 and exe.memory is None
+
+
 def _flip(data: bytes) -> bytes:
     middle = len(data) // 2
     return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 16]) + data[middle + 16:]

@@ -397,6 +397,25 @@ def test_second_process_is_a_redis_hit(make_compiler: Callable[..., Compiler],
     assert (tmp_path / "b" / "executables" / first.executable_id[:2] / first.executable_id).exists()
 
 
+def test_second_process_loads_by_id_from_redis(make_compiler: Callable[..., Compiler],
+                                               settings: MakeSettings, raw: redis.Redis,
+                                               redis_prefix: str) -> None:
+    """``Compiler.load``: a process with no program and no disk reads the entry by its id,
+    counts the hit in its record, and runs it; a foreign-signed entry is refused."""
+    a = make_compiler(None, cache_secret=SECRET, redis=settings())
+    b = make_compiler(None, cache_secret=SECRET, redis=settings())
+    first, _ = run_program(a, program_bytes(), "jax_export", ARGS)
+    hit = b.load(first.executable_id)
+    assert hit is not None and (hit.tier, hit.executable_id) == ("redis", first.executable_id)
+    (out,) = hit.executable.run([jax.device_put(x, b.device) for x in ARGS])
+    np.testing.assert_allclose(np.asarray(out), EXPECTED, rtol=1e-6)
+    assert b.stats()["compilations"] == 0 and b.programs.cached(first.executable_id) is None
+    assert int(raw.hget(rkey(redis_prefix, "meta", first.executable_id), "hits")) == 1
+    stranger = make_compiler(None, cache_secret=OTHER_SECRET, redis=settings())
+    assert stranger.load(first.executable_id) is None  # and the entry is dropped as corrupt
+    assert stranger.stats()["compilations"] == 0
+
+
 def _corrupt(raw: redis.Redis, name: str, kind: str) -> None:
     data = raw.get(name)
     assert data is not None

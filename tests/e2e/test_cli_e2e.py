@@ -118,15 +118,28 @@ def test_warm_refuses_a_bad_manifest_before_starting(tmp_path: Path) -> None:
 
 def test_bench_measures_latency_and_transfer(warmed: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    run = subprocess.run([*JITSERVE, "bench", warmed["url"], "--calls", "20", "--mib", "4",
-                          "--repeat", "2", "--json", str(out)], capture_output=True,
+    run = subprocess.run([*JITSERVE, "bench", warmed["url"], "--calls", "20", "--in-flight", "8",
+                          "--mib", "4", "--repeat", "2", "--json", str(out)], capture_output=True,
                          text=True, env=_env(), timeout=180)
     assert run.returncode == 0, run.stderr
-    assert "P1 cached call, msgpack" in run.stdout and "P4 download 4 MiB" in run.stdout
+    for line in ("P1 cached call, msgpack", "P1 baseline, GET /healthz", "P2 20 calls, 8 in flight",
+                 "P4 download 4 MiB", "cache (local)", "bench/redis_cache.py"):
+        assert line in run.stdout, run.stdout
     figures = json.loads(out.read_text())
+    baseline = figures["P1"]["baseline"]
+    assert baseline["endpoint"] == "GET /healthz" and 0 < baseline["p50_ms"] <= baseline["p99_ms"]
     for encoding in ("msgpack", "json"):
         p1 = figures["P1"][encoding]
         assert p1["calls"] == 20 and 0 < p1["p50_ms"] <= p1["p99_ms"]
+        assert p1["over_baseline_p50"] == pytest.approx(p1["p50_ms"] / baseline["p50_ms"])
+    p2 = figures["P2"]
+    assert (p2["in_flight"], p2["calls"]) == (8, 20)
+    assert p2["calls_per_s"] > 0 and p2["sequential_calls_per_s"] > 0
+    assert p2["over_sequential"] == pytest.approx(p2["calls_per_s"] / p2["sequential_calls_per_s"])
+    assert p2["over_baseline"] == pytest.approx(p2["calls_per_s"] / p2["baseline"]["calls_per_s"])
+    cache = figures["cache"]
+    assert cache["mode"] == "local" and cache["misses"] >= 1  # the bench program compiled once
+    assert cache["hits"]["memory"] >= 2 * 20 + 20 and set(cache["hits"]) >= {"memory", "disk"}
     p4 = figures["P4"]
     assert p4["bytes"] == 4 << 20
     assert p4["upload_gbps"]["best"] > 0 and p4["download_gbps"]["best"] > 0
