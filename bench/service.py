@@ -6,8 +6,8 @@ on the same function and machine, and written to bench/results/service.json:
   P1  median round trip of a cached call with ``wait`` vs a minimal hand-written
       FastAPI endpoint (bench/_baseline_app.py) and vs in-process ``jax.jit``.
   P2  throughput with 64 calls in flight from the AsyncClient vs the same baseline.
-  P4  upload / download GB/s at 1, 16 and 256 MiB, and the server's peak RSS
-      growth during the round trip relative to the payload.
+  P4  upload / download GB/s at 1, 16 and 256 MiB through the SDK, and the peak RSS
+      growth of the server and of the client during the round trip over the payload.
   P5  a 10-step chain on a 64 MiB array through futures vs shipping the data each step.
 
 Run: ``.venv/bin/python bench/service.py [--quick]``
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import threading
@@ -179,26 +180,47 @@ class PeakRss:
         self._thread.join()
 
 
-def p4(url: str, pid_server: int, sizes_mib: list[int]) -> list[dict[str, float]]:
+def p4(url: str, pid_server: int, sizes_mib: list[int], reps: int = 5) -> list[dict[str, float]]:
+    """Upload (execute's POST, until its 202) and download (``result``) of one float32 array.
+
+    Rates are medians of ``reps`` round trips (each size makes one untimed first,
+    as a caller that moves such arrays would have). Memory is the highest peak RSS
+    growth of each side during a timed round trip, over the payload: the client's
+    (this process; its input array exists before) and the server's (the API
+    process; shared-memory pages it maps count); ``*_first_*`` is the untimed
+    first one's, which allocates what the later ones reuse.
+    """
     rows = []
     with Client(url, timeout=600) as c:
         for mib in sizes_mib:
             x = np.ones(mib * MiB // 4, np.float32)
             pid = c.upload(export(lambda v: v + 1.0, x)).program_id
-            c.execute(pid, [x], wait=60)[0].result()  # compile and warm up
-            with PeakRss(pid_server) as rss:
-                t0 = time.perf_counter()
-                fut = c.execute(pid, [x])[0]
-                t1 = time.perf_counter()
-                c.future(fut.future_id, wait=60)
-                t2 = time.perf_counter()
-                out = c.result(fut.future_id)[0]
-                t3 = time.perf_counter()
-            assert out.shape == x.shape
-            c.delete(fut.future_id)
-            rows.append({"mib": mib, "upload_gb_s": x.nbytes / (t1 - t0) / 1e9,
-                         "download_gb_s": x.nbytes / (t3 - t2) / 1e9,
-                         "server_rss_growth_x_payload": (rss.peak - rss.start) / x.nbytes})
+            c.execute(pid, [x], wait=60)[0].result()  # compile
+            up, down, server, client = [], [], [], []
+            for rep in range(-1, reps):  # -1: a round trip untimed, to warm up
+                with PeakRss(pid_server) as rss, PeakRss(os.getpid()) as mine:
+                    t0 = time.perf_counter()
+                    fut = c.execute(pid, [x])[0]
+                    t1 = time.perf_counter()
+                    c.wait(fut.future_id)
+                    t2 = time.perf_counter()
+                    out = c.result(fut.future_id)[0]
+                    t3 = time.perf_counter()
+                assert out.shape == x.shape and out[0] == 2.0
+                c.delete(fut.future_id)
+                del out, fut
+                if rep < 0:
+                    first = {"server_rss_growth_first_x_payload": (rss.peak - rss.start) / x.nbytes,
+                             "client_rss_growth_first_x_payload": (mine.peak - mine.start) / x.nbytes}
+                    continue
+                up.append(x.nbytes / (t1 - t0) / 1e9)
+                down.append(x.nbytes / (t3 - t2) / 1e9)
+                server.append((rss.peak - rss.start) / x.nbytes)
+                client.append((mine.peak - mine.start) / x.nbytes)
+            rows.append({"mib": mib, "upload_gb_s": statistics.median(up),
+                         "download_gb_s": statistics.median(down),
+                         "server_rss_growth_x_payload": max(server),
+                         "client_rss_growth_x_payload": max(client), **first})
     return rows
 
 
@@ -233,7 +255,7 @@ def main() -> None:
     args = parser.parse_args()
     n, total = (50, 256) if args.quick else (300, 2048)
     sizes = [1, 16] if args.quick else [1, 16, 256]
-    results: dict[str, Any] = {"machine": {"cpus": len(__import__("os").sched_getaffinity(0))}}
+    results: dict[str, Any] = {"machine": {"cpus": len(os.sched_getaffinity(0))}}
     with jitserve() as (url, proc), baseline() as base:
         results["P1_round_trip"] = p1(url, base, n)
         print("P1", json.dumps(results["P1_round_trip"], indent=1))

@@ -35,6 +35,7 @@ from jitserve.client._models import (
     Timeout,
 )
 from jitserve.client._remote import AsyncRemoteArray
+from jitserve.client._transport import async_transport
 from jitserve.client.errors import APIError, JitserveError, ProtocolError
 
 __all__ = ["AsyncClient"]
@@ -73,7 +74,8 @@ class AsyncClient(BaseClient):
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
                          progress=progress)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(),
-                                       timeout=self.timeout.to_httpx(), transport=transport)
+                                       timeout=self.timeout.to_httpx(),
+                                       transport=transport or async_transport())
         # Releases are sent from a thread (see ReleaseQueue), so over a blocking client.
         self._release_http = httpx.Client(base_url=self.base_url, headers=self._headers(),
                                           timeout=self.timeout.to_httpx())
@@ -107,7 +109,7 @@ class AsyncClient(BaseClient):
             raise transport_error(e, request) from e
         return self._reply(response, data)
 
-    async def _read(self, response: httpx.Response) -> bytearray | None:
+    async def _read(self, response: httpx.Response) -> memoryview | None:
         buf = self._body_buffer(response)
         if buf is None or response.is_stream_consumed:  # consumed: already in memory
             await response.aread()

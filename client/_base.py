@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 
 from jitserve import wire
+from jitserve.client._buffers import BufferPool
 from jitserve.client._models import (
     DEFAULT_TIMEOUT,
     NOT_GIVEN,
@@ -62,7 +63,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 USER_AGENT = "jitserve-client/0.1.0"
 
 
-def fill(buf: bytearray, pos: int, chunk: bytes) -> int:
+def fill(buf: bytearray | memoryview, pos: int, chunk: bytes) -> int:
     """Copy ``chunk`` into ``buf`` at ``pos``; the new position."""
     end = pos + len(chunk)
     if end > len(buf):
@@ -214,6 +215,7 @@ class BaseClient:
         self._platforms: tuple[str, ...] | None | NotGiven = NOT_GIVEN
         self._programs: set[str] = set()  # program ids the server is known to have
         self._releases = ReleaseQueue(_weakly(self._post_releases))
+        self._buffers = BufferPool()  # big answers are read into these (_body_buffer)
         # A client dropped without close() ends its release thread too.
         weakref.finalize(self, self._releases.stop)
 
@@ -262,18 +264,19 @@ class BaseClient:
                                   content=content, headers=headers or None,
                                   timeout=self.timeout.to_httpx(call.wait))
 
-    def _body_buffer(self, response: httpx.Response) -> bytearray | None:
+    def _body_buffer(self, response: httpx.Response) -> memoryview | None:
         """One buffer of the declared length for a big answer; ``None``: read it as usual.
 
         Reading a big answer chunk by chunk and joining the chunks copies it once
-        more than filling a buffer of the right size.
+        more than filling a buffer of the right size. The buffer comes from
+        ``_buffers`` (warm pages) and the answer's arrays are views of it.
         """
         declared = response.headers.get("content-length", "")
         if (not declared.isdigit() or int(declared) < wire.STREAM_BYTES
                 or response.headers.get("content-encoding")
                 or (self.max_response_bytes and int(declared) > self.max_response_bytes)):
             return None
-        return bytearray(int(declared))
+        return memoryview(self._buffers.take(int(declared)))
 
     def _decode_body(self, response: httpx.Response, data: Any = None) -> Any:
         ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()

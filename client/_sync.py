@@ -36,6 +36,7 @@ from jitserve.client._models import (
     Timeout,
 )
 from jitserve.client._remote import RemoteArray
+from jitserve.client._transport import sync_transport
 from jitserve.client.errors import APIError, JitserveError, ProtocolError
 
 __all__ = ["Client"]
@@ -84,7 +85,8 @@ class Client(BaseClient):
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
                          progress=progress)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers(),
-                                  timeout=self.timeout.to_httpx(), transport=transport)
+                                  timeout=self.timeout.to_httpx(),
+                                  transport=transport or sync_transport())
         self._release_http = self._http  # httpx.Client is thread-safe
 
     def _new_lock(self) -> threading.Lock:
@@ -116,7 +118,7 @@ class Client(BaseClient):
             raise transport_error(e, request) from e
         return self._reply(response, data)
 
-    def _read(self, response: httpx.Response) -> bytearray | None:
+    def _read(self, response: httpx.Response) -> memoryview | None:
         buf = self._body_buffer(response)
         if buf is None or response.is_stream_consumed:  # consumed: already in memory
             response.read()

@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 
 from jitserve.wire._dtypes import DTYPES, WireError, dtype_from_name, dtype_name
+from jitserve.wire._views import unpack_views
 
 __all__ = [
     "MAX_DEPTH",
@@ -216,6 +217,9 @@ def packb(obj: Any) -> bytes:
 # Big buffers go out in slices of this size: HTTP servers and clients copy each
 # chunk they frame, so a slice bounds that copy.
 _SLICE = 4 << 20
+# Pieces smaller than this are joined into one chunk; bigger ones go as views of
+# their own buffer (joining a 1 MiB array would copy it twice more).
+_JOIN_BELOW = 64 << 10
 #: Bodies of at least this many bytes are streamed (requests and answers alike);
 #: smaller ones are sent as one ``bytes``, which costs less than streaming.
 STREAM_BYTES = 1 << 20
@@ -276,7 +280,7 @@ class PackedBody:
         small = bytearray()
         for piece in self.pieces:
             view = memoryview(piece).cast("B")
-            if view.nbytes < _SLICE:  # join small pieces: few chunks
+            if view.nbytes < _JOIN_BELOW:  # join small pieces: few chunks
                 small += view
                 if len(small) >= _SLICE:
                     yield bytes(small)
@@ -317,8 +321,19 @@ def unpackb(data: Any, *, max_bytes: int | None = None) -> Any:
     A map with ``dtype`` and ``data`` keys is taken as an array and validated
     strictly. ``max_bytes`` bounds the message and the arrays decoded from it.
     Malformed input of any kind raises ``WireError``.
+
+    In a message of ``STREAM_BYTES`` or more, big arrays are read-only views of
+    ``data`` itself (see ``_views``), which they keep alive; do not change
+    ``data`` while they live.
     """
     size = _size_check(data, max_bytes)
+    obj = None
+    if size >= STREAM_BYTES:  # big: its arrays as views of ``data``, not copies
+        view = memoryview(data)
+        if view.c_contiguous:
+            obj = unpack_views(view.cast("B"), max_str_len=MAX_STR_LEN, max_depth=MAX_DEPTH)
+    if obj is not None:
+        return _Decoder(max_bytes, _msgpack_array).walk(obj)
     try:
         obj = msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext,
@@ -359,6 +374,8 @@ class _Decoder:
             return [self.walk(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj)]
         if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
             return obj
+        if isinstance(obj, memoryview):  # a big bin outside an array: bytes, as msgpack gives
+            return bytes(obj)
         raise WireError(f"unsupported value of type {type(obj).__name__} at {path}")
 
     def _array(self, obj: Any, path: str) -> np.ndarray:
@@ -510,7 +527,7 @@ def loads_json(data: Any, *, max_bytes: int | None = None,
         data = data.encode()
     _size_check(data, max_bytes)
     try:
-        obj = json.loads(bytes(data))
+        obj = parse(bytes(data))
     except (ValueError, RecursionError) as e:
         raise WireError(f"malformed JSON message: {e}") from None
     return _Decoder(max_bytes, _json_array).walk(obj)
