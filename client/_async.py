@@ -177,6 +177,20 @@ class AsyncClient(BaseClient):
         return self._wrap(await self._drive(self._op_execute(program_id, args, wait, static_key,
                                                              donate)))
 
+    async def set_batching(self, program_id: str, *, max_batch_size: int,
+                           max_delay_ms: float = 2.0) -> dict[str, Any]:
+        """See ``Client.set_batching``."""
+        return await self._drive(self._op_batching("PUT", program_id, {
+            "max_batch_size": max_batch_size, "max_delay_ms": max_delay_ms}))
+
+    async def get_batching(self, program_id: str) -> dict[str, Any]:
+        """See ``Client.get_batching``."""
+        return await self._drive(self._op_batching("GET", program_id))
+
+    async def clear_batching(self, program_id: str) -> dict[str, Any]:
+        """See ``Client.clear_batching``."""
+        return await self._drive(self._op_batching("DELETE", program_id))
+
     async def future(self, future_id: str, *, wait: float | None = None) -> FutureInfo:
         """See ``Client.future``."""
         return await self._drive(self._op_future(future_id, wait))

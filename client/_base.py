@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import sys
@@ -492,6 +493,14 @@ class BaseClient:
         """Send one batch for the ``ReleaseQueue``, from its thread, over ``_release_http``."""
         request = self._build_request(self._release_http, self._release_call(refs))
         self._release_http.send(request).raise_for_status()
+
+    def _op_batching(self, method: str, program_id: str,
+                     config: Mapping[str, Any] | None = None) -> Op[dict[str, Any]]:
+        """``GET``, ``PUT`` or ``DELETE`` a program's batching (docs/batching.md)."""
+        content = None if config is None else json.dumps(dict(config)).encode()
+        reply = yield _Call(method, f"/v1/programs/{_seg(program_id)}/batching", None, content,
+                            None if config is None else wire.JSON)
+        return dict(reply.body)
 
     def _op_get(self, path: str) -> Op[Any]:
         reply = yield _Call("GET", path)

@@ -191,6 +191,36 @@ class Client(BaseClient):
         """
         return self._wrap(self._drive(self._op_execute(program_id, args, wait, static_key, donate)))
 
+    def set_batching(self, program_id: str, *, max_batch_size: int,
+                     max_delay_ms: float = 2.0) -> dict[str, Any]:
+        """Batch this client's concurrent calls of ``program_id`` on the server.
+
+        Calls whose arguments share a leading dimension are stacked into one run of
+        at most ``max_batch_size`` rows, after waiting at most ``max_delay_ms`` for
+        each other. The program must be a shape-polymorphic export whose inputs and
+        outputs all lead with one symbolic dimension, and its rows independent
+        (docs/batching.md)::
+
+            b, = jax.export.symbolic_shape("b")
+            exp = jax.export.export(jax.jit(mlp), platforms=["cpu"])(
+                jax.ShapeDtypeStruct((b, 784), np.float32))
+            pid = client.upload(exp.serialize()).program_id
+            client.set_batching(pid, max_batch_size=64, max_delay_ms=2)
+
+        Returns the configuration the server keeps (``enabled``, the two knobs, and
+        ``batch_dimension``).
+        """
+        return self._drive(self._op_batching("PUT", program_id, {
+            "max_batch_size": max_batch_size, "max_delay_ms": max_delay_ms}))
+
+    def get_batching(self, program_id: str) -> dict[str, Any]:
+        """The program's batching for this client's key (``enabled: false`` when off)."""
+        return self._drive(self._op_batching("GET", program_id))
+
+    def clear_batching(self, program_id: str) -> dict[str, Any]:
+        """Stop batching the program's calls (queued ones still run)."""
+        return self._drive(self._op_batching("DELETE", program_id))
+
     def future(self, future_id: str, *, wait: float | None = None) -> FutureInfo:
         """A future's state; ``wait`` long-polls until it leaves pending/running."""
         return self._drive(self._op_future(future_id, wait))

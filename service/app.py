@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from jitserve.compiler import Catalog, Compiler
 from jitserve.service import v2
+from jitserve.service.batching import Batcher
 from jitserve.service.calls import Calls
 from jitserve.service.cluster import Cluster
 from jitserve.service.drain import Drain
@@ -36,6 +37,7 @@ from jitserve.service.openapi import install_docs
 from jitserve.service.programs import ProgramStore
 from jitserve.service.quotas import Quotas
 from jitserve.service.routes import arrays as arrays_routes
+from jitserve.service.routes import batching as batching_routes
 from jitserve.service.routes import executables as executables_routes
 from jitserve.service.routes import execute as execute_routes
 from jitserve.service.routes import futures as futures_routes
@@ -95,6 +97,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     app.include_router(health_routes.router)
     app.include_router(health_routes.devices_router)
     app.include_router(programs_routes.router)
+    app.include_router(batching_routes.router)
     app.include_router(executables_routes.router)
     app.include_router(futures_routes.router)
     app.include_router(arrays_routes.router)
@@ -171,6 +174,8 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
     state.calls = Calls(pool, futures, executor, metrics, index,
                         lookup_timeout_s=2 * settings.compile_timeout_s + 60,
                         tenants=tenants, scheduler=scheduler)
+    state.calls.batcher = Batcher(state.calls.compile, pool, futures, executor, metrics)
+    state.calls.batcher.shared = cluster  # the replicas share their callers' batching
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
     if cluster is not None:
         await cluster.start(futures.live)

@@ -40,6 +40,7 @@ import numpy as np
 from jitserve import wire
 from jitserve.compiler.errors import CompilerError, SignatureMismatch
 from jitserve.compiler.programs import Program
+from jitserve.service.batching import Batcher
 from jitserve.service.errors import (
     BadRequest,
     FutureCancelled,
@@ -156,6 +157,8 @@ class Calls:
         self._tenants = tenants or Tenants()
         self._scheduler = scheduler
         self._tasks: set[asyncio.Task[None]] = set()
+        # Dynamic batching of the programs callers opted in (service/batching.py).
+        self.batcher: Batcher | None = None
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions = _NO_OPTIONS, owner: str | None = None,
@@ -226,6 +229,12 @@ class Calls:
         flat arguments); the outputs they name are released for the caller.
         """
         options = CallOptions(static_key, _check_donate(donate, len(args)))
+        if self.batcher is not None and not options.donate:  # opted in (service.batching)
+            await self.batcher.refresh(owner, program.program_id)
+            batched = self.batcher.offer(program, args, static_key, owner, timeout_s)
+            if batched is not None:
+                self._transferred(args)
+                return Call(batched, "batched")
         resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
         avals = [aval for _, aval in resolved]
         inputs = [a for a, _ in resolved]
@@ -326,6 +335,8 @@ class Calls:
 
     async def close(self) -> None:
         """Stop the compiles in progress (shutdown)."""
+        if self.batcher is not None:
+            await self.batcher.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -458,6 +458,28 @@ class Cluster:
         with contextlib.suppress(RedisError, OSError):
             await self._redis.srem(self._key("programs", owner), program_id)
 
+    async def set_batching(self, owner: str | None, program_id: str,
+                           config: dict[str, Any] | None) -> None:
+        """Keep ``owner``'s batching of ``program_id`` (``None``: off) for the other
+        replicas (service/batching.py); ``Unavailable`` when Redis cannot take it."""
+        key = self._key("batching", owner or "")
+        try:
+            if config is None:
+                await self._redis.hdel(key, program_id)
+            else:
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.hset(key, program_id, json.dumps(config))
+                pipe.expire(key, _CLAIM_TTL_S)
+                await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise Unavailable(f"the shared Redis could not keep the batching: {e}") from None
+
+    async def batching(self, owner: str | None, program_id: str) -> dict[str, Any] | None:
+        """``owner``'s batching of ``program_id`` as any replica set it; ``None`` when off.
+        ``RedisError`` or ``OSError`` when Redis does not answer."""
+        raw = await self._redis.hget(self._key("batching", owner or ""), program_id)
+        return None if raw is None else json.loads(raw)
+
     # -- forwarding ----------------------------------------------------------------------
 
     def sign(self, method: str, path: str, owner: str | None) -> str:

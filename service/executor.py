@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,12 @@ _RUN_CODES = frozenset({"execution_timeout", "runtime_crashed", "out_of_memory",
                         "future_cancelled", "future_expired", "unavailable"})
 
 
+def run_error(e: RemoteError) -> tuple[str, str]:
+    """The code and message a future fails with when its runtime failed its run."""
+    code = e.code if e.code in _RUN_CODES else "future_failed"
+    return code, (str(e) if code != "future_failed" else f"execution failed: {e}")
+
+
 class _Cancelled(Exception):
     """The job was cancelled before it was sent."""
 
@@ -74,6 +80,14 @@ class _DependencyFailed(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPiece:
+    """One call's share of a batched run: its output buffers, and their values when small."""
+
+    buffers: list[Buffer]
+    values: list[np.ndarray] | None
 
 
 class ExecutionJob:
@@ -295,6 +309,50 @@ class Executor:
                     self._runtimes.segments.give_back(segment)
                 else:  # the runtime may still read it: unlinked, left to it
                     segment.destroy()
+
+    async def run_split(self, runtime: Runtime, program: Program, executable: RemoteExecutable,
+                        options: CallOptions, host: list[np.ndarray], rows: Sequence[int],
+                        out_nbytes: Sequence[Sequence[int]], timeout_s: float | None,
+                        on_started: Callable[[], None]) -> tuple[float, list[SplitPiece]]:
+        """Run ``executable`` once on ``host``, whose leading rows are several calls'
+        (``rows`` each, in order, then padding): a batch (``service.batching``).
+
+        Every output is split along its leading axis on the runtime, so each call
+        gets buffers of its own (``out_nbytes[i]``: call ``i``'s output sizes), with
+        their values when small. Returns the run's seconds and the pieces, in order;
+        raises ``RemoteError`` when the runtime fails the run.
+        """
+        memory = executable.memory
+        timeout = min(timeout_s or self.timeout_s, self.timeout_s)
+        descs, segment = await self._pack(host)
+        answered = False
+        try:
+            message = {"executable_id": executable.executable_id,
+                       "program_id": program.program_id, **options.to_json(),
+                       "avals": [a.to_json() for a in executable.in_avals], "args": descs,
+                       "split": list(rows)}
+            async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
+                try:
+                    reply = await runtime.request("run", message, timeout_s=timeout,
+                                                  on_started=on_started)
+                except RemoteError:
+                    answered = True
+                    raise
+            answered = True
+        finally:
+            if segment is not None:
+                if answered:
+                    self._runtimes.segments.give_back(segment)
+                else:
+                    segment.destroy()
+        pieces = []
+        for handles, values, sizes in zip(reply["handles"], reply["values"], out_nbytes):
+            buffers = [Buffer(runtime, reply["generation"], h, n) for h, n in zip(handles, sizes)]
+            host_values = None if values is None else frames.unpack_arrays(values)
+            pieces.append(SplitPiece(buffers, host_values))
+        run_s = float(reply["run_s"])
+        self._metrics.execute_seconds.observe(run_s)
+        return run_s, pieces
 
     async def put(self, future: Future, runtime: Runtime, arrays: list[np.ndarray]) -> None:
         """Keep ``arrays`` on ``runtime`` as the outputs of ``future`` (``POST /v1/arrays``);

@@ -34,6 +34,9 @@ Names (the Grafana dashboard and the acceptance tests read these)::
     jitserve_runtime_restart_seconds          the last restart, from exit to ready
     jitserve_runtime_moves_total              outputs moved between runtimes (a call on
     jitserve_runtime_move_bytes_total         one took a future that lives on another)
+    jitserve_batch_calls                      histogram of calls per batched run, and
+    jitserve_batch_rows                       of rows (before padding to a bucket)
+                                              (docs/batching.md)
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from jitserve.wire import FutureStatus, TierName
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "RequestMetricsMiddleware"]
 
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -116,6 +120,11 @@ class Metrics:
         self.execution_temp_bytes = Gauge("jitserve_execution_temp_bytes",
                                           "device bytes of intermediates of running executions",
                                           registry=r)
+        # Dynamic batching (service/batching.py): the calls and rows of each batched run.
+        self.batch_calls = Histogram("jitserve_batch_calls", "calls per batched run",
+                                     buckets=_BATCH, registry=r)
+        self.batch_rows = Histogram("jitserve_batch_rows", "rows per batched run, unpadded",
+                                    buckets=_BATCH, registry=r)
         for reason in ("disconnect", "timeout"):
             self.bodies_aborted.labels(reason)
         for reason in ("header_timeout", "header_too_large"):

@@ -35,6 +35,8 @@ class ErrorCode(enum.StrEnum):
     COMPILE_FAILED = "compile_failed"
     COMPILE_TIMEOUT = "compile_timeout"
     COMPILER_ERROR = "compiler_error"
+    # a program whose signature cannot batch calls (docs/batching.md)
+    NOT_BATCHABLE = "not_batchable"
     # a future
     FUTURE_PENDING = "future_pending"
     FUTURE_FAILED = "future_failed"
@@ -73,6 +75,7 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
     ErrorCode.COMPILE_FAILED: 422,
     ErrorCode.COMPILE_TIMEOUT: 422,
     ErrorCode.COMPILER_ERROR: 422,
+    ErrorCode.NOT_BATCHABLE: 422,
     ErrorCode.FUTURE_PENDING: 409,
     ErrorCode.FUTURE_FAILED: 422,
     ErrorCode.FUTURE_CANCELLED: 409,

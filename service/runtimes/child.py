@@ -87,6 +87,7 @@ class RuntimeServer:
         self._runs_lock = threading.Lock()
         self._run_slots = settings.executor_threads
         self._queued_runs: collections.deque[dict[str, Any]] = collections.deque()
+        self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         try:  # jaxlib's transfer; jax.device_put where a jaxlib lacks it
             from jax._src.lib import xla_client
@@ -273,6 +274,8 @@ class RuntimeServer:
         outputs = exe.run(args)
         jax.block_until_ready(outputs)
         run_s = time.perf_counter() - t0
+        if m.get("split") is not None:
+            return self._split(outputs, [int(n) for n in m["split"]], run_s)
         handles = []
         for out in outputs:
             handle = next(self._handles)
@@ -285,6 +288,46 @@ class RuntimeServer:
 
             reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], None)
         return reply
+
+    def _split(self, outputs: list[Any], rows: list[int], run_s: float) -> dict[str, Any]:
+        """A batched run's answer (``service.batching``): every output cut along its
+        leading axis into ``rows`` (one piece per call, in order; the rest is padding,
+        dropped), each piece a buffer of its own under a new handle."""
+        import numpy as np
+
+        starts = np.cumsum([0, *rows[:-1]]).tolist()
+        cpu = self.device.platform == "cpu"
+        pieces = [[self._piece(np.asarray(out) if cpu else out, a, n)
+                   for a, n in zip(starts, rows)] for out in outputs]
+        del outputs  # the batch's own buffers go; only the calls' pieces stay
+        self._jax.block_until_ready(pieces)
+        handles: list[list[int]] = []
+        values: list[Any] = []
+        for call in zip(*pieces):
+            mine = []
+            for piece in call:
+                handle = next(self._handles)
+                self.buffers[handle] = piece
+                mine.append(handle)
+            handles.append(mine)
+            if sum(p.nbytes for p in call) <= frames.INLINE_OUTPUTS_BYTES:
+                values.append(frames.pack_arrays([np.asarray(p) for p in call], None)[0])
+            else:
+                values.append(None)
+        return {"handles": handles, "values": values, "run_s": run_s}
+
+    def _piece(self, out: Any, start: int, rows: int) -> Any:
+        """Rows ``start:start+rows`` of ``out`` as a new device array, with no compile per
+        pattern of calls: on the CPU a copy of the host view ``out`` (the host is the
+        device), elsewhere a dynamic slice compiled once per (output aval, rows)."""
+        jax = self._jax
+        if self.device.platform == "cpu":
+            return jax.device_put(out[start:start + rows].copy(), self.device)
+        take = self._slices.get(rows)
+        if take is None:
+            take = self._slices[rows] = jax.jit(
+                lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, rows, axis=0))
+        return take(out, start)
 
     def op_put(self, m: dict[str, Any]) -> dict[str, Any]:
         """Keep host arrays on the device under new handles (``POST /v1/arrays``)."""
