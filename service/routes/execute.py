@@ -51,10 +51,14 @@ async def execute_program(
     program_id: str, request: Request,
     wait: Annotated[int | None, Query(ge=0, description="milliseconds to wait for the result")]
     = None,
+    keep: Annotated[bool, Query(description=(
+        "false: an answer that carries the outputs (200) also deletes the future, so a "
+        "caller that only wants the values needs no DELETE; a 202 keeps it"))] = True,
 ) -> Response:
     """Run the program on arrays or future references; answers with a future.
 
-    With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time.
+    With ``?wait=<ms>``, answers ``200`` with the outputs if they are ready in time
+    (and with ``keep=false``, forgets the future then).
     With several replicas, a call whose inputs are futures runs where they are.
     """
     state = request.app.state
@@ -83,7 +87,10 @@ async def execute_program(
     if state.cluster is not None:
         await state.cluster.written(fut)  # any replica can answer for it from now on
     if wait_s and await fut.wait_final(wait_s) and fut.outputs is not None:
-        return await outputs_response(fut, state.metrics, wants_json(request), state.runtimes)
+        answer = await outputs_response(fut, state.metrics, wants_json(request), state.runtimes)
+        if not keep:  # the answer holds the values on the host: the outputs can go
+            state.futures.delete(fut)
+        return answer
     accepted = ExecuteAccepted.of(fut, call.tier)
     return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
 

@@ -89,6 +89,21 @@ def test_execute_with_wait(http: httpx.Client, add_mul: str) -> None:
     np.testing.assert_array_equal(outs[1], X * 2)
 
 
+def test_execute_with_wait_and_keep_false_forgets_the_future(http: httpx.Client,
+                                                            add_mul: str) -> None:
+    r = http.post(f"/v1/programs/{add_mul}/execute", params={"wait": 60_000, "keep": "false"},
+                  content=wire.packb({"args": [X, X]}), headers=MP)
+    assert r.status_code == 200, r.text
+    answer = wire.unpackb(r.content)
+    np.testing.assert_array_equal(answer["outputs"][1], X * 2)
+    assert http.get(f"/v1/futures/{answer['future_id']}").status_code == 404
+    kept = wire.unpackb(_execute(http, add_mul, [X, X], wait=60_000).content)["future_id"]
+    assert http.get(f"/v1/futures/{kept}").json()["status"] == "done"
+    r = http.post(f"/v1/programs/{add_mul}/execute", params={"keep": "maybe"},
+                  content=wire.packb({"args": [X, X]}), headers=MP)
+    assert r.status_code == 400 and "keep" in r.json()["error"]["message"]
+
+
 def test_future_polling(http: httpx.Client, add_mul: str) -> None:
     r = _execute(http, add_mul, [X, X])
     assert r.status_code == 202, r.text
