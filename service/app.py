@@ -90,6 +90,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
                               "futures back. See docs/api.md.")
     app.state.settings = settings
     app.state.metrics = metrics
+    app.add_middleware(execute_routes.ExecuteLane)  # inner: counted by the metrics
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
     install_docs(app)

@@ -7,16 +7,27 @@ call (docs/performance.md), and this route is the one every call goes through.
 What it does is the same as theirs: ``deps.request_owner`` authenticates (or
 checks a peer's signature), the body is read by a ``BodyReader`` under the
 same limits.
+
+``ExecuteLane``, a middleware, goes one step further: it hands a well-formed
+execute request to the same handler (``execute``) before the router, FastAPI's
+request wrappers and its parameter validation see it, and answers its errors
+through the app's own exception handlers. A request it does not recognise
+(a ``?wait`` that is not a number, say) goes down the stack as usual, so it is
+answered, and refused, exactly as before.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import re
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jitserve import wire
 from jitserve.service.bodies import BodyReader, outputs_response, wants_json
@@ -28,7 +39,7 @@ from jitserve.service.routes.replicas import pull, relay, remote_replica
 from jitserve.service.schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
 from jitserve.wire import ErrorCode
 
-__all__ = ["router"]
+__all__ = ["ExecuteLane", "router"]
 
 router = APIRouter(prefix="/v1/programs", tags=["programs"])
 
@@ -61,6 +72,11 @@ async def execute_program(
     (and with ``keep=false``, forgets the future then).
     With several replicas, a call whose inputs are futures runs where they are.
     """
+    return await execute(request, program_id, wait, keep)
+
+
+async def execute(request: Request, program_id: str, wait: int | None, keep: bool) -> Response:
+    """The route's work, for the route and for ``ExecuteLane``."""
     state = request.app.state
     settings = state.settings
     owner = request_owner(request)
@@ -121,3 +137,75 @@ async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
     for i, arg in enumerate(args):
         if wire.is_future_ref(arg) and remote_replica(cluster, str(arg["future"])):
             args[i] = await pull(cluster, arg, owner, wait_s)
+
+
+_PATH = re.compile(r"/v1/programs/([^/]+)/execute")
+_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is execute_program)
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
+class ExecuteLane:
+    """ASGI middleware: a well-formed execute request goes straight to ``execute``.
+
+    Inside ``RequestMetricsMiddleware`` (it counts the request under the route's
+    template, as the router would) and outside the router: the router's matching,
+    FastAPI's request wrappers and its validation of two query parameters cost
+    about as much as the handler's own work on a cached call. Errors are answered
+    by the app's exception handlers, as ``ExceptionMiddleware`` would; one without
+    a handler goes up to ``ServerErrorMiddleware`` (a 500, logged).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path")
+                or (match := _PATH.fullmatch(scope["path"])) is None
+                or (query := _query(scope["query_string"])) is None):
+            await self.app(scope, receive, send)
+            return
+        app: FastAPI = scope["app"]
+        scope["route"] = _ROUTE
+        request = Request(scope, receive, send)
+        try:
+            response = await execute(request, match.group(1), *query)
+        except Exception as exc:
+            handler = _handler(app, exc)
+            if handler is None:
+                raise
+            response = await handler(request, exc)
+        await response(scope, receive, send)
+
+
+def _query(raw: bytes) -> tuple[int | None, bool] | None:
+    """``(wait, keep)`` of a plain query string; ``None`` for anything FastAPI
+    should judge (escapes, a non-numeric ``wait``, an unusual ``keep``)."""
+    wait, keep = None, True
+    if not raw:
+        return wait, keep
+    if b"%" in raw or b"+" in raw:
+        return None
+    for pair in raw.decode("latin-1").split("&"):
+        name, _, value = pair.partition("=")
+        if name == "wait":
+            if not (value.isascii() and value.isdigit() and len(value) <= 15):
+                return None
+            wait = int(value)
+        elif name == "keep":
+            if (flag := _BOOLS.get(value)) is None:
+                return None
+            keep = flag
+    return wait, keep
+
+
+def _handler(app: FastAPI, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
+    """The handler ``ExceptionMiddleware`` would pick for ``exc``: by class, nearest
+    first. ``Exception``'s own is ``ServerErrorMiddleware``'s, which is left to it."""
+    if isinstance(exc, StarletteHTTPException) and exc.status_code in app.exception_handlers:
+        return app.exception_handlers[exc.status_code]
+    for cls in type(exc).__mro__:
+        if cls is Exception:
+            return None
+        if cls in app.exception_handlers:
+            return app.exception_handlers[cls]
+    return None

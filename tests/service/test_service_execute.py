@@ -121,3 +121,53 @@ async def test_result_of_a_future_without_wait_may_be_pending(api, x) -> None:
     assert r.status_code in (200, 409)
     if r.status_code == 409:
         assert r.json()["error"]["code"] == "future_pending"
+
+
+# -- the execute lane (service/routes/execute.py: ExecuteLane) ---------------------
+
+
+@pytest.mark.parametrize(("query", "parsed"), [
+    (b"", (None, True)), (b"wait=10", (10, True)), (b"wait=0&keep=false", (0, False)),
+    (b"keep=1&wait=5&wait=7", (7, True)), (b"other=x&wait=3", (3, True)),
+    (b"wait=abc", None), (b"wait=-1", None), (b"wait=", None), (b"wait=%31", None),
+    (b"keep=no", None), (b"wait=1e3", None), (b"wait=\xd9\xa3", None),
+])
+def test_lane_reads_plain_queries_and_leaves_the_rest_to_fastapi(query, parsed) -> None:
+    from jitserve.service.routes.execute import _query
+
+    assert _query(query) == parsed
+
+
+async def test_queries_the_lane_declines_are_answered_by_fastapi(api, x) -> None:
+    pid = await api.upload("add_mul")
+    body = wire.packb({"args": [x, x]})
+    path = f"/v1/programs/{pid}/execute"
+    headers = {"content-type": wire.MSGPACK}
+    for bad in ("wait=abc", "wait=-5"):
+        r = await api.http.post(f"{path}?{bad}", content=body, headers=headers)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "bad_request" and "wait" in error["message"]
+    # escaped and spelled-out values the lane leaves alone mean what FastAPI says they do
+    r = await api.http.post(f"{path}?wait=%31%30000&keep=no", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    fid = wire.unpackb(r.content)["future_id"]
+    assert (await api.http.get(f"/v1/futures/{fid}")).status_code == 404  # keep=no: gone
+    np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], x + x)
+
+
+async def test_lane_answers_errors_through_the_app_handlers(api, x) -> None:
+    pid = await api.upload("add_mul")
+    before = await api.metric("jitserve_requests_total",
+                              route="/v1/programs/{program_id}/execute", status="415")
+    r = await api.http.post(f"/v1/programs/{pid}/execute?wait=1000", content=b"{}",
+                            headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = await api.http.post("/v1/programs/nope/execute?wait=1000",
+                            content=wire.packb({"args": [x, x]}),
+                            headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert "nope" in r.json()["error"]["message"]
+    after = await api.metric("jitserve_requests_total",
+                             route="/v1/programs/{program_id}/execute", status="415")
+    assert after == before + 1  # counted under the route's template, as routed requests are
