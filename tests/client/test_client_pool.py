@@ -1,0 +1,154 @@
+"""The SDK's connection pools (client/_transport.py) against a real HTTP/1.1 server.
+
+The server is the standard library's threading HTTP server on loopback, keeping
+connections alive, so the pools open, reuse and lose real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from jitserve.client._transport import async_transport, sync_transport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Server:
+    url: str
+    connections: int = 0
+    in_flight: int = 0
+    most_in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    """Answers every POST after 20 ms; closes a connection idle for 0.3 s."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                 "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    state = Server("")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        timeout = 0.3  # the server closes idle keep-alive connections
+
+        def setup(self) -> None:
+            super().setup()
+            with state.lock:
+                state.connections += 1
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["content-length"]))
+            with state.lock:
+                state.in_flight += 1
+                state.most_in_flight = max(state.most_in_flight, state.in_flight)
+            time.sleep(0.02)
+            with state.lock:
+                state.in_flight -= 1
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    class Httpd(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 128  # 64 connections may arrive at once
+
+    httpd = Httpd(("127.0.0.1", 0), Handler)
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+async def _burst(client: httpx.AsyncClient, url: str, n: int) -> None:
+    async def one(i: int) -> None:
+        r = await client.post(url, content=str(i).encode())
+        assert r.status_code == 200 and r.content == str(i).encode()
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_64_in_flight_share_connections_across_bursts(server: Server) -> None:
+    transport = async_transport()
+    assert transport is not None
+    async with httpx.AsyncClient(transport=transport) as client:
+        await _burst(client, server.url, 64)
+        opened = server.connections
+        assert server.most_in_flight > 32  # the calls overlapped on the server
+        assert opened <= 64
+        for _ in range(3):
+            await _burst(client, server.url, 64)
+    # httpcore 1.0's pool closed each connection past 20 as it went idle, so every
+    # burst opened most of its connections again
+    assert server.connections - opened <= 8
+
+
+async def test_requests_never_wait_on_a_connection_another_request_holds(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport = async_transport()
+    assert transport is not None
+    pool = transport._pool
+    sends = 0
+    original = type(pool).handle_async_request
+
+    async def counted(self, request):  # noqa: ANN001, ANN202
+        nonlocal sends
+        sends += 1
+        return await original(self, request)
+
+    connection_cls = None
+    async with httpx.AsyncClient(transport=transport) as client:
+        await _burst(client, server.url, 8)  # some connections to reuse
+        connection_cls = type(pool.connections[0])
+        attempts = 0
+        original_attempt = connection_cls.handle_async_request
+
+        async def attempt(self, request):  # noqa: ANN001, ANN202
+            nonlocal attempts
+            attempts += 1
+            return await original_attempt(self, request)
+
+        monkeypatch.setattr(connection_cls, "handle_async_request", attempt)
+        monkeypatch.setattr(type(pool), "handle_async_request", counted)
+        await _burst(client, server.url, 64)
+    assert sends == 64
+    assert attempts == 64  # one attempt each: no ConnectionNotAvailable and retry
+
+
+async def test_a_connection_the_server_closed_is_not_reused(server: Server) -> None:
+    transport = async_transport()
+    assert transport is not None
+    async with httpx.AsyncClient(transport=transport) as client:
+        await _burst(client, server.url, 4)
+        opened = server.connections
+        await asyncio.sleep(0.8)  # the server closes the idle connections
+        await _burst(client, server.url, 4)
+        assert server.connections > opened  # new connections, and no failed request
+
+
+def test_sync_pool_reuses_and_recovers(server: Server) -> None:
+    transport = sync_transport()
+    assert transport is not None
+    with httpx.Client(transport=transport) as client:
+        for i in range(5):
+            assert client.post(server.url, content=b"x%d" % i).content == b"x%d" % i
+        assert server.connections == 1
+        time.sleep(0.8)
+        assert client.post(server.url, content=b"again").content == b"again"
+        assert server.connections == 2
