@@ -1,12 +1,14 @@
 """The baseline: a minimal hand-written FastAPI endpoint doing the same work as jitserve.
 
 It decodes a msgpack (or JSON) array, runs the jitted function, and encodes the result —
-no futures, no caching layers, no validation. bench/service.py compares against it.
+no futures, no caching layers, no validation. bench/service.py compares against it;
+bench/batching.py too, with ``BASELINE_MLP`` naming the MLP it runs instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,12 @@ app = FastAPI()
 @jax.jit
 def f(x):  # noqa: ANN001, ANN201 - the benchmark function, kept identical in service.py
     return jnp.sin(x) * 2.0 + 1.0
+
+
+if os.environ.get("BASELINE_MLP"):  # bench/batching.py: one of its MLPs instead
+    from _models import make_mlp
+
+    f = jax.jit(make_mlp(os.environ["BASELINE_MLP"]))
 
 
 @app.get("/healthz")

@@ -36,7 +36,8 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0)
 
 
 @contextlib.contextmanager
-def process(argv: list[str], url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def process(argv: list[str], url: str,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(argv, env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -63,13 +64,13 @@ def jitserve(**env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 @contextlib.contextmanager
-def baseline() -> Iterator[str]:
+def baseline(**env: str) -> Iterator[str]:
     """The hand-written minimal FastAPI endpoint (bench/_baseline_app.py) under uvicorn."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "uvicorn", "_baseline_app:app", "--app-dir", str(BENCH),
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    with process(argv, url):
+    with process(argv, url, env):
         yield url
 
 

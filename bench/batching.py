@@ -5,8 +5,11 @@ dimension), one row per call, 64 calls in flight from the ``AsyncClient`` (and
 from aiohttp over raw REST, a client that is not itself the bound). The same
 program is measured with batching off and on (``set_batching``) at a few
 ``max_delay_ms``, in rounds that take turns (medians over 3 rounds), in the same
-run; the ratios are on vs off. Results of batched
-calls are checked against local ``jax.jit`` first. Writes bench/results/batching.json.
+run; the ratios are on vs off, and against the baseline: the minimal FastAPI
+endpoint of bench/service.py running the same MLP with ``jax.jit`` in its own
+process, one call at a time (bench/_baseline_app.py), driven by the same aiohttp
+client. Results of batched calls are checked against local ``jax.jit`` first.
+Writes bench/results/batching.json.
 
 Run: ``.venv/bin/python bench/batching.py [--quick]``
 """
@@ -31,28 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
-from _servers import jitserve  # noqa: E402
+from _models import SIZES, make_mlp  # noqa: E402
+from _servers import baseline, jitserve  # noqa: E402
 
 from jitserve.client import AsyncClient  # noqa: E402
-
-# Two MLPs: a small one, where the API process's per-call work is the bound, and a
-# larger one (24 MiB of weights), where the device's per-run work is.
-SIZES = {"small": (256, 512, 10), "large": (1024, 2048, 16)}
-
-
-def make_mlp(size: str) -> Any:
-    n_in, hidden, n_out = SIZES[size]
-    rng = np.random.default_rng(0)
-    w1 = (rng.standard_normal((n_in, hidden)) / np.sqrt(n_in)).astype(np.float32)
-    w2 = (rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float32)
-    w3 = (rng.standard_normal((hidden, n_out)) / np.sqrt(hidden)).astype(np.float32)
-
-    def mlp(x):  # noqa: ANN001, ANN202
-        h = jax.nn.relu(x @ w1)
-        h = jax.nn.relu(h @ w2)
-        return jax.nn.softmax(h @ w3, axis=-1)
-
-    return mlp
 
 
 def export_poly(mlp: Any, n_in: int) -> bytes:
@@ -96,7 +81,7 @@ async def check_equal(ac: AsyncClient, pid: str, mlp: Any, xs: list[np.ndarray])
     return worst
 
 
-async def run(url: str, size: str, total: int, delays: list[float],
+async def run(url: str, base: str, size: str, total: int, delays: list[float],
               rounds: int) -> dict[str, Any]:
     import aiohttp
 
@@ -122,11 +107,11 @@ async def run(url: str, size: str, total: int, delays: list[float],
 
                 return await _throughput(sdk, total, 64)
 
-        async def rest_phase() -> float:
+        async def rest_phase(target: str) -> float:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
                 async def rest(i: int) -> None:
-                    async with session.post(f"{url}/v1/programs/{pid}/execute?wait=30000",
-                                            data=bodies[i % len(bodies)], headers=headers) as r:
+                    async with session.post(target, data=bodies[i % len(bodies)],
+                                            headers=headers) as r:
                         await r.read()
                         assert r.status == 200, r.status
 
@@ -137,7 +122,10 @@ async def run(url: str, size: str, total: int, delays: list[float],
         configs: list[float | None] = [None, *delays]
         seen: dict[float | None, dict[str, list[float]]] = {
             c: {"sdk": [], "rest": [], "calls_per_run": []} for c in configs}
+        execute = f"{url}/v1/programs/{pid}/execute?wait=30000&keep=false"
+        baseline_rest: list[float] = []
         for _ in range(rounds):
+            baseline_rest.append(await rest_phase(f"{base}/run"))
             for delay in configs:
                 if delay is None:
                     await ac.clear_batching(pid)
@@ -148,20 +136,24 @@ async def run(url: str, size: str, total: int, delays: list[float],
                 runs0 = metric(url, "jitserve_batch_calls_count")
                 calls0 = metric(url, "jitserve_batch_calls_sum")
                 seen[delay]["sdk"].append(await sdk_phase())
-                seen[delay]["rest"].append(await rest_phase())
+                seen[delay]["rest"].append(await rest_phase(execute))
                 runs = metric(url, "jitserve_batch_calls_count") - runs0
                 if runs:
                     calls = metric(url, "jitserve_batch_calls_sum") - calls0
                     seen[delay]["calls_per_run"].append(calls / runs)
         off_sdk, off_rest = (statistics.median(seen[None][k]) for k in ("sdk", "rest"))
+        base_rest = statistics.median(baseline_rest)
+        out["baseline"] = {"rest_aiohttp_calls_per_s": base_rest, "rounds": baseline_rest}
+        print(size, "baseline", json.dumps({"rest_aiohttp_calls_per_s": base_rest}))
         out["off"] = {"sdk_calls_per_s": off_sdk, "rest_aiohttp_calls_per_s": off_rest,
-                      "rounds": seen[None]}
+                      "rest_ratio_vs_baseline": off_rest / base_rest, "rounds": seen[None]}
         print(size, "off", json.dumps({k: v for k, v in out["off"].items() if k != "rounds"}))
         for delay in delays:
             sdk_cps, rest_cps = (statistics.median(seen[delay][k]) for k in ("sdk", "rest"))
             out[f"on_delay_{delay:g}ms"] = doc = {
                 "sdk_calls_per_s": sdk_cps, "rest_aiohttp_calls_per_s": rest_cps,
                 "sdk_ratio_vs_off": sdk_cps / off_sdk, "rest_ratio_vs_off": rest_cps / off_rest,
+                "rest_ratio_vs_baseline": rest_cps / base_rest,
                 "mean_calls_per_run": statistics.mean(seen[delay]["calls_per_run"]),
                 "rounds": seen[delay]}
             print(size, f"on {delay:g} ms", json.dumps({k: v for k, v in doc.items()
@@ -179,8 +171,9 @@ def main() -> None:
     # Raw REST calls leave their futures to the TTL: room for all of them.
     with jitserve(JITSERVE_MAX_LIVE_FUTURES="1000000") as (url, _):
         for size in SIZES:
-            results[f"{size}_mlp_64_in_flight"] = asyncio.run(run(url, size, total,
-                                                                  [1.0, 2.0, 5.0], rounds))
+            with baseline(BASELINE_MLP=size) as base:
+                results[f"{size}_mlp_64_in_flight"] = asyncio.run(
+                    run(url, base, size, total, [1.0, 2.0, 5.0], rounds))
     out = Path(__file__).resolve().parent / "results" / "batching.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

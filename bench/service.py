@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside thi
 from _servers import baseline, jitserve, rss_bytes  # noqa: E402
 
 from jitserve.client import AsyncClient, Client  # noqa: E402
+from jitserve.client._transport import async_transport  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 MiB = 1 << 20
@@ -118,10 +119,11 @@ async def _throughput(call: Any, total: int, in_flight: int) -> float:
 
 
 async def p2(url: str, base: str, total: int) -> dict[str, float]:
-    """64 calls in flight: the SDK's AsyncClient against the baseline driven by the same
-    HTTP client (httpx), and both servers driven by aiohttp, a faster client that
-    leaves the servers, not the client, as the bound (httpx's pool slows down past
-    16 connections: bench/results/service.json shows both)."""
+    """64 calls in flight: the SDK's AsyncClient against the baseline driven by httpx,
+    as a caller would drive it, and by httpx with the SDK's own connection pool
+    (client/_transport.py: httpx's slows down past 16 connections); and both
+    servers driven by aiohttp, a faster client that leaves the servers, not the
+    client, as the bound. bench/results/service.json has all three."""
     import aiohttp
 
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
@@ -129,6 +131,7 @@ async def p2(url: str, base: str, total: int) -> dict[str, float]:
     headers = {"content-type": "application/msgpack"}
     body = baseline_body(x)
     async with AsyncClient(url) as ac, httpx.AsyncClient(limits=limits) as h, \
+            httpx.AsyncClient(transport=async_transport()) as h_pool, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         pid = (await ac.upload(export(f, x))).program_id
 
@@ -139,6 +142,9 @@ async def p2(url: str, base: str, total: int) -> dict[str, float]:
         async def base_call() -> None:
             await h.post(f"{base}/run", content=body, headers=headers)
 
+        async def base_pool_call() -> None:
+            await h_pool.post(f"{base}/run", content=body, headers=headers)
+
         def fast(target: str) -> Any:
             async def call() -> None:
                 async with session.post(target, data=body, headers=headers) as r:
@@ -148,11 +154,14 @@ async def p2(url: str, base: str, total: int) -> dict[str, float]:
 
         remote_cps = await _throughput(remote, total, 64)
         base_cps = await _throughput(base_call, total, 64)
+        base_pool_cps = await _throughput(base_pool_call, total, 64)
         rest_cps = await _throughput(fast(f"{url}/v1/programs/{pid}/execute?wait=30000"),
                                      total, 64)
         base_fast_cps = await _throughput(fast(f"{base}/run"), total, 64)
     return {"jitserve_sdk_calls_per_s": remote_cps, "baseline_httpx_calls_per_s": base_cps,
             "ratio_vs_baseline": remote_cps / base_cps,
+            "baseline_httpx_sdk_pool_calls_per_s": base_pool_cps,
+            "ratio_vs_baseline_sdk_pool": remote_cps / base_pool_cps,
             "jitserve_rest_aiohttp_calls_per_s": rest_cps,
             "baseline_aiohttp_calls_per_s": base_fast_cps,
             "ratio_rest_vs_baseline_aiohttp": rest_cps / base_fast_cps}
