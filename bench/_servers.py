@@ -79,3 +79,17 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid``, and of its children alive now
+    (a jitserve server's runtimes)."""
+    def of(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    # each thread lists the children it started (jitserve's runtimes: their supervisors)
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return of(pid), sum(of(c) for c in children)

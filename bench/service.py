@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
-from _servers import baseline, jitserve, rss_bytes  # noqa: E402
+from _servers import baseline, cpu_seconds, jitserve, rss_bytes  # noqa: E402
 
 from jitserve.client import AsyncClient, Client  # noqa: E402
 from jitserve.client._transport import async_transport  # noqa: E402
@@ -118,7 +118,7 @@ async def _throughput(call: Any, total: int, in_flight: int) -> float:
     return total / (time.perf_counter() - t)
 
 
-async def p2(url: str, base: str, total: int) -> dict[str, float]:
+async def p2(url: str, base: str, total: int, pid: int) -> dict[str, float]:
     """64 calls in flight: the SDK's AsyncClient against the baseline driven by httpx,
     as a caller would drive it, and by httpx with the SDK's own connection pool
     (client/_transport.py: httpx's slows down past 16 connections); and both
@@ -133,10 +133,10 @@ async def p2(url: str, base: str, total: int) -> dict[str, float]:
     async with AsyncClient(url) as ac, httpx.AsyncClient(limits=limits) as h, \
             httpx.AsyncClient(transport=async_transport()) as h_pool, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
-        pid = (await ac.upload(export(f, x))).program_id
+        program = (await ac.upload(export(f, x))).program_id
 
         async def remote() -> None:
-            outs = await ac.execute(pid, [x], wait=30)
+            outs = await ac.execute(program, [x], wait=30)
             await outs[0].result()
 
         async def base_call() -> None:
@@ -155,8 +155,10 @@ async def p2(url: str, base: str, total: int) -> dict[str, float]:
         remote_cps = await _throughput(remote, total, 64)
         base_cps = await _throughput(base_call, total, 64)
         base_pool_cps = await _throughput(base_pool_call, total, 64)
-        rest_cps = await _throughput(fast(f"{url}/v1/programs/{pid}/execute?wait=30000"),
+        api0, runtimes0 = cpu_seconds(pid)
+        rest_cps = await _throughput(fast(f"{url}/v1/programs/{program}/execute?wait=30000"),
                                      total, 64)
+        api1, runtimes1 = cpu_seconds(pid)
         base_fast_cps = await _throughput(fast(f"{base}/run"), total, 64)
     return {"jitserve_sdk_calls_per_s": remote_cps, "baseline_httpx_calls_per_s": base_cps,
             "ratio_vs_baseline": remote_cps / base_cps,
@@ -164,7 +166,10 @@ async def p2(url: str, base: str, total: int) -> dict[str, float]:
             "ratio_vs_baseline_sdk_pool": remote_cps / base_pool_cps,
             "jitserve_rest_aiohttp_calls_per_s": rest_cps,
             "baseline_aiohttp_calls_per_s": base_fast_cps,
-            "ratio_rest_vs_baseline_aiohttp": rest_cps / base_fast_cps}
+            "ratio_rest_vs_baseline_aiohttp": rest_cps / base_fast_cps,
+            # CPU per call of the aiohttp phase (warm-up included: 64 more calls)
+            "api_process_cpu_ms_per_call": (api1 - api0) / (total + 64) * 1e3,
+            "runtimes_cpu_ms_per_call": (runtimes1 - runtimes0) / (total + 64) * 1e3}
 
 
 class PeakRss:
@@ -268,7 +273,8 @@ def main() -> None:
     with jitserve() as (url, proc), baseline() as base:
         results["P1_round_trip"] = p1(url, base, n)
         print("P1", json.dumps(results["P1_round_trip"], indent=1))
-        results["P2_throughput_64_in_flight"] = asyncio.run(p2(url, base, total))
+        results["P2_throughput_64_in_flight"] = asyncio.run(p2(url, base, total,
+                                                                     proc.pid))
         print("P2", json.dumps(results["P2_throughput_64_in_flight"], indent=1))
         results["P4_transfer"] = p4(url, proc.pid, sizes)
         print("P4", json.dumps(results["P4_transfer"], indent=1))
