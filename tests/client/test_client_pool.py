@@ -28,11 +28,14 @@ class Server:
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # When set, each answer waits until this many requests are in (all at once).
+    together: threading.Barrier | None = None
 
 
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    """Answers every POST after 20 ms; closes a connection idle for 0.3 s."""
+    """Answers every POST after 20 ms (or once ``together`` requests are in); closes
+    a connection idle for 0.3 s."""
     for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                  "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
@@ -48,11 +51,21 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
                 state.connections += 1
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            body = self.rfile.read(int(self.headers["content-length"]))
+            if self.headers.get("transfer-encoding") == "chunked":
+                body = b""
+                while size := int(self.rfile.readline().strip(), 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+            else:
+                body = self.rfile.read(int(self.headers["content-length"]))
             with state.lock:
                 state.in_flight += 1
                 state.most_in_flight = max(state.most_in_flight, state.in_flight)
-            time.sleep(0.02)
+            if state.together is not None:
+                state.together.wait(timeout=20)
+            else:
+                time.sleep(0.02)
             with state.lock:
                 state.in_flight -= 1
             self.send_response(200)
@@ -85,13 +98,13 @@ async def _burst(client: httpx.AsyncClient, url: str, n: int) -> None:
 
 
 async def test_64_in_flight_share_connections_across_bursts(server: Server) -> None:
+    server.together = threading.Barrier(64)  # 64 requests at once, on 64 connections
     transport = async_transport()
     assert transport is not None
     async with httpx.AsyncClient(transport=transport) as client:
         await _burst(client, server.url, 64)
         opened = server.connections
-        assert server.most_in_flight > 32  # the calls overlapped on the server
-        assert opened <= 64
+        assert server.most_in_flight == 64 and opened == 64
         for _ in range(3):
             await _burst(client, server.url, 64)
     # httpcore 1.0's pool closed each connection past 20 as it went idle, so every
@@ -126,6 +139,7 @@ async def test_requests_never_wait_on_a_connection_another_request_holds(
 
         monkeypatch.setattr(connection_cls, "handle_async_request", attempt)
         monkeypatch.setattr(type(pool), "handle_async_request", counted)
+        server.together = threading.Barrier(64)
         await _burst(client, server.url, 64)
     assert sends == 64
     assert attempts == 64  # one attempt each: no ConnectionNotAvailable and retry
@@ -152,3 +166,28 @@ def test_sync_pool_reuses_and_recovers(server: Server) -> None:
         time.sleep(0.8)
         assert client.post(server.url, content=b"again").content == b"again"
         assert server.connections == 2
+
+
+@pytest.mark.parametrize("size", [0, 10, 64 << 10, (64 << 10) + 1, 3 << 20])
+def test_bodies_of_every_size_arrive_whole(server: Server, size: int) -> None:
+    transport = sync_transport()
+    assert transport is not None
+    body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    with httpx.Client(transport=transport) as client:
+        for _ in range(3):
+            assert client.post(server.url, content=body).content == body
+
+
+async def test_async_bodies_and_chunked_uploads_arrive_whole(server: Server) -> None:
+    transport = async_transport()
+    assert transport is not None
+
+    async def pieces():  # noqa: ANN202 - a chunked body: many small writes
+        for i in range(50):
+            yield b"%03d," % i
+
+    async with httpx.AsyncClient(transport=transport) as client:
+        r = await client.post(server.url, content=b"small")
+        assert r.content == b"small"
+        r = await client.post(server.url, content=pieces())
+        assert r.content == b"".join(b"%03d," % i for i in range(50))
