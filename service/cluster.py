@@ -10,11 +10,15 @@ Redis holds is what the others need to answer for it:
   key expired is *lost*: the first to notice writes ``lost:<id>``, and from then
   on its futures report ``failed`` with ``replica_lost`` everywhere.
 - **Each future's metadata** (``future:<id>``: owner digest, status, avals,
-  error, timings), mirrored on every change by one writer task that batches the
-  changes into a pipeline, and kept as long as the future. A change is published
-  on one channel; a long-poll on another replica waits for it there, never polls.
+  error, timings), mirrored as it changes, and kept as long as the future. A
+  writer task batches the changes into pipelines, a few at once but never two of
+  one future, so a key's writes land in order. Each write is published on one
+  channel; a long-poll on another replica waits for it there, never polls.
   An execute is answered only once its future's metadata is written, so no
-  replica ever denies a future that was accepted.
+  replica ever denies a future that was accepted. One that waits for its outputs
+  holds its future back and writes it once, as it answers (a Redis round trip
+  per call rather than one per change); one that also deletes it (``keep=false``)
+  writes nothing.
 
 A future's id starts with its replica's id (``<replica>.<token>``), so any
 replica knows where its data is without asking. A request for another replica's
@@ -62,6 +66,7 @@ OWNER_HEADER = "x-jitserve-owner"
 _ID_HEX = 10  # a replica id: 40 random bits, as hex
 _CLOCK_SKEW_S = 60.0  # a signed request older (or newer) than this is refused
 _FLUSH_WAIT_S = 1.0  # the longest an execute waits for its metadata to be written
+_WRITES = 4  # metadata writes under way at once (each on its own Redis connection)
 _CLAIM_TTL_S = 30 * 86400  # an API key's programs are remembered this long after an upload
 
 
@@ -129,11 +134,18 @@ class Cluster:
         self._peers: dict[str, Peer] = {}
         self._lost: dict[str, float] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}
-        self._dirty: dict[str, Future] = {}
+        # A future's changes are numbered (its version); a write takes the futures that
+        # changed and are in no write under way, so writes of one key never overlap and
+        # land in order, while a new future need not wait for another's write.
+        self._dirty: dict[str, Future] = {}  # changed since their last write began
         self._dirty_event = asyncio.Event()
-        self._writing: dict[str, Future] = {}  # the batch being written
-        self._flushes = 0  # writes of the writer done (or failed)
+        self._version: dict[str, int] = {}  # live futures' latest change
+        self._stored: dict[str, int] = {}  # the version their last finished write carried
+        self._inflight: set[str] = set()  # futures in a write under way
+        self._held: set[str] = set()  # futures written only once their execute answers
+        self._writes: set[asyncio.Task[None]] = set()
         self._written_event = asyncio.Event()
+        self._left = False
         self._resync: Callable[[], list[Future]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.started = time.time()
@@ -159,11 +171,13 @@ class Cluster:
 
     async def leave(self, futures: Sequence[Future]) -> None:
         """Go: ``futures`` (those still held) report ``replica_lost`` from now on."""
-        for fut in futures:
-            if fut.removed is None:
-                self._dirty[fut.future_id] = fut
+        self._left = True  # no more writes start; the last, below, says they are lost
+        batch = {fid: fut for fid, fut in self._dirty.items() if fut.removed is not None}
+        batch.update((fut.future_id, fut) for fut in futures if fut.removed is None)
+        self._dirty.clear()
+        await asyncio.gather(*self._writes, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
-            await self._flush(lost=True)
+            await self._write(batch, lost=True)
             pipe = self._redis.pipeline(transaction=False)
             pipe.set(self._key("lost", self.replica_id), "left", px=self._lost_ttl_ms)
             pipe.delete(self._key("replica", self.replica_id))
@@ -302,43 +316,88 @@ class Cluster:
         self._mark(fut)
 
     def _mark(self, fut: Future) -> None:
-        self._dirty[fut.future_id] = fut
+        if self._left:
+            return
+        fid = fut.future_id
+        self._dirty[fid] = fut
+        self._version[fid] = self._version.get(fid, 0) + 1
         self._dirty_event.set()
 
-    async def written(self, fut: Future) -> None:
-        """Wait until ``fut`` (as it was when called) is in Redis: one write of the
-        writer, two if a write without it is under way (briefly; not while Redis is down).
-        Its later changes are not waited for."""
+    def hold(self, fut: Future) -> None:
+        """Write nothing of ``fut`` until ``written(fut)`` or ``unhold(fut)``: an execute
+        that waits for its outputs writes its future once, as it is when it answers,
+        rather than once per change (queued, running, done: each a Redis round trip)."""
+        self._held.add(fut.future_id)
+
+    def unhold(self, fut: Future) -> None:
+        """Let ``fut``'s changes be written again (a future never written and since
+        removed needs no write at all)."""
         fid = fut.future_id
-        if self.state == "degraded" or (fid not in self._dirty and fid not in self._writing):
-            return
-        target = self._flushes + (1 if fid in self._writing or not self._writing else 2)
+        self._held.discard(fid)
+        if fid in self._dirty:
+            self._dirty_event.set()
+
+    async def written(self, fut: Future) -> None:
+        """Wait until ``fut`` is in Redis as it is now: one write, which starts at once
+        unless one of ``fut`` is under way. Its later changes are not waited for, and
+        nothing is while Redis is down (a second at most)."""
+        self.unhold(fut)
+        fid = fut.future_id
+        want = self._version.get(fid, 0)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_FLUSH_WAIT_S):
-                while self._flushes < target:
+                while (self.state != "degraded" and fid in self._version
+                       and self._stored.get(fid, 0) < want):
                     await self._written_event.wait()
 
     async def _write_forever(self) -> None:
         while True:
             await self._dirty_event.wait()
             self._dirty_event.clear()
-            try:
-                await self._flush()
-            except (RedisError, OSError) as e:
-                self._set_state("degraded", e)  # rewritten when it is back (_set_state)
-            except Exception:
-                log.exception("writing futures' metadata failed")
+            while len(self._writes) >= _WRITES:
+                await asyncio.wait(set(self._writes), return_when=asyncio.FIRST_COMPLETED)
+            batch = self._take()
+            if batch:
+                self._inflight.update(batch)
+                task = asyncio.get_running_loop().create_task(self._flush(batch))
+                self._writes.add(task)
+                task.add_done_callback(self._writes.discard)
 
-    async def _flush(self, *, lost: bool = False) -> None:
-        batch = self._writing = self._dirty
-        self._dirty = {}
+    def _take(self) -> dict[str, Future]:
+        """The changed futures a write may carry now: none under way or held."""
+        batch: dict[str, Future] = {}
+        for fid, fut in list(self._dirty.items()):
+            if fid in self._inflight or fid in self._held:
+                continue
+            del self._dirty[fid]
+            if fut.removed is not None and fid not in self._stored:
+                self._version.pop(fid, None)  # never written: there is nothing to delete
+                self._written_event.set()
+                self._written_event = asyncio.Event()
+            else:
+                batch[fid] = fut
+        return batch
+
+    async def _flush(self, batch: dict[str, Future]) -> None:
+        versions = {fid: self._version[fid] for fid in batch}
         try:
-            await self._write(batch, lost)
+            await self._write(batch, lost=False)
+        except (RedisError, OSError) as e:
+            self._set_state("degraded", e)  # rewritten when it is back (_set_state)
+        except Exception:
+            log.exception("writing futures' metadata failed")
         finally:
-            self._writing = {}
-            self._flushes += 1
+            for fid, fut in batch.items():
+                self._inflight.discard(fid)
+                if fut.removed is not None and fid not in self._dirty:
+                    self._version.pop(fid, None)  # gone, and its deletion written (or tried)
+                    self._stored.pop(fid, None)
+                else:
+                    self._stored[fid] = versions[fid]
             self._written_event.set()
             self._written_event = asyncio.Event()
+            if self._dirty:  # changes of these futures made while they were written
+                self._dirty_event.set()
 
     async def _write(self, batch: dict[str, Future], lost: bool) -> None:
         if batch:

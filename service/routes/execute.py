@@ -100,15 +100,31 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
                                      req.donate)
     del req  # the executor holds the input arrays now; do not pin them while we wait
     fut = call.future
-    if state.cluster is not None:
-        await state.cluster.written(fut)  # any replica can answer for it from now on
-    if wait_s and await fut.wait_final(wait_s) and fut.outputs is not None:
-        answer = await outputs_response(fut, state.metrics, wants_json(request), state.runtimes)
-        if not keep:  # the answer holds the values on the host: the outputs can go
-            state.futures.delete(fut)
-        return answer
-    accepted = ExecuteAccepted.of(fut, call.tier)
-    return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+    mirror = state.cluster
+    if mirror is not None:
+        # Any replica can answer for the future once it is in Redis, and the answer
+        # waits for that: until then it is held back, and written once, as it is then.
+        mirror.hold(fut)
+    try:
+        done = bool(wait_s) and await fut.wait_final(wait_s) and fut.outputs is not None
+        if done:
+            answer = await outputs_response(fut, state.metrics, wants_json(request),
+                                            state.runtimes)
+            if not keep:  # the answer holds the values on the host: the outputs can go
+                state.futures.delete(fut)
+        else:
+            accepted = ExecuteAccepted.of(fut, call.tier)
+            answer = JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+    except BaseException:
+        if mirror is not None:
+            mirror.unhold(fut)
+        raise
+    if mirror is not None:
+        if done and not keep:
+            mirror.unhold(fut)  # deleted, and never written: nothing to write
+        else:
+            await mirror.written(fut)
+    return answer
 
 
 def _required(message: Any) -> Any:

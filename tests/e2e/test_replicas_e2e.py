@@ -261,6 +261,49 @@ def test_any_replica_answers_status_long_poll_result_and_delete(cluster: dict[st
     assert forged.status_code == 401, forged.text
 
 
+def test_a_waited_execute_writes_its_future_once_as_it_answers(
+        cluster: dict[str, Any]) -> None:
+    """An execute that answers with its outputs writes its future's metadata once, in
+    its final state, before the answer (not once per change); with ``keep=false`` the
+    future is deleted as it answers, and nothing of it reaches Redis."""
+    import redis
+
+    a, b, _ = cluster["replicas"]
+    pid = _upload(a.url, _export(lambda x: x * 3.0, jax.ShapeDtypeStruct((4,), np.float32)))
+    _execute(a.url, pid, [np.ones(4, np.float32)], wait=30_000)  # warm: compiled
+    r = redis.Redis.from_url(cluster["redis"].url)
+    events = r.pubsub(ignore_subscribe_messages=True)
+    events.psubscribe("*:replicas:cluster:events")
+    try:
+        kept = _execute(a.url, pid, [np.ones(4, np.float32)], wait=30_000)
+        assert kept.status_code == 200, kept.text
+        fid = wire.unpackb(kept.content)["future_id"]
+        # Written before the answer, as it is then: any replica sees it done at once.
+        status = httpx.get(f"{b.url}/v1/futures/{fid}", headers=AUTH, timeout=30).json()
+        assert status["status"] == "done", status
+        dropped = _execute(a.url, pid, [np.ones(4, np.float32)], wait=30_000, keep="false")
+        assert dropped.status_code == 200, dropped.text
+        gone = wire.unpackb(dropped.content)["future_id"]
+        assert httpx.delete(f"{b.url}/v1/futures/{fid}", headers=AUTH,
+                            timeout=30).status_code == 200
+        seen: list[str] = []
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:  # written, then deleted
+            message = events.get_message(timeout=0.5)
+            if message is not None:
+                seen.append(message["data"].decode())
+        time.sleep(0.5)  # anything else about these futures would have come by now
+        while (message := events.get_message(timeout=0.1)) is not None:
+            seen.append(message["data"].decode())
+    finally:
+        events.close()
+    assert [m for m in seen if fid in m] == [f"future {fid}"] * 2, seen
+    assert not [m for m in seen if gone in m], seen
+    assert r.keys(f"*:replicas:cluster:future:{gone}") == []
+    assert r.keys(f"*:replicas:cluster:future:{fid}") == []
+    assert httpx.get(f"{b.url}/v1/futures/{gone}", headers=AUTH, timeout=30).status_code == 404
+
+
 def test_inputs_on_two_replicas_meet_on_one(cluster: dict[str, Any]) -> None:
     a, b, _ = cluster["replicas"]
     spec = jax.ShapeDtypeStruct((4,), np.float32)
