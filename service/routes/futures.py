@@ -88,7 +88,7 @@ async def _release_at(cluster: Cluster, rid: str, refs: list[tuple[str, int]],
     try:
         async with cluster.forward(rid, "POST", "/v1/futures/release", owner, content=body,
                                    headers={"content-type": "application/json"}) as answer:
-            doc = ReleaseResult.model_validate_json(await answer.aread())
+            doc = ReleaseResult.model_validate_json(await cluster.read(rid, answer))
     except ReplicaLost:
         return 0, len(refs)
     return doc.released, doc.unknown

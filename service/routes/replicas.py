@@ -59,23 +59,22 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
         passed = {k: v for k in _PASSED_HEADERS if (v := peer_response.headers.get(k))}
         size = int(passed.get("content-length", -1))
         if 0 <= size <= _WHOLE_BYTES:
-            body = await peer_response.aread()
-            cluster.received(len(body))
+            body = await cluster.read(rid, peer_response)
             await stack.aclose()
-            return Response(body, peer_response.status_code, headers=passed)
+            return Response(body, peer_response.status, headers=passed)
     except BaseException:
         await stack.aclose()
         raise
 
     async def stream() -> Any:
         try:
-            async for chunk in peer_response.aiter_raw():
+            async for chunk in peer_response.content.iter_any():
                 cluster.received(len(chunk))
                 yield chunk
         finally:
             await stack.aclose()
 
-    return StreamingResponse(stream(), peer_response.status_code, headers=passed)
+    return StreamingResponse(stream(), peer_response.status, headers=passed)
 
 
 async def pull(cluster: Cluster, ref: dict[str, Any], owner: str | None,
@@ -90,13 +89,12 @@ async def pull(cluster: Cluster, ref: dict[str, Any], owner: str | None,
     try:
         async with cluster.forward(rid, "GET", path, owner, params=params,
                                    headers={"accept": wire.MSGPACK}, wait_s=wait_s) as answer:
-            body = await answer.aread()
+            body = await cluster.read(rid, answer)
     except ReplicaLost:
         await cluster.metadata(future_id, owner)  # NotFound if it is none of the caller's
         raise
-    cluster.received(len(body))
-    if answer.status_code != 200:
-        raise _refusal(answer.status_code, body, future_id)
+    if answer.status != 200:
+        raise _refusal(answer.status, body, future_id)
     outputs = wire.unpackb(body)["outputs"]
     return outputs[0]
 

@@ -304,6 +304,28 @@ def test_a_waited_execute_writes_its_future_once_as_it_answers(
     assert httpx.get(f"{b.url}/v1/futures/{gone}", headers=AUTH, timeout=30).status_code == 404
 
 
+def test_a_big_result_streams_through_another_replica(cluster: dict[str, Any]) -> None:
+    """An answer over 1 MiB is relayed chunk by chunk, byte for byte."""
+    a, b, _ = cluster["replicas"]
+    n = 1 << 20  # 4 MiB of float32
+    pid = _upload(a.url, _export(lambda x: x * 2.0 - 1.0, jax.ShapeDtypeStruct((n,), np.float32)))
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    r = _execute(a.url, pid, [x], wait=60_000)
+    assert r.status_code == 200, r.text
+    fid = wire.unpackb(r.content)["future_id"]
+    before = _peer_bytes(b.url)
+    got = httpx.get(f"{b.url}/v1/futures/{fid}/result", timeout=60,
+                    headers={"accept": wire.MSGPACK, **AUTH})
+    assert got.status_code == 200, got.text
+    assert int(got.headers["content-length"]) == len(got.content) > 4 * n
+    np.testing.assert_array_equal(wire.unpackb(got.content)["outputs"][0], x * 2.0 - 1.0)
+    assert _peer_bytes(b.url) - before >= 4 * n
+    missing = httpx.get(f"{b.url}/v1/futures/{a.replica_id}.{'x' * 32}/result", timeout=30,
+                        headers=AUTH)
+    assert missing.status_code == 404, missing.text
+    assert missing.json()["error"]["code"] == "not_found"
+
+
 def test_inputs_on_two_replicas_meet_on_one(cluster: dict[str, Any]) -> None:
     a, b, _ = cluster["replicas"]
     spec = jax.ShapeDtypeStruct((4,), np.float32)
