@@ -211,7 +211,8 @@ def _join_cluster(settings: Settings, futures: FutureStore, metrics: Metrics) ->
         return None
     cluster = Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
                       secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
-                      future_ttl_s=settings.future_ttl_s, metrics=metrics)
+                      future_ttl_s=settings.future_ttl_s, metrics=metrics,
+                      peer_idle_s=settings.keepalive_timeout_s / 2)
     futures.id_prefix = f"{cluster.replica_id}."
     futures.on_change = cluster.changed
 

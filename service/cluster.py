@@ -111,10 +111,14 @@ class Cluster:
       heartbeat_s: how often this replica says it is alive.
       future_ttl_s: how long futures live (how long a lost replica is remembered).
       metrics: where bytes moved between replicas are counted.
+      peer_idle_s: how long a connection to another replica may stay idle; less than
+        the replicas' keep-alive timeout, so that no request is sent on a connection
+        the peer is closing.
     """
 
     def __init__(self, redis: RedisSettings, *, peer_url: str, secret: bytes,
-                 heartbeat_s: float, future_ttl_s: float, metrics: Metrics) -> None:
+                 heartbeat_s: float, future_ttl_s: float, metrics: Metrics,
+                 peer_idle_s: float = 2.0) -> None:
         self.replica_id = secrets.token_hex(_ID_HEX // 2)
         self.peer_url = peer_url.rstrip("/")
         self.heartbeat_s = heartbeat_s
@@ -130,6 +134,7 @@ class Cluster:
             redis.url, socket_connect_timeout=redis.connect_timeout_s,
             socket_timeout=max(redis.socket_timeout_s, 2 * heartbeat_s), health_check_interval=30)
         self._http: aiohttp.ClientSession | None = None  # made in the loop, on first use
+        self._peer_idle_s = peer_idle_s
         self._peers: dict[str, Peer] = {}
         self._lost: dict[str, float] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}
@@ -605,10 +610,10 @@ class Cluster:
         """The connections to the other replicas. aiohttp, not httpx (the SDK's client):
         a forwarded request costs about a millisecond less of this replica's loop
         (docs/performance.md). Idle connections are closed before a peer's own
-        keep-alive timeout (uvicorn's, 5 s by default) could close one under a request;
-        nothing is added to the request (no body type, no compression asked for)."""
+        keep-alive timeout could close one under a request; nothing is added to the
+        request (no body type, no compression asked for)."""
         if self._http is None:
-            connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=2.0,
+            connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=self._peer_idle_s,
                                              use_dns_cache=True, ttl_dns_cache=10)
             self._http = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False,
