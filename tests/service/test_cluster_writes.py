@@ -1,0 +1,176 @@
+"""The mirror of futures' metadata in Redis (service/cluster.py), against a real Redis.
+
+Writes of one future never overlap, so Redis ends with each future's last state;
+a held future is written once, as it is when its execute answers; a future
+removed before any write of it reaches Redis not at all; and a replica that
+leaves marks what it held ``replica_lost``. The replicas themselves, with
+haproxy, are in tests/e2e/test_replicas_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from jitserve.compiler import RedisSettings
+from jitserve.service.cluster import Cluster
+from jitserve.service.futures import Future, FutureStore
+from jitserve.service.metrics import Metrics
+from jitserve.wire import Aval
+
+
+async def _replica(redis_url: str, prefix: str) -> tuple[Cluster, FutureStore]:
+    settings = RedisSettings.from_url(redis_url, prefix=prefix)
+    cluster = Cluster(settings, peer_url="http://127.0.0.1:1", secret=b"k" * 32,
+                      heartbeat_s=1.0, future_ttl_s=60.0, metrics=Metrics())
+    store = FutureStore(ttl_s=60.0, max_live=10_000, max_device_bytes=1 << 30)
+    store.id_prefix = f"{cluster.replica_id}."
+    store.on_change = cluster.changed
+    await cluster.start(store.live)
+    return cluster, store
+
+
+def _new(store: FutureStore) -> Future:
+    return store.create(owner=None, executable_id="e" * 64, out_avals=[Aval((4,), "float32")],
+                        out_tree=None)
+
+
+async def _stored(redis_url: str, cluster: Cluster, fid: str) -> dict[str, Any] | None:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        raw = await client.get(cluster._key("future", fid))
+    finally:
+        await client.aclose()
+    return None if raw is None else json.loads(raw)
+
+
+async def _events(redis_url: str, cluster: Cluster) -> Any:
+    client = aioredis.Redis.from_url(redis_url)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(cluster._key("events"))
+    return client, pubsub
+
+
+async def _drain(pubsub: Any, seconds: float = 0.5) -> list[str]:
+    """What was published so far (and within ``seconds``)."""
+    seen = []
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        message = await pubsub.get_message(timeout=0.05)  # None too for ignored ones
+        if message is not None:
+            seen.append(message["data"].decode())
+    return seen
+
+
+def test_each_future_ends_in_its_last_state(redis_url: str, redis_prefix: str) -> None:
+    """Many futures changing at once, with writes under way: Redis ends with the last
+    state of each, whatever the interleaving, and ``written`` waits for it."""
+
+    async def main() -> None:
+        cluster, store = await _replica(redis_url, redis_prefix)
+        rng = random.Random(7)
+        writing: set[str] = set()
+        overlaps: list[str] = []
+        concurrent = 0
+        real_write = cluster._write
+
+        async def write(batch: dict[str, Future], lost: bool) -> None:
+            nonlocal concurrent
+            overlaps.extend(writing & batch.keys())
+            writing.update(batch)
+            concurrent = max(concurrent, len(cluster._writes))
+            try:
+                await real_write(batch, lost)
+            finally:
+                writing.difference_update(batch)
+
+        cluster._write = write  # type: ignore[method-assign]
+        try:
+            futures = [_new(store) for _ in range(300)]
+            for step in range(3):
+                for fut in rng.sample(futures, len(futures)):
+                    if step == 0:
+                        store.mark_running(fut, 0.001)
+                    elif step == 1:
+                        store.complete(fut, [np.zeros(4, np.float32)], 0.002)
+                    elif rng.random() < 0.3:
+                        store.delete(fut)
+                    if rng.random() < 0.2:
+                        await asyncio.sleep(0)  # let writes start between changes
+            await asyncio.gather(*(cluster.written(f) for f in futures))
+            assert not overlaps  # two writes of one future were never under way at once
+            assert concurrent > 1  # but writes of different futures were
+            for fut in futures:
+                doc = await _stored(redis_url, cluster, fut.future_id)
+                if fut.removed is not None:
+                    assert doc is None, fut.future_id
+                else:
+                    assert doc is not None and doc["status"] == "done", (fut.future_id, doc)
+            live = [f for f in futures if f.removed is None]
+            assert set(cluster._version) == {f.future_id for f in live}  # nothing kept for the gone
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_a_held_future_is_written_once_as_it_answers(redis_url: str,
+                                                        redis_prefix: str) -> None:
+    async def main() -> None:
+        cluster, store = await _replica(redis_url, redis_prefix)
+        client, pubsub = await _events(redis_url, cluster)
+        try:
+            fut = _new(store)
+            cluster.hold(fut)
+            store.mark_running(fut, 0.001)
+            await asyncio.sleep(0.2)  # the writer is free: it still writes nothing of it
+            assert await _stored(redis_url, cluster, fut.future_id) is None
+            store.complete(fut, [np.zeros(4, np.float32)], 0.002)
+            await cluster.written(fut)
+            assert (await _stored(redis_url, cluster, fut.future_id))["status"] == "done"
+
+            gone = _new(store)  # an answer that deletes its future (keep=false)
+            cluster.hold(gone)
+            store.complete(gone, [np.zeros(4, np.float32)], 0.002)
+            store.delete(gone)
+            cluster.unhold(gone)
+            await asyncio.sleep(0.2)
+            assert await _stored(redis_url, cluster, gone.future_id) is None
+            assert gone.future_id not in cluster._version
+            assert await _drain(pubsub) == [f"future {fut.future_id}"]
+        finally:
+            await pubsub.aclose()
+            await client.aclose()
+            await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_leaves_marks_its_futures_lost(redis_url: str,
+                                                      redis_prefix: str) -> None:
+    async def main() -> None:
+        cluster, store = await _replica(redis_url, redis_prefix)
+        try:
+            done, running = _new(store), _new(store)
+            store.complete(done, [np.zeros(4, np.float32)], 0.002)
+            store.mark_running(running, 0.001)
+            held = _new(store)
+            cluster.hold(held)  # its execute has not answered yet
+            await cluster.leave(store.live())
+            for fut in (done, running, held):
+                doc = await _stored(redis_url, cluster, fut.future_id)
+                assert doc is not None, fut.future_id
+                assert doc["status"] == "failed", doc
+                assert doc["error"]["code"] == "replica_lost", doc
+            store.mark_running(held, 0.001)  # after leaving, nothing more is written
+            await asyncio.sleep(0.2)
+            assert (await _stored(redis_url, cluster, held.future_id))["status"] == "failed"
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
