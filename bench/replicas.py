@@ -11,6 +11,9 @@ in one run:
   chain  a chained call (its input a future on replica A) sent to A, against the
          same call sent to B, which forwards it to A: the extra cost of landing on
          the wrong replica (median of many; target <= 1 ms).
+  routed a chained call through haproxy over 3 replicas, round robin (two in three
+         land on the wrong replica) against haproxy routing by ``X-Jitserve-Replica``
+         (docs/deploy.md, "Balancing"), which sends each to the holder.
   lost   seconds from SIGKILL of a replica to its future reading ``replica_lost``
          on another (heartbeat 0.5 s: key expiry after 1.5 s, noticed at the next
          heartbeat).
@@ -92,11 +95,15 @@ def replica(redis_url: str, tmp: Path, name: str) -> Iterator[tuple[str, subproc
 
 
 @contextlib.contextmanager
-def haproxy(tmp: Path, urls: list[str]) -> Iterator[str]:
+def haproxy(tmp: Path, urls: list[str], routing: bool = False) -> Iterator[str]:
     port = free_port()
     servers = "\n".join(f"    server r{i} {u.removeprefix('http://')} check"
                         for i, u in enumerate(urls))
-    cfg = tmp / f"haproxy-{len(urls)}.cfg"
+    if routing:  # docs/deploy.md, "Balancing"
+        servers = ("    stick-table type string len 32 size 10k expire 1h\n"
+                   "    stick match req.hdr(x-jitserve-replica)\n"
+                   "    stick store-response res.hdr(x-jitserve-replica)\n" + servers)
+    cfg = tmp / f"haproxy-{len(urls)}{'-routing' if routing else ''}.cfg"
     cfg.write_text(f"""\
 global
     maxconn 1024
@@ -138,15 +145,21 @@ async def p2(url: str, pid: str, total: int, in_flight: int = 64) -> float:
         return total / (time.perf_counter() - t)
 
 
+def chained(h: httpx.Client, url: str) -> tuple[str, str, bytes]:
+    """A program, an array put through ``url``, and the body of a call on that array:
+    ``(program id, the array's future id, body)``."""
+    spec = jax.ShapeDtypeStruct((1024,), np.float32)
+    pid = h.post(f"{url}/v1/programs", content=export(lambda v: v * 2.0 + 1.0, spec),
+                 headers={"content-type": wire.OCTET_STREAM}).json()["program_id"]
+    put = h.post(f"{url}/v1/arrays", headers=MP, content=wire.packb(
+        {"arrays": [np.ones(1024, np.float32)]})).json()["future_id"]
+    return pid, put, wire.packb({"args": [{"future": put, "output": 0}]})
+
+
 def chain_cost(a: str, b: str, n: int) -> dict[str, float]:
     """Median ms of a chained execute (?wait) on the data's replica, and on another."""
-    spec = jax.ShapeDtypeStruct((1024,), np.float32)
     with httpx.Client(timeout=60) as h:
-        pid = h.post(f"{a}/v1/programs", content=export(lambda v: v * 2.0 + 1.0, spec),
-                     headers={"content-type": wire.OCTET_STREAM}).json()["program_id"]
-        put = h.post(f"{a}/v1/arrays", headers=MP, content=wire.packb(
-            {"arrays": [np.ones(1024, np.float32)]})).json()["future_id"]
-        body = wire.packb({"args": [{"future": put, "output": 0}]})
+        pid, _, body = chained(h, a)
 
         def call(url: str) -> float:
             t = time.perf_counter()
@@ -166,6 +179,25 @@ def chain_cost(a: str, b: str, n: int) -> dict[str, float]:
             wrong.append(call(b))
     d, w = statistics.median(direct) * 1e3, statistics.median(wrong) * 1e3
     return {"direct_ms": d, "wrong_replica_ms": w, "extra_ms": w - d}
+
+
+def routed_chain(lb: str, n: int) -> float:
+    """Median ms of a chained execute (?wait) through balancer ``lb``, naming the
+    holder of its input in ``X-Jitserve-Replica`` as the SDK does."""
+    with httpx.Client(timeout=60) as h:
+        pid, put, body = chained(h, lb)
+        named = {**MP, wire.REPLICA_HEADER: wire.replica_of(put) or ""}
+        for _ in range(6):  # a balancer that learns sees each replica's answers
+            h.get(f"{lb}/readyz")
+        times = []
+        for k in range(n + 20):
+            t = time.perf_counter()
+            r = h.post(f"{lb}/v1/programs/{pid}/execute", params={"wait": 10_000, "keep": "false"},
+                       content=body, headers=named)
+            if k >= 20:
+                times.append(time.perf_counter() - t)
+            assert r.status_code == 200, r.text
+    return statistics.median(times) * 1e3
 
 
 def time_to_lost(redis_url: str, tmp: Path, watcher: str, runs: int) -> list[float]:
@@ -216,6 +248,16 @@ def main() -> None:
         print("P2", json.dumps(results["P2_calls_per_s_64_in_flight"], indent=1))
         results["chained_call_wrong_replica"] = chain_cost(urls[0], urls[1], n)
         print("chain", json.dumps(results["chained_call_wrong_replica"], indent=1))
+        routed = {}
+        for routing in (False, True, False, True):  # alternating: drift hits both alike
+            with haproxy(tmp, urls, routing=routing) as lb:
+                key = "routed_ms" if routing else "round_robin_ms"
+                routed.setdefault(key, []).append(routed_chain(lb, n))
+        results["chained_call_through_haproxy"] = {
+            **{k: statistics.median(v) for k, v in routed.items()},
+            "saved_ms": statistics.median(routed["round_robin_ms"])
+            - statistics.median(routed["routed_ms"])}
+        print("routed", json.dumps(results["chained_call_through_haproxy"], indent=1))
         lost = time_to_lost(redis_url, tmp, urls[1], runs)
         results["replica_lost_detect_s"] = {"runs": lost, "max": max(lost),
                                             "bound_s": 4 * HEARTBEAT_S}

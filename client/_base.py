@@ -83,6 +83,7 @@ class _Call:
     content: bytes | wire.PackedBody | None = None
     content_type: str | None = None
     wait: float = 0.0
+    replica: str | None = None  # the replica holding the futures it is about (a hint)
 
 
 @functools.lru_cache(maxsize=512)
@@ -154,6 +155,15 @@ def _weakly(method: Callable[[list[Ref]], None]) -> Callable[[list[Ref]], None]:
             bound(refs)
 
     return call
+
+
+def _holder(future_ids: Iterable[Any]) -> str | None:
+    """The replica holding most of ``future_ids`` (``None`` for none of a replica)."""
+    count: dict[str, int] = {}
+    for fid in future_ids:
+        if (rid := wire.replica_of(str(fid))) is not None:
+            count[rid] = count.get(rid, 0) + 1
+    return max(count, key=count.__getitem__) if count else None
 
 
 def _seg(ident: str) -> str:
@@ -255,6 +265,8 @@ class BaseClient:
 
     def _build_request(self, http: httpx.Client | httpx.AsyncClient, call: _Call) -> httpx.Request:
         headers = {"Content-Type": call.content_type} if call.content_type else {}
+        if call.replica is not None:  # for a balancer that routes by it (docs/deploy.md)
+            headers[wire.REPLICA_HEADER] = call.replica
         content: Any = call.content
         if isinstance(content, wire.PackedBody):
             # With a length the server reads into one buffer of the right size.
@@ -371,7 +383,9 @@ class BaseClient:
         ask = None if wait is None else min(wait, self.timeout.poll)
         params = None if ask is None else {"wait": _ms(ask)}
         reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/execute", params,
-                            content, ctype, wait=ask or 0.0)
+                            content, ctype, wait=ask or 0.0,
+                            replica=_holder(a["future"] for a in body["args"]
+                                            if wire.is_future_ref(a)))
         ex = reply.parse(functools.partial(self._execution, reply.status))
         for i in donate:
             if isinstance(args[i], _RemoteBase) and args[i]._belongs_to(self):
@@ -413,7 +427,8 @@ class BaseClient:
     def _op_future(self, future_id: str, wait: float | None) -> Op[FutureInfo]:
         ask = None if wait is None else min(wait, self.timeout.poll)
         params = None if ask is None else {"wait": _ms(ask)}
-        reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}", params, wait=ask or 0.0)
+        reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}", params, wait=ask or 0.0,
+                            replica=wire.replica_of(future_id))
         return reply.parse(FutureInfo.from_json)
 
     def _op_result(self, future_id: str, wait: float | None, outputs: Sequence[int] | None = None,
@@ -433,7 +448,7 @@ class BaseClient:
             try:
                 reply = yield _Call("GET", f"/v1/futures/{_seg(future_id)}/result",
                                     {**chosen, "wait": _ms(ask)} if ask > 0 else chosen or None,
-                                    wait=ask)
+                                    wait=ask, replica=wire.replica_of(future_id))
                 return reply.parse(self._outputs)
             except FuturePending as e:
                 if deadline is not None and time.monotonic() >= deadline:
@@ -476,13 +491,16 @@ class BaseClient:
                     yield _Sleep(ask / 2)  # a server that does not hold the request
 
     def _op_delete(self, future_id: str) -> Op[str]:
-        reply = yield _Call("DELETE", f"/v1/futures/{_seg(future_id)}")
+        reply = yield _Call("DELETE", f"/v1/futures/{_seg(future_id)}",
+                            replica=wire.replica_of(future_id))
         body = reply.body
         return str(body.get("status", "")) if isinstance(body, Mapping) else ""
 
     def _release_call(self, refs: Iterable[Ref]) -> _Call:
+        refs = list(refs)
         content, ctype = self._encode({"outputs": [{"future": f, "output": i} for f, i in refs]})
-        return _Call("POST", "/v1/futures/release", None, content, ctype)
+        return _Call("POST", "/v1/futures/release", None, content, ctype,
+                     replica=_holder(f for f, _ in refs))
 
     def _op_release(self, refs: Iterable[Ref]) -> Op[int]:
         reply = yield self._release_call(refs)

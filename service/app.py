@@ -43,6 +43,7 @@ from jitserve.service.routes import execute as execute_routes
 from jitserve.service.routes import futures as futures_routes
 from jitserve.service.routes import health as health_routes
 from jitserve.service.routes import programs as programs_routes
+from jitserve.service.routes.replicas import AnnounceReplica
 from jitserve.service.runtimes import RuntimePool, make_pool
 from jitserve.service.scheduler import FairScheduler
 from jitserve.service.settings import Settings
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     app.state.settings = settings
     app.state.metrics = metrics
     app.add_middleware(execute_routes.ExecuteLane)  # inner: counted by the metrics
+    app.add_middleware(AnnounceReplica)  # with replicas: answers name theirs
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
     install_docs(app)

@@ -56,7 +56,7 @@ from jitserve.compiler import RedisSettings
 from jitserve.service.errors import FutureFailed, NotFound, Unauthorized, Unavailable
 from jitserve.service.futures import Future
 from jitserve.service.metrics import Metrics
-from jitserve.wire import ErrorCode, FutureStatus
+from jitserve.wire import REPLICA_ID_HEX, ErrorCode, FutureStatus, replica_of
 
 __all__ = ["PEER_HEADER", "OWNER_HEADER", "Cluster", "Peer", "ReplicaLost", "replica_of"]
 
@@ -64,7 +64,6 @@ log = logging.getLogger("jitserve.cluster")
 
 PEER_HEADER = "x-jitserve-peer"
 OWNER_HEADER = "x-jitserve-owner"
-_ID_HEX = 10  # a replica id: 40 random bits, as hex
 _CLOCK_SKEW_S = 60.0  # a signed request older (or newer) than this is refused
 _FLUSH_WAIT_S = 1.0  # the longest an execute waits for its metadata to be written
 _WRITES = 4  # metadata writes under way at once (each on its own Redis connection)
@@ -75,14 +74,6 @@ class ReplicaLost(FutureFailed):
     """The replica holding a future is gone: the future failed with ``replica_lost``."""
 
     code = ErrorCode.REPLICA_LOST
-
-
-def replica_of(future_id: str) -> str | None:
-    """The id of the replica that holds ``future_id`` (``None`` for an id of no replica)."""
-    head, sep, _ = future_id.partition(".")
-    if sep and len(head) == _ID_HEX and all(c in "0123456789abcdef" for c in head):
-        return head
-    return None
 
 
 class Peer:
@@ -119,7 +110,7 @@ class Cluster:
     def __init__(self, redis: RedisSettings, *, peer_url: str, secret: bytes,
                  heartbeat_s: float, future_ttl_s: float, metrics: Metrics,
                  peer_idle_s: float = 2.0) -> None:
-        self.replica_id = secrets.token_hex(_ID_HEX // 2)
+        self.replica_id = secrets.token_hex(REPLICA_ID_HEX // 2)
         self.peer_url = peer_url.rstrip("/")
         self.heartbeat_s = heartbeat_s
         self.draining = False
@@ -271,7 +262,7 @@ class Cluster:
     async def _rejoin(self) -> None:
         """The others declared this replica lost (Redis did not hear it for too long):
         its futures fail here too, as they do there, and it joins under a new id."""
-        old, self.replica_id = self.replica_id, secrets.token_hex(_ID_HEX // 2)
+        old, self.replica_id = self.replica_id, secrets.token_hex(REPLICA_ID_HEX // 2)
         log.error("replica %s was declared lost while it ran (Redis did not hear from it); "
                   "its futures fail with replica_lost, and it rejoins as %s", old,
                   self.replica_id)

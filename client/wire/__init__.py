@@ -8,7 +8,8 @@ ml_dtypes (no httpx, no jax), so the server core never pulls in the SDK:
 - ``Aval`` and the dtype table (``DTYPES``);
 - media types (``MSGPACK``, ``JSON``) and the program formats;
 - the error codes with their HTTP statuses, and the statuses of a future;
-- the jaxpr document's format constants and the cache-tier names.
+- the jaxpr document's format constants and the cache-tier names;
+- future ids' replica prefix (``replica_of``) and the header that names a replica.
 
 Everything that decodes takes untrusted input and raises ``WireError`` (a
 ``ValueError``) naming the problem, never evaluating or unpickling anything.
@@ -43,6 +44,7 @@ from jitserve.wire._codec import (
 )
 from jitserve.wire._codes import ERROR_STATUS, PROGRAM_ERRORS, ErrorCode, FutureStatus
 from jitserve.wire._dtypes import DTYPES, WireError, dtype_from_name, dtype_name
+from jitserve.wire._ids import REPLICA_HEADER, REPLICA_ID_HEX, replica_of
 from jitserve.wire._media import (
     JAXPR_FORMAT_NAME,
     JAXPR_FORMAT_VERSION,
@@ -74,6 +76,8 @@ __all__ = [
     "PROGRAM_ERRORS",
     "PackedBody",
     "ProgramFormat",
+    "REPLICA_HEADER",
+    "REPLICA_ID_HEX",
     "STREAM_BYTES",
     "TierName",
     "WireError",
@@ -88,6 +92,7 @@ __all__ = [
     "loads_json",
     "pack_pieces",
     "packb",
+    "replica_of",
     "to_json_array",
     "unpackb",
 ]

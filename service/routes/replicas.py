@@ -1,5 +1,8 @@
 """What the routes do for another replica's futures (``service.cluster``).
 
+``AnnounceReplica`` names the replica in every answer (``wire.REPLICA_HEADER``),
+so that a balancer can learn which server holds which replica's futures.
+
 ``relay`` sends the request on to the replica that holds the future and answers
 with what it answers, streamed; ``pull`` fetches one output of another replica's
 future as an array, for a call that reads futures of two replicas.
@@ -14,17 +17,48 @@ from typing import Any
 import numpy as np
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jitserve import wire
 from jitserve.service.cluster import Cluster, ReplicaLost, replica_of
 from jitserve.service.errors import ServiceError
 from jitserve.wire import ErrorCode
 
-__all__ = ["PeerError", "pull", "relay", "remote_replica"]
+__all__ = ["AnnounceReplica", "PeerError", "pull", "relay", "remote_replica"]
 
 # Answers up to this size are read whole; bigger ones stream through.
 _WHOLE_BYTES = 1 << 20
 _PASSED_HEADERS = ("content-type", "content-length", "retry-after", "www-authenticate")
+_REPLICA_HEADER = wire.REPLICA_HEADER.encode()
+
+
+class AnnounceReplica:
+    """ASGI middleware: with replicas, every answer names the one that gave it.
+
+    A balancer that keeps the name it saw from each server (haproxy's
+    ``stick store-response``, docs/deploy.md) can then send a request that names
+    the replica holding its futures (the SDK's do) straight there, and no replica
+    has to forward it. Without Redis it adds nothing. Outside ``ExecuteLane``,
+    which answers executes itself.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cluster = getattr(scope["app"].state, "cluster", None) if scope["type"] == "http" else None
+        if cluster is None:
+            await self.app(scope, receive, send)
+            return
+        name = cluster.replica_id.encode()  # as it is now: a replica that rejoins is renamed
+
+        async def announce(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (_REPLICA_HEADER, name)]}
+            await send(message)
+
+        await self.app(scope, receive, announce)
 
 
 class PeerError(ServiceError):

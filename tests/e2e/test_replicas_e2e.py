@@ -105,8 +105,40 @@ backend replicas
     option httpchk GET /readyz
     http-check expect status 200
     default-server inter 300ms fall 2 rise 1
-{servers}
+{routing}{servers}
 """
+# docs/deploy.md: requests that name a replica go to the server that answers as it.
+ROUTING = """\
+    stick-table type string len 32 size 10k expire 1h
+    stick match req.hdr(x-jitserve-replica)
+    stick store-response res.hdr(x-jitserve-replica)
+"""
+
+
+@contextlib.contextmanager
+def _haproxy(tmp: Path, replicas: list[Replica], name: str,
+             routing: str = "") -> Iterator[str]:
+    """haproxy in front of ``replicas``, balancing each request round robin."""
+    port = free_port()
+    servers = "\n".join(f"    server r{i} 127.0.0.1:{r.port} check"
+                        for i, r in enumerate(replicas))
+    cfg = tmp / f"{name}.cfg"
+    cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers, routing=routing))
+    with (tmp / f"{name}.log").open("wb") as proxy_log:
+        proxy = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"],
+                                 stdout=proxy_log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield url
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -116,31 +148,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     with RedisServer(tmp / "redis") as redis_server:
         env = _env(redis_server.url)
         replicas = [Replica(tmp, f"r{i}", env) for i in range(3)]
-        proxy = None
         try:
             for r in replicas:
                 r.wait_ready()
-            port = free_port()
-            servers = "\n".join(f"    server r{i} 127.0.0.1:{r.port} check"
-                                for i, r in enumerate(replicas))
-            cfg = tmp / "haproxy.cfg"
-            cfg.write_text(HAPROXY_CFG.format(port=port, servers=servers))
-            with (tmp / "haproxy.log").open("wb") as proxy_log:
-                proxy = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"],
-                                         stdout=proxy_log, stderr=subprocess.STDOUT)
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.1)
-            yield {"url": url, "replicas": replicas, "redis": redis_server, "env": env,
-                   "tmp": tmp}
+            with _haproxy(tmp, replicas, "haproxy") as url:
+                yield {"url": url, "replicas": replicas, "redis": redis_server, "env": env,
+                       "tmp": tmp}
         finally:
-            if proxy is not None:
-                proxy.terminate()
-                proxy.wait(10)
             for r in replicas:
                 r.stop()
 
@@ -324,6 +338,37 @@ def test_a_big_result_streams_through_another_replica(cluster: dict[str, Any]) -
                         headers=AUTH)
     assert missing.status_code == 404, missing.text
     assert missing.json()["error"]["code"] == "not_found"
+
+
+def test_a_balancer_that_routes_by_replica_forwards_nothing(
+        cluster: dict[str, Any]) -> None:
+    """Answers name their replica; haproxy with stick rules (docs/deploy.md) sends the
+    SDK's requests about futures, which name the holder, straight to it."""
+    replicas = cluster["replicas"]
+    for r in replicas:
+        answer = httpx.get(f"{r.url}/healthz", timeout=10)
+        assert answer.headers[wire.REPLICA_HEADER] == r.replica_id
+    with _haproxy(cluster["tmp"], replicas, "haproxy-routing", ROUTING) as url:
+        target = replicas[1].replica_id
+        for _ in range(6):  # round robin: haproxy sees each server's name once
+            httpx.get(f"{url}/readyz", timeout=10)
+        named = {httpx.get(f"{url}/readyz", headers={wire.REPLICA_HEADER: target},
+                           timeout=10).json()["replica"] for _ in range(9)}
+        assert named == {target}
+
+        def fn(w: Any, x: Any) -> Any:
+            return jnp.tanh(w @ x) + 0.5 * w
+
+        w0, x = np.eye(8) * 0.5 + 0.01, np.linspace(-1, 1, 64).reshape(8, 8)
+        before = sum(_peer_bytes(r.url) for r in replicas)
+        with Client(url, api_key=KEYS[0], timeout=120, progress=False) as client:
+            remote, local = client.jit(fn), jax.jit(fn)
+            w, expect = client.device_put(w0), w0
+            for _ in range(20):
+                w, expect = remote(w, x), local(expect, x)
+            np.testing.assert_allclose(np.asarray(w), np.asarray(expect), rtol=1e-12)
+            del w
+        assert sum(_peer_bytes(r.url) for r in replicas) == before
 
 
 def test_inputs_on_two_replicas_meet_on_one(cluster: dict[str, Any]) -> None:
