@@ -287,7 +287,7 @@ def test_a_waited_execute_writes_its_future_once_as_it_answers(
     _execute(a.url, pid, [np.ones(4, np.float32)], wait=30_000)  # warm: compiled
     r = redis.Redis.from_url(cluster["redis"].url)
     events = r.pubsub(ignore_subscribe_messages=True)
-    events.psubscribe("*:replicas:cluster:events")
+    events.psubscribe("*:replicas:cluster:changed:*")
     try:
         kept = _execute(a.url, pid, [np.ones(4, np.float32)], wait=30_000)
         assert kept.status_code == 200, kept.text
@@ -305,13 +305,13 @@ def test_a_waited_execute_writes_its_future_once_as_it_answers(
         while len(seen) < 2 and time.monotonic() < deadline:  # written, then deleted
             message = events.get_message(timeout=0.5)
             if message is not None:
-                seen.append(message["data"].decode())
+                seen.append(message["channel"].decode())
         time.sleep(0.5)  # anything else about these futures would have come by now
         while (message := events.get_message(timeout=0.1)) is not None:
-            seen.append(message["data"].decode())
+            seen.append(message["channel"].decode())
     finally:
         events.close()
-    assert [m for m in seen if fid in m] == [f"future {fid}"] * 2, seen
+    assert [m.rpartition(":")[2] for m in seen if fid in m] == [fid] * 2, seen
     assert not [m for m in seen if gone in m], seen
     assert r.keys(f"*:replicas:cluster:future:{gone}") == []
     assert r.keys(f"*:replicas:cluster:future:{fid}") == []

@@ -52,7 +52,7 @@ async def _stored(redis_url: str, cluster: Cluster, fid: str) -> dict[str, Any] 
 async def _events(redis_url: str, cluster: Cluster) -> Any:
     client = aioredis.Redis.from_url(redis_url)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(cluster._key("events"))
+    await pubsub.psubscribe(cluster._key("changed", "*"))
     return client, pubsub
 
 
@@ -63,7 +63,7 @@ async def _drain(pubsub: Any, seconds: float = 0.5) -> list[str]:
     while asyncio.get_running_loop().time() < deadline:
         message = await pubsub.get_message(timeout=0.05)  # None too for ignored ones
         if message is not None:
-            seen.append(message["data"].decode())
+            seen.append(message["channel"].decode().rpartition(":")[2])
     return seen
 
 
@@ -142,7 +142,7 @@ def test_a_held_future_is_written_once_as_it_answers(redis_url: str,
             await asyncio.sleep(0.2)
             assert await _stored(redis_url, cluster, gone.future_id) is None
             assert gone.future_id not in cluster._version
-            assert await _drain(pubsub) == [f"future {fut.future_id}"]
+            assert await _drain(pubsub) == [fut.future_id]
         finally:
             await pubsub.aclose()
             await client.aclose()
@@ -172,5 +172,46 @@ def test_a_replica_that_leaves_marks_its_futures_lost(redis_url: str,
             assert (await _stored(redis_url, cluster, held.future_id))["status"] == "failed"
         finally:
             await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_a_long_poll_listens_to_its_future_only_while_it_waits(redis_url: str,
+                                                               redis_prefix: str) -> None:
+    """Another replica's long-poll subscribes to that future's channel (confirmed
+    before it reads), wakes on its write, and unsubscribes; no other replica hears
+    of the future's writes."""
+
+    async def main() -> None:
+        (a, store), (b, _) = (await _replica(redis_url, redis_prefix),
+                              await _replica(redis_url, redis_prefix))
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            fut = _new(store)
+            await a.written(fut)
+            channel = a._key("changed", fut.future_id)
+
+            async def listeners() -> int:
+                return dict(await client.pubsub_numsub(channel))[channel.encode()]
+
+            assert await listeners() == 0  # nobody waits: the writes go nowhere
+            poll = asyncio.create_task(b.wait_change(fut.future_id, None, "pending", 30.0))
+            for _ in range(100):
+                if await listeners() == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert await listeners() == 1 and not poll.done()
+            store.complete(fut, [np.zeros(4, np.float32)], 0.002)
+            doc = await asyncio.wait_for(poll, 10)  # woken by the write, not its 30 s
+            assert doc["status"] == "done"
+            for _ in range(100):
+                if await listeners() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await listeners() == 0
+        finally:
+            await client.aclose()
+            await a.close()
+            await b.close()
 
     asyncio.run(main())
