@@ -186,9 +186,9 @@ class Cluster:
         log.info("replica %s left the cluster", self.replica_id)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._sends]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
         with contextlib.suppress(RedisError, OSError):
@@ -533,6 +533,8 @@ class Cluster:
             backoff = min(2 * backoff, 5.0)
 
     def _heard(self, message: dict[str, Any]) -> None:
+        if message.get("channel") is None:  # a health check's pong
+            return
         kind, channel = message["type"], message["channel"].decode()
         if kind == "message" and channel == self._key("events"):
             what, _, name = message["data"].decode().partition(" ")
