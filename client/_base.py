@@ -159,11 +159,8 @@ def _weakly(method: Callable[[list[Ref]], None]) -> Callable[[list[Ref]], None]:
 
 def _holder(future_ids: Iterable[Any]) -> str | None:
     """The replica holding most of ``future_ids`` (``None`` for none of a replica)."""
-    count: dict[str, int] = {}
-    for fid in future_ids:
-        if (rid := wire.replica_of(str(fid))) is not None:
-            count[rid] = count.get(rid, 0) + 1
-    return max(count, key=count.__getitem__) if count else None
+    held = wire.replicas_of(str(fid) for fid in future_ids)
+    return held.most_common(1)[0][0] if held else None
 
 
 def _seg(ident: str) -> str:

@@ -372,11 +372,15 @@ class Cluster:
             del self._dirty[fid]
             if fut.removed is not None and fid not in self._stored:
                 self._version.pop(fid, None)  # never written: there is nothing to delete
-                self._written_event.set()
-                self._written_event = asyncio.Event()
+                self._notify_written()
             else:
                 batch[fid] = fut
         return batch
+
+    def _notify_written(self) -> None:
+        """Wake ``written``'s waiters to look again."""
+        self._written_event.set()
+        self._written_event = asyncio.Event()
 
     async def _flush(self, batch: dict[str, Future]) -> None:
         versions = {fid: self._version[fid] for fid in batch}
@@ -394,8 +398,7 @@ class Cluster:
                     self._stored.pop(fid, None)
                 else:
                     self._stored[fid] = versions[fid]
-            self._written_event.set()
-            self._written_event = asyncio.Event()
+            self._notify_written()
             if self._dirty:  # changes of these futures made while they were written
                 self._dirty_event.set()
 

@@ -44,7 +44,7 @@ from jitserve.wire._codec import (
 )
 from jitserve.wire._codes import ERROR_STATUS, PROGRAM_ERRORS, ErrorCode, FutureStatus
 from jitserve.wire._dtypes import DTYPES, WireError, dtype_from_name, dtype_name
-from jitserve.wire._ids import REPLICA_HEADER, REPLICA_ID_HEX, replica_of
+from jitserve.wire._ids import REPLICA_HEADER, REPLICA_ID_HEX, replica_of, replicas_of
 from jitserve.wire._media import (
     JAXPR_FORMAT_NAME,
     JAXPR_FORMAT_VERSION,
@@ -93,6 +93,7 @@ __all__ = [
     "pack_pieces",
     "packb",
     "replica_of",
+    "replicas_of",
     "to_json_array",
     "unpackb",
 ]

@@ -11,7 +11,10 @@ only a hint: any replica serves any request.
 
 from __future__ import annotations
 
-__all__ = ["REPLICA_HEADER", "REPLICA_ID_HEX", "replica_of"]
+import collections
+from collections.abc import Iterable
+
+__all__ = ["REPLICA_HEADER", "REPLICA_ID_HEX", "replica_of", "replicas_of"]
 
 #: The response header naming the replica that answered; on a request, the replica
 #: that holds the futures it is about.
@@ -32,3 +35,8 @@ def replica_of(future_id: str) -> str | None:
     if sep and len(head) == REPLICA_ID_HEX and _HEX.issuperset(head):
         return head
     return None
+
+
+def replicas_of(future_ids: Iterable[str]) -> collections.Counter[str]:
+    """How many of ``future_ids`` each replica holds (ids of no replica left out)."""
+    return collections.Counter(rid for fid in future_ids if (rid := replica_of(fid)) is not None)

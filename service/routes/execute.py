@@ -18,7 +18,6 @@ answered, and refused, exactly as before.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import re
 from collections.abc import Awaitable, Callable
@@ -31,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jitserve import wire
 from jitserve.service.bodies import BodyReader, outputs_response, wants_json
-from jitserve.service.cluster import Cluster, ReplicaLost, replica_of
+from jitserve.service.cluster import Cluster, ReplicaLost
 from jitserve.service.deps import request_cluster, request_owner
 from jitserve.service.errors import BadRequest
 from jitserve.service.openapi import errors, message_body, outputs_content
@@ -103,7 +102,8 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
     mirror = state.cluster
     if mirror is not None:
         # Any replica can answer for the future once it is in Redis, and the answer
-        # waits for that: until then it is held back, and written once, as it is then.
+        # waits for that: until then it is held back, and written once, as it is then
+        # (deleted with keep=false, it is never written).
         mirror.hold(fut)
     try:
         done = bool(wait_s) and await fut.wait_final(wait_s) and fut.outputs is not None
@@ -115,15 +115,11 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
         else:
             accepted = ExecuteAccepted.of(fut, call.tier)
             answer = JSONResponse(accepted.model_dump(mode="json"), status_code=202)
-    except BaseException:
+    finally:
         if mirror is not None:
             mirror.unhold(fut)
-        raise
-    if mirror is not None:
-        if done and not keep:
-            mirror.unhold(fut)  # deleted, and never written: nothing to write
-        else:
-            await mirror.written(fut)
+    if mirror is not None and fut.removed is None:
+        await mirror.written(fut)
     return answer
 
 
@@ -136,9 +132,7 @@ def _required(message: Any) -> Any:
 def _holder(cluster: Cluster, args: list[Any]) -> str | None:
     """The replica a call should run on: the one holding most of its input futures,
     unless that is this one, or it drains (then the inputs come here)."""
-    held = collections.Counter(replica_of(str(a["future"])) for a in args
-                               if wire.is_future_ref(a))
-    held.pop(None, None)
+    held = wire.replicas_of(str(a["future"]) for a in args if wire.is_future_ref(a))
     if not held:
         return None
     rid, count = held.most_common(1)[0]
