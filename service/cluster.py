@@ -45,6 +45,7 @@ import json
 import logging
 import secrets
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -119,6 +120,9 @@ class Cluster:
         self.on_self_lost: Callable[[str, str], None] | None = None  # (old id, new id)
         self._secret = secret
         self._metrics = metrics
+        self._peer_in = metrics.peer_bytes_total.labels("in")
+        self._peer_out = metrics.peer_bytes_total.labels("out")
+        self._signatures: dict[tuple[str, str, str | None], tuple[float, str]] = {}
         self._ns = f"{redis.key_prefix}cluster:"
         self._ttl_ms = int(3 * heartbeat_s * 1000)
         self._lost_ttl_ms = int((2 * future_ttl_s + 60) * 1000)
@@ -597,10 +601,22 @@ class Cluster:
     # -- forwarding ----------------------------------------------------------------------
 
     def sign(self, method: str, path: str, owner: str | None) -> str:
-        """The ``X-Jitserve-Peer`` value of a request this replica forwards."""
-        stamp = f"{time.time():.3f}"
+        """The ``X-Jitserve-Peer`` value of a request this replica forwards.
+
+        A signature is fresh for ``_CLOCK_SKEW_S``: one made for the same request in
+        the last second is used again (a chain's calls all sign one path)."""
+        now = time.time()
+        key = (method, path, owner)
+        made = self._signatures.get(key)
+        if made is not None and now - made[0] < 1.0:
+            return made[1]
+        stamp = f"{now:.3f}"
         mac = hmac.new(self._secret, _signed(stamp, method, path, owner), hashlib.sha256)
-        return f"{self.replica_id}.{stamp}.{mac.hexdigest()}"
+        value = f"{self.replica_id}.{stamp}.{mac.hexdigest()}"
+        if len(self._signatures) >= 1024:
+            self._signatures.clear()
+        self._signatures[key] = (now, value)
+        return value
 
     def check(self, value: str, method: str, path: str, owner: str | None) -> None:
         """``Unauthorized`` unless ``value`` is a fresh signature of this request."""
@@ -615,30 +631,41 @@ class Cluster:
             raise Unauthorized("bad or stale peer signature (replicas must share "
                                "JITSERVE_PEER_SECRET and keep their clocks within a minute)")
 
-    @contextlib.asynccontextmanager
-    async def forward(self, rid: str, method: str, path: str, owner: str | None, *,
-                      params: dict[str, str] | None = None, content: bytes | None = None,
+    async def request(self, rid: str, method: str, path: str, owner: str | None, *,
+                      query: str = "", content: bytes | None = None,
                       headers: dict[str, str] | None = None,
-                      wait_s: float = 0.0) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send a request to replica ``rid`` as ``owner``; yields its (streamed) answer.
+                      wait_s: float = 0.0) -> aiohttp.ClientResponse:
+        """Send a request to replica ``rid`` as ``owner``; its answer, whose body the
+        caller reads (``read``) or streams, and then releases.
 
+        ``query`` is the request's query string as it came (percent-encoded).
         ``ReplicaLost`` when ``rid`` is gone (before, or by the time it fails to answer).
         """
-        peer = await self.peer(rid)
-        sent = {**(headers or {}), PEER_HEADER: self.sign(method, path, owner),
-                OWNER_HEADER: owner or ""}
-        timeout = aiohttp.ClientTimeout(connect=2.0, sock_read=30.0 + wait_s)
-        url = _url(peer.url, path, tuple(params.items()) if params else ())
+        peer = self._peers.get(rid) or await self.peer(rid)
+        sent = {**headers} if headers else {}
+        sent[PEER_HEADER] = self.sign(method, path, owner)
+        sent[OWNER_HEADER] = owner or ""
         if content:
-            self._metrics.peer_bytes("out", len(content))
+            self._peer_out.inc(len(content))
         try:
-            response = await self._session().request(method, url, data=content, headers=sent,
-                                                     timeout=timeout)
+            return await self._session().request(method, _url(peer.url, path, query),
+                                                  data=content, headers=sent,
+                                                  timeout=_timeout(wait_s))
         except (aiohttp.ClientError, TimeoutError) as e:
             if await self._gone(rid):
                 raise _lost(rid) from None
             raise Unavailable(f"replica {rid} at {peer.url} did not answer: "
                               f"{type(e).__name__}") from None
+
+    @contextlib.asynccontextmanager
+    async def forward(self, rid: str, method: str, path: str, owner: str | None, *,
+                      params: dict[str, str] | None = None, content: bytes | None = None,
+                      headers: dict[str, str] | None = None,
+                      wait_s: float = 0.0) -> AsyncIterator[aiohttp.ClientResponse]:
+        """``request`` as a context that releases the answer; ``params`` makes the query."""
+        response = await self.request(rid, method, path, owner,
+                                      query=urllib.parse.urlencode(params or {}),
+                                      content=content, headers=headers, wait_s=wait_s)
         try:
             yield response
         finally:
@@ -653,7 +680,7 @@ class Cluster:
             if await self._gone(rid):
                 raise _lost(rid) from None
             raise Unavailable(f"replica {rid} broke off its answer: {type(e).__name__}") from None
-        self.received(len(body))
+        self._peer_in.inc(len(body))
         return body
 
     def _session(self) -> aiohttp.ClientSession:
@@ -679,17 +706,23 @@ class Cluster:
 
     def received(self, nbytes: int) -> None:
         """Count bytes that came from another replica."""
-        self._metrics.peer_bytes("in", nbytes)
+        self._peer_in.inc(nbytes)
 
 
 _FINAL = {s.value for s in FutureStatus if s.is_final}
 
 
 @functools.lru_cache(maxsize=1024)
-def _url(base: str, path: str, params: tuple[tuple[str, str], ...]) -> yarl.URL:
+def _url(base: str, path: str, query: str) -> yarl.URL:
     """A peer request's URL, parsed once: a chain's calls go to one path."""
     url = yarl.URL(base + path)
-    return url.with_query(params) if params else url
+    return url.with_query(urllib.parse.parse_qsl(query, keep_blank_values=True)) if query else url
+
+
+@functools.lru_cache(maxsize=64)
+def _timeout(wait_s: float) -> aiohttp.ClientTimeout:
+    """A peer request's time limits: answer headers may take as long as the wait."""
+    return aiohttp.ClientTimeout(connect=2.0, sock_read=30.0 + wait_s)
 
 
 def _signed(stamp: str, method: str, path: str, owner: str | None) -> bytes:

@@ -153,10 +153,6 @@ class Metrics:
         """Count array bytes moved ``"in"`` (requests) or ``"out"`` (responses)."""
         self.transfer_bytes.labels(direction).inc(nbytes)
 
-    def peer_bytes(self, direction: str, nbytes: int) -> None:
-        """Count bytes sent to (``"out"``) or received from (``"in"``) another replica."""
-        self.peer_bytes_total.labels(direction).inc(nbytes)
-
     def replica_lost(self) -> None:
         """Count a replica noticed lost."""
         self.replicas_lost.inc()

@@ -10,7 +10,6 @@ future as an array, for a call that reads futures of two replicas.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -30,6 +29,7 @@ __all__ = ["AnnounceReplica", "PeerError", "pull", "relay", "remote_replica"]
 _WHOLE_BYTES = 1 << 20
 _PASSED_HEADERS = ("content-type", "content-length", "retry-after", "www-authenticate")
 _REPLICA_HEADER = wire.REPLICA_HEADER.encode()
+_RELAYED = (b"accept", b"content-type")
 
 
 class AnnounceReplica:
@@ -79,25 +79,22 @@ def remote_replica(cluster: Cluster | None, future_id: str) -> str | None:
 
 
 async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None, *,
-                path: str | None = None, content: bytes | None = None,
-                wait_s: float = 0.0) -> Response:
+                content: bytes | None = None, wait_s: float = 0.0) -> Response:
     """Forward ``request`` (its method, path, query, and ``content`` as its body) to
     replica ``rid``, and answer what it answers."""
-    headers = {k: v for k in ("accept", "content-type")
-               if (v := request.headers.get(k)) is not None}
-    stack = contextlib.AsyncExitStack()
-    peer_response = await stack.enter_async_context(cluster.forward(
-        rid, request.method, path or request.url.path, owner,
-        params=dict(request.query_params), content=content, headers=headers, wait_s=wait_s))
+    scope = request.scope
+    headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _RELAYED}
+    peer_response = await cluster.request(
+        rid, scope["method"], _path(scope), owner, query=scope["query_string"].decode("latin-1"),
+        content=content, headers=headers, wait_s=wait_s)
     try:
         passed = {k: v for k in _PASSED_HEADERS if (v := peer_response.headers.get(k))}
         size = int(passed.get("content-length", -1))
         if 0 <= size <= _WHOLE_BYTES:
             body = await cluster.read(rid, peer_response)
-            await stack.aclose()
             return Response(body, peer_response.status, headers=passed)
     except BaseException:
-        await stack.aclose()
+        peer_response.release()
         raise
 
     async def stream() -> Any:
@@ -106,9 +103,15 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
                 cluster.received(len(chunk))
                 yield chunk
         finally:
-            await stack.aclose()
+            peer_response.release()
 
     return StreamingResponse(stream(), peer_response.status, headers=passed)
+
+
+def _path(scope: Scope) -> str:
+    """The request's path as ``Request.url.path`` gives it (and a peer checks it),
+    without building the whole URL."""
+    return scope["path"].replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
 
 
 async def pull(cluster: Cluster, ref: dict[str, Any], owner: str | None,
