@@ -62,6 +62,8 @@ _resize = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_ssize_t)(
     ("PyByteArray_Resize", ctypes.pythonapi))
 # The first allocation of a body whose size is not known yet.
 _FIRST_BYTES = 64 << 10
+# A body declared this small is taken whole when it comes in one message.
+_SMALL_BYTES = 64 << 10
 
 
 class BodyTimeout(BadRequest):
@@ -94,12 +96,22 @@ class BodyReader:
     async def read(self) -> bytearray:
         """The whole body; ``PayloadTooLarge`` as soon as it passes the limit."""
         declared = self._declared_length()
+        first = b""
+        if declared is not None and declared <= _SMALL_BYTES:
+            # A small body comes with the head, as a rule, in one message: taken as it
+            # is, without the stream and the idle timer below, which cost more than
+            # the rest of a cached call's reading (docs/performance.md).
+            first, more = await self._first_piece(declared)
+            if not more:
+                if len(first) != declared:
+                    raise BadRequest(f"body ended {_got(len(first), declared)}")
+                return bytearray(first)
         limit = self.max_bytes if declared is None else declared
         buf, size = bytearray(), 0
         stream = self.request.stream()
         try:
             async with _idle_timeout(self.timeout_s) as progress:
-                async for chunk in stream:
+                async for chunk in _after(first, stream):
                     progress()
                     end = size + len(chunk)
                     if end > limit:
@@ -118,6 +130,20 @@ class BodyReader:
             raise BadRequest(f"body ended {_got(size, declared)}")
         del buf[size:]
         return buf
+
+    async def _first_piece(self, declared: int) -> tuple[bytes, bool]:
+        """The body's first piece, and whether more follows."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                message = await self.request.receive()
+        except TimeoutError:
+            raise self._stalled(_got(0, declared)) from None
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect(_got(0, declared))
+        body = message.get("body", b"")
+        if len(body) > declared:
+            raise self._over(declared)
+        return body, message.get("more_body", False)
 
     async def message(self) -> Any:
         """The body decoded as msgpack or JSON (by ``Content-Type``); ``None`` if empty."""
@@ -201,6 +227,14 @@ async def _idle_timeout(timeout_s: float) -> AsyncIterator[Callable[[], None]]:
             yield progress
         finally:
             timer.cancel()
+
+
+async def _after(first: bytes, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first``, if any, then ``stream``'s pieces."""
+    if first:
+        yield first
+    async for chunk in stream:
+        yield chunk
 
 
 def _got(received: int, declared: int | None) -> str:

@@ -113,6 +113,18 @@ async def test_slow_but_steady_body_is_not_a_timeout() -> None:
     assert await BodyReader(request, max_bytes=MiB, timeout_s=0.5).read() == b"aaaaa"
 
 
+async def test_small_body_in_slow_pieces_times_out_only_when_a_piece_does() -> None:
+    # Declared small (the one-message path), but it comes in pieces: 0.6 s in all,
+    # never 0.25 s without a byte.
+    request = _request([b"ab"] * 6, length=12, pause_s=0.1)
+    assert await BodyReader(request, max_bytes=MiB, timeout_s=0.25).read() == b"ab" * 6
+    with pytest.raises(BodyTimeout, match="after 0 of 12 bytes"):
+        await BodyReader(_request([], length=12, end="stall"), max_bytes=MiB,
+                         timeout_s=0.1).read()
+    with pytest.raises(ClientDisconnect, match="after 0 of 12 bytes"):
+        await BodyReader(_request([], length=12, end="disconnect"), max_bytes=MiB).read()
+
+
 @pytest.mark.parametrize(("pieces", "length", "error", "words"), [
     ([b"x" * 10], 20, BadRequest, "ended after 10 of 20 bytes"),
     ([b"x" * 600, b"x" * 600], None, PayloadTooLarge, "over the limit of 1,000"),
