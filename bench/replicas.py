@@ -10,7 +10,9 @@ in one run:
          haproxy over 1, 2 and 3 replicas, and straight to one replica (no balancer).
   chain  a chained call (its input a future on replica A) sent to A, against the
          same call sent to B, which forwards it to A: the extra cost of landing on
-         the wrong replica (median of many; target <= 1 ms).
+         the wrong replica (median of many; target <= 1 ms). Baseline: the same call
+         through a bare relay in front of A (bench/_bare_relay.py, uvicorn and
+         aiohttp and nothing else), the floor of any relay made of these parts.
   routed a chained call through haproxy over 3 replicas, round robin (two in three
          land on the wrong replica) against haproxy routing by ``X-Jitserve-Replica``
          (docs/deploy.md, "Balancing"), which sends each to the holder.
@@ -156,8 +158,10 @@ def chained(h: httpx.Client, url: str) -> tuple[str, str, bytes]:
     return pid, put, wire.packb({"args": [{"future": put, "output": 0}]})
 
 
-def chain_cost(a: str, b: str, n: int) -> dict[str, float]:
-    """Median ms of a chained execute (?wait) on the data's replica, and on another."""
+def chain_cost(a: str, b: str, bare: str, n: int) -> dict[str, float]:
+    """Median ms of a chained execute (?wait) on the data's replica ``a``, on another
+    replica ``b`` (which forwards it to ``a``), and through ``bare``, a bare relay in
+    front of ``a`` (bench/_bare_relay.py: the floor of any relay built from these parts)."""
     with httpx.Client(timeout=60) as h:
         pid, _, body = chained(h, a)
 
@@ -171,14 +175,15 @@ def chain_cost(a: str, b: str, n: int) -> dict[str, float]:
             h.delete(f"{url}/v1/futures/{fid}")
             return elapsed
 
-        for _ in range(20):
-            call(a), call(b)
-        direct, wrong = [], []
-        for _ in range(n):  # interleaved, so drift hits both alike
-            direct.append(call(a))
-            wrong.append(call(b))
-    d, w = statistics.median(direct) * 1e3, statistics.median(wrong) * 1e3
-    return {"direct_ms": d, "wrong_replica_ms": w, "extra_ms": w - d}
+        times: dict[str, list[float]] = {a: [], b: [], bare: []}
+        for k in range(n + 20):  # interleaved, so drift hits all alike
+            for url, seen in times.items():
+                elapsed = call(url)
+                if k >= 20:
+                    seen.append(elapsed)
+    d, w, r = (statistics.median(times[u]) * 1e3 for u in (a, b, bare))
+    return {"direct_ms": d, "wrong_replica_ms": w, "extra_ms": w - d,
+            "bare_relay_ms": r, "bare_relay_extra_ms": r - d, "extra_over_bare_relay_ms": w - r}
 
 
 def routed_chain(lb: str, n: int) -> float:
@@ -246,7 +251,11 @@ def main() -> None:
         results["P2_calls_per_s_64_in_flight"] = {
             **p2s, **{f"ratio_{k}_vs_1": p2s[f"haproxy_{k}_replicas"] / base for k in (2, 3)}}
         print("P2", json.dumps(results["P2_calls_per_s_64_in_flight"], indent=1))
-        results["chained_call_wrong_replica"] = chain_cost(urls[0], urls[1], n)
+        bare = f"http://127.0.0.1:{free_port()}"
+        relay = [sys.executable, str(Path(__file__).with_name("_bare_relay.py")),
+                 bare.rsplit(":", 1)[1], urls[0]]
+        with process(relay, bare):
+            results["chained_call_wrong_replica"] = chain_cost(urls[0], urls[1], bare, n)
         print("chain", json.dumps(results["chained_call_wrong_replica"], indent=1))
         routed = {}
         for routing in (False, True, False, True):  # alternating: drift hits both alike
