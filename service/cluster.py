@@ -29,6 +29,7 @@ then runs there: data moves only when one call reads futures of two replicas).
 Forwarded requests go to the public routes with an ``X-Jitserve-Peer`` header:
 an HMAC of the time, method, path and owner under ``JITSERVE_PEER_SECRET``,
 which clients cannot make; a signed request is served locally, as its owner.
+They travel on kept-alive connections of ``service.peers``' client.
 
 Redis down: each replica keeps serving its own futures, ``/readyz`` says the
 cluster is degraded, and another replica's futures answer ``503 unavailable``.
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import hmac
 import json
@@ -49,15 +49,14 @@ import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import aiohttp
 import redis.asyncio as aioredis
-import yarl
 from redis.exceptions import RedisError
 
 from jitserve.compiler import RedisSettings
 from jitserve.service.errors import FutureFailed, NotFound, Unauthorized, Unavailable
 from jitserve.service.futures import Future
 from jitserve.service.metrics import Metrics
+from jitserve.service.peers import PeerClient, PeerError, PeerResponse
 from jitserve.wire import REPLICA_ID_HEX, ErrorCode, FutureStatus, replica_of
 
 __all__ = ["PEER_HEADER", "OWNER_HEADER", "Cluster", "Peer", "ReplicaLost", "replica_of"]
@@ -129,8 +128,7 @@ class Cluster:
         self._redis = aioredis.Redis.from_url(
             redis.url, socket_connect_timeout=redis.connect_timeout_s,
             socket_timeout=max(redis.socket_timeout_s, 2 * heartbeat_s), health_check_interval=30)
-        self._http: aiohttp.ClientSession | None = None  # made in the loop, on first use
-        self._peer_idle_s = peer_idle_s
+        self._http = PeerClient(idle_s=peer_idle_s)
         self._peers: dict[str, Peer] = {}
         self._lost: dict[str, float] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}  # long-polls, by future id
@@ -193,8 +191,7 @@ class Cluster:
         for task in [*self._tasks, *self._sends]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
+        await self._http.close()
         with contextlib.suppress(RedisError, OSError):
             await self._redis.aclose()
 
@@ -632,13 +629,14 @@ class Cluster:
                                "JITSERVE_PEER_SECRET and keep their clocks within a minute)")
 
     async def request(self, rid: str, method: str, path: str, owner: str | None, *,
-                      query: str = "", content: bytes | None = None,
-                      headers: dict[str, str] | None = None,
-                      wait_s: float = 0.0) -> aiohttp.ClientResponse:
+                      query: str = "", raw_path: str | None = None,
+                      content: bytes | None = None, headers: dict[str, str] | None = None,
+                      wait_s: float = 0.0) -> PeerResponse:
         """Send a request to replica ``rid`` as ``owner``; its answer, whose body the
         caller reads (``read``) or streams, and then releases.
 
-        ``query`` is the request's query string as it came (percent-encoded).
+        ``path`` is the path as the peer will read it (and checks the signature of);
+        ``raw_path`` and ``query``, when given, are sent as they came (percent-encoded).
         ``ReplicaLost`` when ``rid`` is gone (before, or by the time it fails to answer).
         """
         peer = self._peers.get(rid) or await self.peer(rid)
@@ -648,10 +646,9 @@ class Cluster:
         if content:
             self._peer_out.inc(len(content))
         try:
-            return await self._session().request(method, _url(peer.url, path, query),
-                                                  data=content, headers=sent,
-                                                  timeout=_timeout(wait_s))
-        except (aiohttp.ClientError, TimeoutError) as e:
+            return await self._http.request(method, peer.url, _target(path, query, raw_path),
+                                            sent, content, read_s=30.0 + wait_s)
+        except (PeerError, TimeoutError) as e:
             if await self._gone(rid):
                 raise _lost(rid) from None
             raise Unavailable(f"replica {rid} at {peer.url} did not answer: "
@@ -661,7 +658,7 @@ class Cluster:
     async def forward(self, rid: str, method: str, path: str, owner: str | None, *,
                       params: dict[str, str] | None = None, content: bytes | None = None,
                       headers: dict[str, str] | None = None,
-                      wait_s: float = 0.0) -> AsyncIterator[aiohttp.ClientResponse]:
+                      wait_s: float = 0.0) -> AsyncIterator[PeerResponse]:
         """``request`` as a context that releases the answer; ``params`` makes the query."""
         response = await self.request(rid, method, path, owner,
                                       query=urllib.parse.urlencode(params or {}),
@@ -671,31 +668,17 @@ class Cluster:
         finally:
             response.release()
 
-    async def read(self, rid: str, response: aiohttp.ClientResponse) -> bytes:
+    async def read(self, rid: str, response: PeerResponse) -> bytes:
         """The whole body of ``forward``'s answer, counted; ``Unavailable`` (or
         ``ReplicaLost``) when the peer stops sending it."""
         try:
             body = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (PeerError, TimeoutError) as e:
             if await self._gone(rid):
                 raise _lost(rid) from None
             raise Unavailable(f"replica {rid} broke off its answer: {type(e).__name__}") from None
         self._peer_in.inc(len(body))
         return body
-
-    def _session(self) -> aiohttp.ClientSession:
-        """The connections to the other replicas. aiohttp, not httpx (the SDK's client):
-        a forwarded request costs about a millisecond less of this replica's loop
-        (docs/performance.md). Idle connections are closed before a peer's own
-        keep-alive timeout could close one under a request; nothing is added to the
-        request (no body type, no compression asked for)."""
-        if self._http is None:
-            connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=self._peer_idle_s,
-                                             use_dns_cache=True, ttl_dns_cache=10)
-            self._http = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False,
-                skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"))
-        return self._http
 
     async def _gone(self, rid: str) -> bool:
         with contextlib.suppress(RedisError, OSError):
@@ -712,17 +695,11 @@ class Cluster:
 _FINAL = {s.value for s in FutureStatus if s.is_final}
 
 
-@functools.lru_cache(maxsize=1024)
-def _url(base: str, path: str, query: str) -> yarl.URL:
-    """A peer request's URL, parsed once: a chain's calls go to one path."""
-    url = yarl.URL(base + path)
-    return url.with_query(urllib.parse.parse_qsl(query, keep_blank_values=True)) if query else url
-
-
-@functools.lru_cache(maxsize=64)
-def _timeout(wait_s: float) -> aiohttp.ClientTimeout:
-    """A peer request's time limits: answer headers may take as long as the wait."""
-    return aiohttp.ClientTimeout(connect=2.0, sock_read=30.0 + wait_s)
+def _target(path: str, query: str, raw_path: str | None) -> str:
+    """A peer request's target: ``raw_path`` (as the caller sent it) or ``path``
+    percent-encoded, and the query as it came."""
+    target = raw_path or urllib.parse.quote(path)
+    return f"{target}?{query}" if query else target
 
 
 def _signed(stamp: str, method: str, path: str, owner: str | None) -> bytes:

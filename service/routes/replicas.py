@@ -84,9 +84,11 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
     replica ``rid``, and answer what it answers."""
     scope = request.scope
     headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _RELAYED}
+    raw_path = scope.get("raw_path")
     peer_response = await cluster.request(
         rid, scope["method"], _path(scope), owner, query=scope["query_string"].decode("latin-1"),
-        content=content, headers=headers, wait_s=wait_s)
+        raw_path=raw_path.decode("latin-1") if raw_path else None, content=content,
+        headers=headers, wait_s=wait_s)
     try:
         passed = {k: v for k in _PASSED_HEADERS if (v := peer_response.headers.get(k))}
         size = int(passed.get("content-length", -1))
@@ -99,7 +101,7 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
 
     async def stream() -> Any:
         try:
-            async for chunk in peer_response.content.iter_any():
+            async for chunk in peer_response.chunks():
                 cluster.received(len(chunk))
                 yield chunk
         finally:
