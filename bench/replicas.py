@@ -11,8 +11,8 @@ in one run:
   chain  a chained call (its input a future on replica A) sent to A, against the
          same call sent to B, which forwards it to A: the extra cost of landing on
          the wrong replica (median of many; target <= 1 ms). Baseline: the same call
-         through a bare relay in front of A (bench/_bare_relay.py, uvicorn and
-         aiohttp and nothing else), the floor of any relay made of these parts.
+         through a bare relay in front of A (bench/_bare_relay.py: uvicorn and the
+         replicas' peer client, nothing else), the floor of a relay of these parts.
   routed a chained call through haproxy over 3 replicas, round robin (two in three
          land on the wrong replica) against haproxy routing by ``X-Jitserve-Replica``
          (docs/deploy.md, "Balancing"), which sends each to the holder.
