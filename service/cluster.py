@@ -43,10 +43,11 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -59,7 +60,8 @@ from jitserve.service.metrics import Metrics
 from jitserve.service.peers import PeerClient, PeerError, PeerResponse
 from jitserve.wire import REPLICA_ID_HEX, ErrorCode, FutureStatus, replica_of
 
-__all__ = ["PEER_HEADER", "OWNER_HEADER", "Cluster", "Peer", "ReplicaLost", "replica_of"]
+__all__ = ["PEER_HEADER", "OWNER_HEADER", "Cluster", "Peer", "ReplicaLost", "replica_of",
+           "scope_path"]
 
 log = logging.getLogger("jitserve.cluster")
 
@@ -122,6 +124,7 @@ class Cluster:
         self._peer_in = metrics.peer_bytes_total.labels("in")
         self._peer_out = metrics.peer_bytes_total.labels("out")
         self._signatures: dict[tuple[str, str, str | None], tuple[float, str]] = {}
+        self._checked: dict[str, tuple[tuple[str, str, str | None], float]] = {}
         self._ns = f"{redis.key_prefix}cluster:"
         self._ttl_ms = int(3 * heartbeat_s * 1000)
         self._lost_ttl_ms = int((2 * future_ttl_s + 60) * 1000)
@@ -616,17 +619,27 @@ class Cluster:
         return value
 
     def check(self, value: str, method: str, path: str, owner: str | None) -> None:
-        """``Unauthorized`` unless ``value`` is a fresh signature of this request."""
+        """``Unauthorized`` unless ``value`` is a fresh signature of this request.
+
+        A signature found good is remembered, with what it signed, while it is fresh:
+        senders reuse theirs for a second (``sign``), and each check costs an HMAC."""
+        now, request = time.time(), (method, path, owner)
+        seen = self._checked.get(value)
+        if seen is not None and seen[0] == request and abs(now - seen[1]) <= _CLOCK_SKEW_S:
+            return
         _, _, rest = value.partition(".")
         stamp, _, mac = rest.rpartition(".")
         try:
-            fresh = abs(time.time() - float(stamp)) <= _CLOCK_SKEW_S
+            made = float(stamp)
         except ValueError:
-            fresh = False
+            made = math.nan  # never fresh
         want = hmac.new(self._secret, _signed(stamp, method, path, owner), hashlib.sha256)
-        if not fresh or not hmac.compare_digest(want.hexdigest(), mac):
+        if not abs(now - made) <= _CLOCK_SKEW_S or not hmac.compare_digest(want.hexdigest(), mac):
             raise Unauthorized("bad or stale peer signature (replicas must share "
                                "JITSERVE_PEER_SECRET and keep their clocks within a minute)")
+        if len(self._checked) >= 4096:
+            self._checked.clear()
+        self._checked[value] = (request, made)
 
     async def request(self, rid: str, method: str, path: str, owner: str | None, *,
                       query: str = "", raw_path: str | None = None,
@@ -700,6 +713,12 @@ def _target(path: str, query: str, raw_path: str | None) -> str:
     percent-encoded, and the query as it came."""
     target = raw_path or urllib.parse.quote(path)
     return f"{target}?{query}" if query else target
+
+
+def scope_path(scope: Mapping[str, Any]) -> str:
+    """A request's path as ``Request.url.path`` gives it (what a signature covers),
+    without building the whole URL."""
+    return scope["path"].replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
 
 
 def _signed(stamp: str, method: str, path: str, owner: str | None) -> bytes:

@@ -18,7 +18,7 @@ from jitserve.compiler import Catalog
 from jitserve.service.auth import authenticate
 from jitserve.service.bodies import BodyReader, wants_json
 from jitserve.service.calls import Calls
-from jitserve.service.cluster import OWNER_HEADER, PEER_HEADER, Cluster
+from jitserve.service.cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
 from jitserve.service.errors import Unauthorized
 from jitserve.service.futures import FutureStore
 from jitserve.service.metrics import Metrics
@@ -122,7 +122,7 @@ def request_owner(request: Request) -> str | None:
     if cluster is None:
         raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
     owner = request.headers.get(OWNER_HEADER) or None
-    cluster.check(signature, request.method, request.url.path, owner)
+    cluster.check(signature, request.scope["method"], scope_path(request.scope), owner)
     request.state.forwarded = True
     return owner
 

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jitserve import wire
-from jitserve.service.cluster import Cluster, ReplicaLost, replica_of
+from jitserve.service.cluster import Cluster, ReplicaLost, replica_of, scope_path
 from jitserve.service.errors import ServiceError
 from jitserve.wire import ErrorCode
 
@@ -86,7 +86,7 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
     headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _RELAYED}
     raw_path = scope.get("raw_path")
     peer_response = await cluster.request(
-        rid, scope["method"], _path(scope), owner, query=scope["query_string"].decode("latin-1"),
+        rid, scope["method"], scope_path(scope), owner, query=scope["query_string"].decode("latin-1"),
         raw_path=raw_path.decode("latin-1") if raw_path else None, content=content,
         headers=headers, wait_s=wait_s)
     try:
@@ -108,12 +108,6 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
             peer_response.release()
 
     return StreamingResponse(stream(), peer_response.status, headers=passed)
-
-
-def _path(scope: Scope) -> str:
-    """The request's path as ``Request.url.path`` gives it (and a peer checks it),
-    without building the whole URL."""
-    return scope["path"].replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
 
 
 async def pull(cluster: Cluster, ref: dict[str, Any], owner: str | None,

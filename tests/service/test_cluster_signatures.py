@@ -53,3 +53,20 @@ def test_other_secrets_stale_and_garbage_signatures_are_refused() -> None:
     for garbage in ("", "x", "a.b.c", f"{rid}.nan.{mac}", f"{rid}.inf.{mac}"):
         with pytest.raises(Unauthorized):
             a.check(garbage, "GET", "/p", None)
+
+
+def test_signatures_are_reused_for_a_second_and_remembered_only_while_fresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _cluster(b"k" * 32), _cluster(b"k" * 32)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    sig = a.sign("POST", "/v1/programs/p/execute", "o")
+    assert a.sign("POST", "/v1/programs/p/execute", "o") == sig  # within its second
+    b.check(sig, "POST", "/v1/programs/p/execute", "o")
+    b.check(sig, "POST", "/v1/programs/p/execute", "o")  # remembered
+    monkeypatch.setattr(time, "time", lambda: now + 1.5)
+    assert a.sign("POST", "/v1/programs/p/execute", "o") != sig
+    b.check(sig, "POST", "/v1/programs/p/execute", "o")  # still fresh
+    monkeypatch.setattr(time, "time", lambda: now + 61)
+    with pytest.raises(Unauthorized):  # remembered, but stale now
+        b.check(sig, "POST", "/v1/programs/p/execute", "o")
