@@ -652,7 +652,7 @@ class Cluster:
         ``raw_path`` and ``query``, when given, are sent as they came (percent-encoded).
         ``ReplicaLost`` when ``rid`` is gone (before, or by the time it fails to answer).
         """
-        peer = self._peers.get(rid) or await self.peer(rid)
+        peer = await self.peer(rid)
         sent = {**headers} if headers else {}
         sent[PEER_HEADER] = self.sign(method, path, owner)
         sent[OWNER_HEADER] = owner or ""
@@ -690,7 +690,7 @@ class Cluster:
             if await self._gone(rid):
                 raise _lost(rid) from None
             raise Unavailable(f"replica {rid} broke off its answer: {type(e).__name__}") from None
-        self._peer_in.inc(len(body))
+        self.received(len(body))
         return body
 
     async def _gone(self, rid: str) -> bool:

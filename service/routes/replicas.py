@@ -94,6 +94,7 @@ async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None,
         size = int(passed.get("content-length", -1))
         if 0 <= size <= _WHOLE_BYTES:
             body = await cluster.read(rid, peer_response)
+            peer_response.release()  # its connection serves the next request
             return Response(body, peer_response.status, headers=passed)
     except BaseException:
         peer_response.release()

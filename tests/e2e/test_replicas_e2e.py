@@ -318,6 +318,34 @@ def test_a_waited_execute_writes_its_future_once_as_it_answers(
     assert httpx.get(f"{b.url}/v1/futures/{gone}", headers=AUTH, timeout=30).status_code == 404
 
 
+def _connections_to(pid: int, port: int) -> int:
+    """Established TCP connections of process ``pid`` to ``127.0.0.1:port`` (/proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state, inode = fields[2], fields[3], fields[9]
+        if state == "01" and int(remote.partition(":")[2], 16) == port and inode in inodes:
+            count += 1
+    return count
+
+
+def test_forwarded_calls_reuse_a_connection_to_the_holder(cluster: dict[str, Any]) -> None:
+    a, b, _ = cluster["replicas"]
+    pid = _upload(a.url, _export(lambda x: x + 1.0, jax.ShapeDtypeStruct((4,), np.float32)))
+    fid = _execute(a.url, pid, [np.zeros(4, np.float32)]).json()["future_id"]
+    for _ in range(20):  # each lands on B, which forwards it to A, where its input is
+        r = _execute(b.url, pid, [{"future": fid, "output": 0}], wait=30_000, keep="false")
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], np.full(4, 2.0))
+    assert _connections_to(b.proc.pid, a.port) <= 2  # not one per forwarded call
+
+
 def test_a_big_result_streams_through_another_replica(cluster: dict[str, Any]) -> None:
     """An answer over 1 MiB is relayed chunk by chunk, byte for byte."""
     a, b, _ = cluster["replicas"]
