@@ -128,6 +128,10 @@ class Pipe:
     def poll(self, timeout: float) -> bool:
         return self._r.poll(timeout)
 
+    def fileno(self) -> int:
+        """The descriptor answers are read from."""
+        return self._r.fileno()
+
     def close(self) -> None:
         for conn in (self._r, self._w):
             try:

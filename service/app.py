@@ -63,10 +63,14 @@ def make_compiler(settings: Settings) -> Compiler:
     return Compiler(settings.compiler_config())
 
 
-async def start_pool(settings: Settings) -> RuntimePool:
-    """Runtimes made from ``settings``, started and up (``close`` them when done)."""
+async def start_pool(settings: Settings, *, own_loop: bool = False) -> RuntimePool:
+    """Runtimes made from ``settings``, started and up (``close`` them when done).
+
+    ``own_loop``: the running loop serves every caller of the pool for its whole
+    life (an app's own pool), and reads the runtimes' answers itself.
+    """
     pool = make_pool(settings)
-    pool.start()
+    pool.start(asyncio.get_running_loop() if own_loop else None)
     try:
         await pool.wait_ready()
     except BaseException:
@@ -112,7 +116,7 @@ def _lifespan_for(shared: RuntimePool | None):  # noqa: ANN202 - FastAPI's lifes
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings: Settings = app.state.settings
-        pool = shared or await start_pool(settings)
+        pool = shared or await start_pool(settings, own_loop=True)
         try:
             async with _serving(app, settings, pool):
                 yield

@@ -14,8 +14,12 @@ with ``execution_timeout``; other runs it had in flight fail with
 ``runtime_crashed``, saying why the runtime was restarted. Requests other than
 runs (decode, lookup) have a deadline from when they are sent.
 
-Nothing here depends on one event loop: replies are handed to the loop each
-request came from, so one pool can serve several apps (the tests share one).
+Replies are read on the event loop that serves the pool's callers when the pool
+is started with one (``start(loop)``: an app's own pool), and otherwise by each
+runtime's supervisor thread. Either way a reply is handed to the loop its request
+came from, so one pool can serve several apps (the tests share one). On the loop,
+a reply costs one wake-up of it; from a thread it also cost the thread's wake-up,
+its hand-off to the loop and two passes of the GIL (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import itertools
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -98,10 +103,105 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
         future.set_result(value)
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """``fn(*args)`` on ``loop`` from another thread; nothing if that loop has closed."""
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any,
+          here: asyncio.AbstractEventLoop | None = None) -> None:
+    """``fn(*args)`` on ``loop``, soon: from ``here``, the loop running this code, with
+    ``call_soon``; from another thread with ``call_soon_threadsafe``, which also wakes
+    it (nothing if that loop has closed)."""
+    if loop is here:
+        loop.call_soon(fn, *args)
+        return
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+class _LoopReader:
+    """Reads one runtime's answers on an event loop, framed as ``multiprocessing``
+    frames them (``frames.Pipe``), and hands each to ``dispatch`` with that loop. At
+    the end of the pipe (or on an error) it stops reading and sets ``ended``; only
+    then may the pipe be closed. ``read_rest`` reads on in the calling thread, from
+    where the loop stopped, for a loop that closed first.
+    """
+
+    def __init__(self, fd: int, dispatch: Callable[..., None]) -> None:
+        self.fd = fd
+        self.ended = threading.Event()
+        self._dispatch = dispatch
+        self._buffer = bytearray()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start reading on ``loop`` (call it on that loop)."""
+        self._loop = loop
+        os.set_blocking(self.fd, False)
+        loop.add_reader(self.fd, self._readable)
+
+    def read_rest(self) -> None:
+        os.set_blocking(self.fd, True)
+        self._loop = None
+        while not self.ended.is_set():
+            try:
+                data = os.read(self.fd, _READ_BYTES)
+            except OSError:
+                data = b""
+            if not data or not self._feed(data):
+                self.ended.set()
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, _READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data or not self._feed(data):
+            assert self._loop is not None
+            self._loop.remove_reader(self.fd)
+            self.ended.set()
+
+    def _feed(self, data: bytes) -> bool:
+        """Dispatch the whole frames ``data`` completes; ``False`` on one that is no message."""
+        buffer = self._buffer
+        if buffer:
+            buffer += data
+            size, header = _frame_size(buffer, 0)
+            if size is not None and len(buffer) < header + size:
+                return True  # a big frame, not whole yet: copied once it is
+            data = bytes(buffer)
+            buffer.clear()
+        start = 0
+        while True:
+            size, header = _frame_size(data, start)
+            if size is None or len(data) < start + header + size:
+                break
+            begin = start + header
+            start = begin + size
+            try:
+                message = frames.unpack(data[begin:start])
+            except ValueError:
+                return False
+            self._dispatch(message, self._loop)
+        if start < len(data):
+            buffer += memoryview(data)[start:]
+        return True
+
+
+_READ_BYTES = 1 << 20
+_SIZE = struct.Struct("!i")
+_BIG_SIZE = struct.Struct("!Q")
+
+
+def _frame_size(buffer: bytes | bytearray, start: int) -> tuple[int | None, int]:
+    """The size of the frame at ``start`` and of its header; ``(None, 0)`` until the
+    header is whole. A size over 2 GiB is -1, then 8 bytes (``multiprocessing``)."""
+    if len(buffer) - start < 4:
+        return None, 0
+    (size,) = _SIZE.unpack_from(buffer, start)
+    if size != -1:
+        return size, 4
+    if len(buffer) - start < 12:
+        return None, 0
+    return _BIG_SIZE.unpack_from(buffer, start + 4)[0], 12
 
 
 class Runtime:
@@ -286,7 +386,10 @@ class Runtime:
             self._up.set()
             if died_at is not None:
                 self._pool.restarted(self, time.monotonic() - died_at)
-            self._read()
+            if self._pool.loop is not None:
+                self._read_on(self._pool.loop)
+            else:
+                self._read()
             died_at = time.monotonic()
             self._up.clear()
             with self._lock:
@@ -347,7 +450,23 @@ class Runtime:
                 return
             self._dispatch(message)
 
-    def _dispatch(self, message: dict[str, Any]) -> None:
+    def _read_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have ``loop`` read the answers; return when the pipe ends. If the loop
+        closes first, read what is left here."""
+        assert self._pipe is not None
+        reader = _LoopReader(self._pipe.fileno(), self._dispatch)
+        try:
+            loop.call_soon_threadsafe(reader.attach, loop)
+        except RuntimeError:  # closed
+            reader.read_rest()
+            return
+        while not reader.ended.wait(1.0):
+            if loop.is_closed():
+                reader.read_rest()
+                return
+
+    def _dispatch(self, message: dict[str, Any],
+                  here: asyncio.AbstractEventLoop | None = None) -> None:
         rid, kind = message.get("id"), message.get("kind")
         with self._lock:
             call = (self._pending.get(rid) if kind == "started" else self._pending.pop(rid, None))
@@ -358,17 +477,19 @@ class Runtime:
             return
         if kind == "started":
             if call.on_started is not None:
-                _post(call.loop, call.on_started)
+                _post(call.loop, call.on_started, here=here)
         elif kind == "ok":
-            _post(call.loop, _settle, call.future, message, None)
+            _post(call.loop, _settle, call.future, message, None, here=here)
         else:
             error = RemoteError(str(message.get("code", "internal")),
                                 str(message.get("message", "failed")))
-            _post(call.loop, _settle, call.future, None, error)
+            _post(call.loop, _settle, call.future, None, error, here=here)
 
     def _ended(self) -> None:
         """The process exited: say why, fail what was in flight, drop what it held."""
         assert self._process is not None and self._pipe is not None
+        if self._process.poll() is None:  # alive, but what it sent could not be read
+            self.kill("garbled")
         code = self._process.wait()
         self._pipe.close()
         with self._lock:
@@ -417,6 +538,8 @@ def _exit_reason(code: int | None, killed_for: str | None, late_op: str = "run")
         return "was stopped to cancel an execution"
     if killed_for == "close":
         return "was stopped: the server is shutting down"
+    if killed_for == "garbled":
+        return "was stopped: it sent a message that could not be read"
     if code is None:
         return "did not exit"
     if code < 0:
@@ -453,6 +576,7 @@ class RuntimePool:
         self.prefix = frames.new_prefix()
         self.segments = frames.SegmentCache(self.prefix, segment_cache_bytes)
         self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._config = config
         self._env = env
         self._closed = threading.Event()
@@ -470,7 +594,10 @@ class RuntimePool:
 
     # -- life --------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the runtimes; ``loop`` reads their answers, if given (the loop that
+        serves every caller of the pool: an app's own), else their threads do."""
+        self.loop = loop
         for runtime in self.runtimes:
             runtime.start()
         self._watchdog.start()
