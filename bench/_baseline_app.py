@@ -3,12 +3,21 @@
 It decodes a msgpack (or JSON) array, runs the jitted function, and encodes the result —
 no futures, no caching layers, no validation. bench/service.py compares against it;
 bench/batching.py too, with ``BASELINE_MLP`` naming the MLP it runs instead.
+
+``/run_child`` is the supervised baseline: the same work in one child process
+(bench/_baseline_child.py), which gets the request body over a pipe and sends
+back the answer's, as a server that keeps programs out of its API process must
+at the least. It is the floor of that rule, as ``/run`` is of a server without it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,17 +45,69 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+def answer(fn, raw: bytes, as_json: bool) -> bytes:  # noqa: ANN001
+    """The answer's body to a request's: msgpack in and out, or JSON (nested lists)."""
+    if as_json:
+        a = json.loads(raw)["args"][0]
+        y = np.asarray(fn(np.asarray(a["data"], dtype=a["dtype"]).reshape(a["shape"])))
+        out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tolist()}]}
+        return json.dumps(out).encode()
+    a = msgpack.unpackb(raw)["args"][0]
+    x = np.frombuffer(a["data"], dtype=a["dtype"]).reshape(a["shape"])
+    y = np.asarray(fn(x))
+    out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tobytes()}]}
+    return msgpack.packb(out)
+
+
+def _media_type(request: Request) -> str:
+    if request.headers.get("content-type", "").startswith("application/json"):
+        return "application/json"
+    return "application/msgpack"
+
+
 @app.post("/run")
 async def run(request: Request) -> Response:
     """msgpack in and out, or JSON (nested lists) when the body is JSON, as jitserve does."""
-    raw = await request.body()
-    if request.headers.get("content-type", "").startswith("application/json"):
-        a = json.loads(raw)["args"][0]
-        y = np.asarray(f(np.asarray(a["data"], dtype=a["dtype"]).reshape(a["shape"])))
-        out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tolist()}]}
-        return Response(json.dumps(out), media_type="application/json")
-    a = msgpack.unpackb(raw)["args"][0]
-    x = np.frombuffer(a["data"], dtype=a["dtype"]).reshape(a["shape"])
-    y = np.asarray(f(x))
-    out = {"outputs": [{"dtype": y.dtype.name, "shape": list(y.shape), "data": y.tobytes()}]}
-    return Response(msgpack.packb(out), media_type="application/msgpack")
+    media_type = _media_type(request)
+    return Response(answer(f, await request.body(), media_type == "application/json"),
+                    media_type=media_type)
+
+
+class _Child:
+    """The child process and the calls waiting on it, answered in order."""
+
+    def __init__(self) -> None:
+        self.process: asyncio.subprocess.Process | None = None
+        self.waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self.started = asyncio.Lock()
+
+    async def call(self, frame: bytes) -> bytes:
+        async with self.started:
+            if self.process is None:
+                self.process = await asyncio.create_subprocess_exec(
+                    sys.executable, str(Path(__file__).with_name("_baseline_child.py")),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                asyncio.get_running_loop().create_task(self._read())
+        assert self.process.stdin is not None
+        answered = asyncio.get_running_loop().create_future()
+        self.waiting.append(answered)
+        self.process.stdin.write(len(frame).to_bytes(4, "big") + frame)
+        return await answered
+
+    async def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        stdout = self.process.stdout
+        while True:
+            size = int.from_bytes(await stdout.readexactly(4), "big")
+            self.waiting.popleft().set_result(await stdout.readexactly(size))
+
+
+_child = _Child()
+
+
+@app.post("/run_child")
+async def run_child(request: Request) -> Response:
+    """``/run``, with the work done in a child process (the supervised baseline)."""
+    media_type = _media_type(request)
+    kind = b"j" if media_type == "application/json" else b"m"
+    return Response(await _child.call(kind + await request.body()), media_type=media_type)

@@ -4,8 +4,10 @@ Every figure is printed as a ratio against a baseline measured in the same run,
 on the same function and machine, and written to bench/results/service.json:
 
   P1  median round trip of a cached call with ``wait`` vs a minimal hand-written
-      FastAPI endpoint (bench/_baseline_app.py) and vs in-process ``jax.jit``.
-  P2  throughput with 64 calls in flight from the AsyncClient vs the same baseline.
+      FastAPI endpoint (bench/_baseline_app.py) and vs in-process ``jax.jit``; and
+      vs the supervised baseline, the same endpoint with the work in a child
+      process (the floor of running no program in the API process).
+  P2  throughput with 64 calls in flight from the AsyncClient vs the same baselines.
   P4  upload / download GB/s at 1, 16 and 256 MiB through the SDK, and the peak RSS
       growth of the server and of the client during the round trip over the payload.
   P5  a 10-step chain on a 64 MiB array through futures vs shipping the data each step.
@@ -53,14 +55,22 @@ def export(fn: Any, x: np.ndarray) -> bytes:
 
 
 def median_ms(fn: Any, n: int) -> float:
+    return interleaved_ms({"": fn}, n)[""]
+
+
+def interleaved_ms(calls: dict[str, Any], n: int) -> dict[str, float]:
+    """Median ms of each of ``calls``, called in turn ``n`` times (after 10 rounds of
+    warm-up), so that the machine's drift during the run hits them all alike."""
     for _ in range(min(10, n)):
-        fn()
-    times = []
+        for fn in calls.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(seen) * 1e3 for name, seen in times.items()}
 
 
 def baseline_body(x: np.ndarray) -> bytes:
@@ -70,7 +80,10 @@ def baseline_body(x: np.ndarray) -> bytes:
 
 def p1(url: str, base: str, n: int) -> dict[str, float]:
     """A small cached call, three ways: the SDK (msgpack), and raw REST with a msgpack
-    and a JSON body; each against the baseline endpoint in the same encoding."""
+    and a JSON body; each against the baseline endpoint in the same encoding, in
+    process (``/run``) and in a child process (``/run_child``, the supervised
+    baseline: the floor of a server that runs no program in its API process).
+    All are called in turn, one call each per round."""
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     jitted = jax.jit(f)
     local_ms = median_ms(lambda: np.asarray(jitted(x)), n)
@@ -83,26 +96,32 @@ def p1(url: str, base: str, n: int) -> dict[str, float]:
         pid = c.upload(export(f, x)).program_id
         execute = f"{url}/v1/programs/{pid}/execute?wait=10000"
 
-        def raw(body: bytes, headers: dict[str, str]) -> Any:
+        def raw(target: str, body: bytes, headers: dict[str, str]) -> Any:
             def call() -> None:
-                r = h.post(execute, content=body, headers=headers)
+                r = h.post(target, content=body, headers=headers)
                 assert r.status_code == 200, r.text
             return call
 
-        sdk_ms = median_ms(lambda: c.execute(pid, [x], wait=10)[0].result(), n)
-        raw_ms = median_ms(raw(packed, msgpack_headers), n)
-        json_ms = median_ms(raw(as_json, json_headers), n)
-        base_ms = median_ms(lambda: h.post(f"{base}/run", content=packed,
-                                           headers=msgpack_headers), n)
-        base_json_ms = median_ms(lambda: h.post(f"{base}/run", content=as_json,
-                                                headers=json_headers), n)
-    return {"jitserve_sdk_ms": sdk_ms, "jitserve_rest_msgpack_ms": raw_ms,
-            "jitserve_rest_json_ms": json_ms, "baseline_fastapi_ms": base_ms,
-            "baseline_fastapi_json_ms": base_json_ms, "local_jit_ms": local_ms,
-            "ratio_vs_baseline": sdk_ms / base_ms,
-            "ratio_rest_msgpack_vs_baseline": raw_ms / base_ms,
-            "ratio_rest_json_vs_baseline_json": json_ms / base_json_ms,
-            "ratio_vs_local_jit": sdk_ms / local_ms}
+        ms = interleaved_ms({
+            "sdk": lambda: c.execute(pid, [x], wait=10)[0].result(),
+            "rest": raw(execute, packed, msgpack_headers),
+            "rest_json": raw(execute, as_json, json_headers),
+            "base": raw(f"{base}/run", packed, msgpack_headers),
+            "base_json": raw(f"{base}/run", as_json, json_headers),
+            "child": raw(f"{base}/run_child", packed, msgpack_headers),
+            "child_json": raw(f"{base}/run_child", as_json, json_headers)}, n)
+    return {"jitserve_sdk_ms": ms["sdk"], "jitserve_rest_msgpack_ms": ms["rest"],
+            "jitserve_rest_json_ms": ms["rest_json"], "baseline_fastapi_ms": ms["base"],
+            "baseline_fastapi_json_ms": ms["base_json"],
+            "supervised_baseline_ms": ms["child"],
+            "supervised_baseline_json_ms": ms["child_json"], "local_jit_ms": local_ms,
+            "ratio_vs_baseline": ms["sdk"] / ms["base"],
+            "ratio_rest_msgpack_vs_baseline": ms["rest"] / ms["base"],
+            "ratio_rest_json_vs_baseline_json": ms["rest_json"] / ms["base_json"],
+            "ratio_rest_msgpack_vs_supervised_baseline": ms["rest"] / ms["child"],
+            "ratio_rest_json_vs_supervised_baseline_json": ms["rest_json"] / ms["child_json"],
+            "ratio_supervised_baseline_vs_baseline": ms["child"] / ms["base"],
+            "ratio_vs_local_jit": ms["sdk"] / local_ms}
 
 
 async def _throughput(call: Any, total: int, in_flight: int) -> float:
@@ -160,6 +179,7 @@ async def p2(url: str, base: str, total: int, pid: int) -> dict[str, float]:
                                      total, 64)
         api1, runtimes1 = cpu_seconds(pid)
         base_fast_cps = await _throughput(fast(f"{base}/run"), total, 64)
+        child_fast_cps = await _throughput(fast(f"{base}/run_child"), total, 64)
     return {"jitserve_sdk_calls_per_s": remote_cps, "baseline_httpx_calls_per_s": base_cps,
             "ratio_vs_baseline": remote_cps / base_cps,
             "baseline_httpx_sdk_pool_calls_per_s": base_pool_cps,
@@ -167,6 +187,8 @@ async def p2(url: str, base: str, total: int, pid: int) -> dict[str, float]:
             "jitserve_rest_aiohttp_calls_per_s": rest_cps,
             "baseline_aiohttp_calls_per_s": base_fast_cps,
             "ratio_rest_vs_baseline_aiohttp": rest_cps / base_fast_cps,
+            "supervised_baseline_aiohttp_calls_per_s": child_fast_cps,
+            "ratio_rest_vs_supervised_baseline_aiohttp": rest_cps / child_fast_cps,
             # CPU per call of the aiohttp phase (warm-up included: 64 more calls)
             "api_process_cpu_ms_per_call": (api1 - api0) / (total + 64) * 1e3,
             "runtimes_cpu_ms_per_call": (runtimes1 - runtimes0) / (total + 64) * 1e3}
