@@ -126,6 +126,8 @@ class RuntimeServer:
                     os._exit(0)  # the API process is gone or closed us: nothing to finish
             message: dict[str, Any] | None = frames.unpack(frame)
             assert message is not None
+            for handle in message.pop("free", ()):  # frees riding on a request
+                self.buffers.pop(handle, None)
             op = message.get("op")
             if op == "free":
                 for handle in message.get("handles", ()):

@@ -52,6 +52,11 @@ _READY_TIMEOUT_S = 120.0
 _WATCH_INTERVAL_S = 0.05
 _KILL_GRACE_S = 0.5  # after the first late run, before the kill (check_deadlines)
 _MAX_BACKOFF_S = 30.0
+# Frees of small buffers wait this long for a request to the runtime to ride on
+# (send_free); bigger ones, or this many handles, go at once.
+_FREE_AFTER_S = 0.02
+_FREE_NOW_BYTES = 1 << 20
+_FREE_MAX_HELD = 1024
 
 
 class RemoteError(Exception):
@@ -229,6 +234,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
+        self._frees: list[int] = []  # handles of this generation to free (send_free)
+        self._free_timer: asyncio.AbstractEventLoop | None = None  # the loop of a timer set
         self._ids = itertools.count(1)
         self._up = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
@@ -279,6 +286,10 @@ class Runtime:
             rid = next(self._ids)
             self._pending[rid] = call
             pipe = self._pipe
+            frees, self._frees = self._frees, []
+            self._free_timer = None  # if it fires, it finds none
+        if frees:
+            message = {**message, "free": frees}
         try:
             data = frames.pack({"id": rid, "op": op, **message})
             with self._send_lock:
@@ -290,14 +301,42 @@ class Runtime:
                               f"runtime {self.index} exited before it took the request") from None
         return await call.future
 
-    def send_free(self, handles: Sequence[int], generation: int) -> None:
-        """Let go of buffers; no answer. Ignored if the runtime has restarted since."""
+    def send_free(self, handles: Sequence[int], generation: int, nbytes: int = 0) -> None:
+        """Let go of buffers (``nbytes`` in all); no answer. Ignored if the runtime has
+        restarted since.
+
+        Small ones are freed with the next request to the runtime, or after
+        ``_FREE_AFTER_S`` if none comes: a message of their own cost a write and a
+        wake-up of the runtime per call (``keep=false``, or a DELETE). Big ones, and
+        frees from outside an event loop, are sent at once.
+        """
+        if not handles:
+            return
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         with self._lock:
-            pipe = self._pipe if self.generation == generation and self.state == "up" else None
+            if self.generation != generation or self.state != "up":
+                return
+            self._frees.extend(handles)
+            if loop is not None and nbytes < _FREE_NOW_BYTES and len(self._frees) < _FREE_MAX_HELD:
+                if self._free_timer is None or self._free_timer.is_closed():
+                    loop.call_later(_FREE_AFTER_S, self._send_frees)
+                    self._free_timer = loop
+                return
+        self._send_frees()
+
+    def _send_frees(self) -> None:
+        """Send the frees no request took along. (A timer that finds none is harmless.)"""
+        with self._lock:
+            self._free_timer = None
+            handles, self._frees = self._frees, []
+            pipe = self._pipe if self.state == "up" else None
         if pipe is None or not handles:
             return
         with contextlib.suppress(OSError, ValueError), self._send_lock:
-            pipe.send_bytes(frames.pack({"op": "free", "handles": list(handles)}))
+            pipe.send_bytes(frames.pack({"op": "free", "handles": handles}))
 
     async def wait_up(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
         """Wait until the runtime is up; ``RuntimeLost`` (503-worthy) when it is not in time."""
@@ -494,6 +533,7 @@ class Runtime:
         self._pipe.close()
         with self._lock:
             self._pipe = None
+            self._frees.clear()  # that process's handles: the next one starts empty
             pid, self.pid = self.pid, None
             calls = list(self._pending.values())
             self._pending.clear()
@@ -705,11 +745,11 @@ class RuntimePool:
 
     def free(self, buffers: Sequence[Buffer]) -> None:
         """Let go of ``buffers`` on their runtimes (no answer awaited)."""
-        by_runtime: dict[tuple[Runtime, int], list[int]] = {}
+        by_runtime: dict[tuple[Runtime, int], list[Buffer]] = {}
         for buf in buffers:
-            by_runtime.setdefault((buf.runtime, buf.generation), []).append(buf.handle)
-        for (runtime, generation), handles in by_runtime.items():
-            runtime.send_free(handles, generation)
+            by_runtime.setdefault((buf.runtime, buf.generation), []).append(buf)
+        for (runtime, generation), bufs in by_runtime.items():
+            runtime.send_free([b.handle for b in bufs], generation, sum(b.nbytes for b in bufs))
 
     def moved(self, nbytes: int) -> None:
         """Count one output that crossed from one runtime to another."""
