@@ -30,7 +30,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -361,15 +361,15 @@ class DiskTier:
 
 
 class MemoryCache(Generic[V]):
-    """A thread-safe LRU bounded by entry count and by total bytes."""
+    """A thread-safe LRU bounded by entry count and by total bytes, under any hashable keys."""
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: collections.OrderedDict[str, tuple[V, int]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[Hashable, tuple[V, int]] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> V | None:
+    def get(self, key: Hashable) -> V | None:
         with self._lock:
             item = self._items.get(key)
             if item is None:
@@ -377,7 +377,7 @@ class MemoryCache(Generic[V]):
             self._items.move_to_end(key)
             return item[0]
 
-    def put(self, key: str, value: V, nbytes: int) -> None:
+    def put(self, key: Hashable, value: V, nbytes: int) -> None:
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
@@ -389,7 +389,7 @@ class MemoryCache(Generic[V]):
                 _, (_, evicted) = self._items.popitem(last=False)
                 self._bytes -= evicted
 
-    def pop(self, key: str) -> V | None:
+    def pop(self, key: Hashable) -> V | None:
         """Remove ``key``; its value, or ``None`` if it was not kept."""
         with self._lock:
             item = self._items.pop(key, None)
@@ -398,7 +398,7 @@ class MemoryCache(Generic[V]):
             self._bytes -= item[1]
             return item[0]
 
-    def items(self) -> list[tuple[str, V]]:
+    def items(self) -> list[tuple[Hashable, V]]:
         """A snapshot of the keys and values, least recently used first."""
         with self._lock:
             return [(key, value) for key, (value, _) in self._items.items()]

@@ -49,6 +49,7 @@ from jitserve.service.errors import (
     Unavailable,
 )
 from jitserve.service.executables import (
+    CallKey,
     CallOptions,
     ExecutableIndex,
     Lookup,
@@ -162,12 +163,13 @@ class Calls:
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions = _NO_OPTIONS, owner: str | None = None,
-                      runtime: Runtime | None = None) -> Lookup:
+                      runtime: Runtime | None = None, key: CallKey | None = None) -> Lookup:
         """The ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed).
 
-        ``QuotaExceeded`` when ``owner`` would pass its executables or compiles quota.
+        ``key``: their ``call_key``, when the caller has it. ``QuotaExceeded`` when
+        ``owner`` would pass its executables or compiles quota.
         """
-        key = call_key(program.program_id, in_avals, options)
+        key = key or call_key(program.program_id, in_avals, options)
         known = self._index.get(key)
         if known is not None:  # no round trip: the runs name the executable
             lookup = Lookup(known, known.executable_id, TierName.MEMORY, 0.0)
@@ -241,14 +243,15 @@ class Calls:
         runtime = self._place(owner, program, inputs)
         self._executor.hold(inputs)
         try:
-            known = self._index.get(call_key(program.program_id, avals, options))
+            key = call_key(program.program_id, avals, options)
+            known = self._index.get(key)
             if known is None and program.out_avals is not None and all(
                     a.is_static for a in program.out_avals):
                 fut = self._compiling(program, avals, options, owner, runtime, inputs,
                                       timeout_s)
                 self._give_up(args, options.donate, owner)
                 return Call(fut, "pending")
-            lookup = await self.compile(program, avals, options, owner, runtime)
+            lookup = await self.compile(program, avals, options, owner, runtime, key)
             exe = lookup.executable
             exe.check_inputs(avals)
             self._executor.admit(exe)  # its intermediates count too (executor.py)

@@ -10,7 +10,6 @@ records are also the catalog's local listing (``compiler.Catalog``).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.compile import MemoryStats, check_inputs
 from jitserve.wire import Aval
 
-__all__ = ["CallOptions", "ExecutableIndex", "Lookup", "RemoteExecutable", "call_key"]
+__all__ = ["CallKey", "CallOptions", "ExecutableIndex", "Lookup", "RemoteExecutable", "call_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +67,14 @@ class Lookup:
     compile_seconds: float
 
 
-def call_key(program_id: str, in_avals: Sequence[Aval] | None, options: CallOptions) -> str:
-    avals = None if in_avals is None else [a.to_json() for a in in_avals]
-    return json.dumps([program_id, avals, options.static_key, options.donate],
-                      separators=(",", ":"))
+CallKey = tuple[str, "tuple[Aval, ...] | None", str, tuple[int, ...]]
+
+
+def call_key(program_id: str, in_avals: Sequence[Aval] | None, options: CallOptions) -> CallKey:
+    """What an ``ExecutableIndex`` knows a call by (avals compare by shape, dtype and
+    weak type: a tuple, not JSON, since every call looks one up)."""
+    return (program_id, None if in_avals is None else tuple(in_avals), options.static_key,
+            options.donate)
 
 
 class ExecutableIndex:
@@ -80,10 +83,10 @@ class ExecutableIndex:
     def __init__(self, max_entries: int) -> None:
         self._by_call: MemoryCache[RemoteExecutable] = MemoryCache(max_entries, 1 << 62)
 
-    def get(self, key: str) -> RemoteExecutable | None:
+    def get(self, key: CallKey) -> RemoteExecutable | None:
         return self._by_call.get(key)
 
-    def put(self, key: str, executable: RemoteExecutable) -> None:
+    def put(self, key: CallKey, executable: RemoteExecutable) -> None:
         self._by_call.put(key, executable, 1)
 
     def forget(self, executable_id: str) -> bool:
