@@ -121,11 +121,12 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any,
 
 
 class _LoopReader:
-    """Reads one runtime's answers on an event loop, framed as ``multiprocessing``
-    frames them (``frames.Pipe``), and hands each to ``dispatch`` with that loop. At
+    """Reads one runtime's answers, framed as ``multiprocessing`` frames them
+    (``frames.Pipe``), and hands each to ``dispatch`` with the loop that read it
+    (``None`` from a thread). ``attach`` reads on an event loop; ``read_rest`` in the
+    calling thread (a pool without a loop, or the rest after its loop closed). At
     the end of the pipe (or on an error) it stops reading and sets ``ended``; only
-    then may the pipe be closed. ``read_rest`` reads on in the calling thread, from
-    where the loop stopped, for a loop that closed first.
+    then may the pipe be closed.
     """
 
     def __init__(self, fd: int, dispatch: Callable[..., None]) -> None:
@@ -235,7 +236,7 @@ class Runtime:
         self._send_lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
         self._frees: list[int] = []  # handles of this generation to free (send_free)
-        self._free_timer: asyncio.AbstractEventLoop | None = None  # the loop of a timer set
+        self._frees_loop: asyncio.AbstractEventLoop | None = None  # where _send_frees is due
         self._ids = itertools.count(1)
         self._up = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
@@ -287,7 +288,7 @@ class Runtime:
             self._pending[rid] = call
             pipe = self._pipe
             frees, self._frees = self._frees, []
-            self._free_timer = None  # if it fires, it finds none
+            self._frees_loop = None  # if it fires, it finds none
         if frees:
             message = {**message, "free": frees}
         try:
@@ -321,16 +322,16 @@ class Runtime:
                 return
             self._frees.extend(handles)
             if loop is not None and nbytes < _FREE_NOW_BYTES and len(self._frees) < _FREE_MAX_HELD:
-                if self._free_timer is None or self._free_timer.is_closed():
+                if self._frees_loop is None or self._frees_loop.is_closed():  # no timer set
                     loop.call_later(_FREE_AFTER_S, self._send_frees)
-                    self._free_timer = loop
+                    self._frees_loop = loop
                 return
         self._send_frees()
 
     def _send_frees(self) -> None:
         """Send the frees no request took along. (A timer that finds none is harmless.)"""
         with self._lock:
-            self._free_timer = None
+            self._frees_loop = None
             handles, self._frees = self._frees, []
             pipe = self._pipe if self.state == "up" else None
         if pipe is None or not handles:
@@ -425,10 +426,7 @@ class Runtime:
             self._up.set()
             if died_at is not None:
                 self._pool.restarted(self, time.monotonic() - died_at)
-            if self._pool.loop is not None:
-                self._read_on(self._pool.loop)
-            else:
-                self._read()
+            self._read(self._pool.loop)
             died_at = time.monotonic()
             self._up.clear()
             with self._lock:
@@ -479,21 +477,14 @@ class Runtime:
         self._pool.start_failed(self, why, delay)
         self._pool.wait_closing(delay)
 
-    def _read(self) -> None:
-        assert self._pipe is not None
-        pipe = self._pipe
-        while True:
-            try:
-                message = frames.unpack(pipe.recv_bytes())
-            except (EOFError, OSError, ValueError):
-                return
-            self._dispatch(message)
-
-    def _read_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Have ``loop`` read the answers; return when the pipe ends. If the loop
-        closes first, read what is left here."""
+    def _read(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Read the answers until the pipe ends: on ``loop`` if there is one (this
+        thread only waits), else here. If the loop closes first, read the rest here."""
         assert self._pipe is not None
         reader = _LoopReader(self._pipe.fileno(), self._dispatch)
+        if loop is None:
+            reader.read_rest()
+            return
         try:
             loop.call_soon_threadsafe(reader.attach, loop)
         except RuntimeError:  # closed
