@@ -72,7 +72,11 @@ async def test_a_caller_on_another_loop_gets_its_answer(pool: RuntimePool) -> No
 async def test_a_killed_runtime_fails_what_it_had_and_comes_back(pool: RuntimePool) -> None:
     runtime = pool.runtimes[0]
     assert runtime.pid is not None
-    os.kill(runtime.pid, signal.SIGSTOP)  # the request waits for sure
+    os.kill(runtime.pid, signal.SIGSTOP)  # the request waits for sure, once all its threads stop
+    for _ in range(500):
+        if all(_state(task) == "T" for task in Path(f"/proc/{runtime.pid}/task").iterdir()):
+            break
+        await asyncio.sleep(0.01)
     waiting = asyncio.ensure_future(runtime.request("stats", {}, timeout_s=60))
     await asyncio.sleep(0.1)
     assert not waiting.done()
@@ -82,6 +86,10 @@ async def test_a_killed_runtime_fails_what_it_had_and_comes_back(pool: RuntimePo
     await runtime.wait_up()
     want = np.ones(7, np.int32)
     np.testing.assert_array_equal(await _round_trip(pool, want), want)
+
+
+def _state(task: Path) -> str:
+    return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_pool_outliving_its_loop_reads_in_its_threads(tmp_path: Path) -> None:
