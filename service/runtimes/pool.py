@@ -126,12 +126,13 @@ class _LoopReader:
     (``None`` from a thread). ``attach`` reads on an event loop; ``read_rest`` in the
     calling thread (a pool without a loop, or the rest after its loop closed). At
     the end of the pipe (or on an error) it stops reading and sets ``ended``; only
-    then may the pipe be closed.
+    then may the pipe be closed. ``garbled``: it stopped at a frame that was no message.
     """
 
     def __init__(self, fd: int, dispatch: Callable[..., None]) -> None:
         self.fd = fd
         self.ended = threading.Event()
+        self.garbled = False
         self._dispatch = dispatch
         self._buffer = bytearray()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -185,6 +186,7 @@ class _LoopReader:
             try:
                 message = frames.unpack(data[begin:start])
             except ValueError:
+                self.garbled = True
                 return False
             self._dispatch(message, self._loop)
         if start < len(data):
@@ -426,7 +428,8 @@ class Runtime:
             self._up.set()
             if died_at is not None:
                 self._pool.restarted(self, time.monotonic() - died_at)
-            self._read(self._pool.loop)
+            if self._read(self._pool.loop):  # alive, but what it sent could not be read
+                self.kill("garbled")
             died_at = time.monotonic()
             self._up.clear()
             with self._lock:
@@ -477,23 +480,23 @@ class Runtime:
         self._pool.start_failed(self, why, delay)
         self._pool.wait_closing(delay)
 
-    def _read(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def _read(self, loop: asyncio.AbstractEventLoop | None) -> bool:
         """Read the answers until the pipe ends: on ``loop`` if there is one (this
-        thread only waits), else here. If the loop closes first, read the rest here."""
+        thread only waits), else here. If the loop closes first, read the rest here.
+        Whether the reading stopped at a frame that was no message."""
         assert self._pipe is not None
         reader = _LoopReader(self._pipe.fileno(), self._dispatch)
-        if loop is None:
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(reader.attach, loop)
+            except RuntimeError:  # closed
+                pass
+            else:
+                while not reader.ended.wait(1.0) and not loop.is_closed():
+                    pass
+        if not reader.ended.is_set():
             reader.read_rest()
-            return
-        try:
-            loop.call_soon_threadsafe(reader.attach, loop)
-        except RuntimeError:  # closed
-            reader.read_rest()
-            return
-        while not reader.ended.wait(1.0):
-            if loop.is_closed():
-                reader.read_rest()
-                return
+        return reader.garbled
 
     def _dispatch(self, message: dict[str, Any],
                   here: asyncio.AbstractEventLoop | None = None) -> None:
@@ -518,8 +521,6 @@ class Runtime:
     def _ended(self) -> None:
         """The process exited: say why, fail what was in flight, drop what it held."""
         assert self._process is not None and self._pipe is not None
-        if self._process.poll() is None:  # alive, but what it sent could not be read
-            self.kill("garbled")
         code = self._process.wait()
         self._pipe.close()
         with self._lock:

@@ -152,3 +152,16 @@ def test_the_header_of_a_frame_over_2_gib_is_understood() -> None:
     reader.read_rest()
     os.close(r)
     assert got == [{"id": 1}]
+
+
+def test_a_frame_that_is_no_message_stops_the_reading() -> None:
+    good, bad = frames.pack({"id": 1}), b"\xc1"  # 0xc1: never used in msgpack
+    stream = b"".join(len(p).to_bytes(4, "big") + p for p in (good, bad, good))
+    got: list[dict[str, Any]] = []
+    r, w = os.pipe()
+    os.write(w, stream)
+    reader = _LoopReader(r, lambda message, loop: got.append(message))
+    reader.read_rest()  # returns at the bad frame, though the pipe is still open
+    os.close(w)
+    os.close(r)
+    assert got == [{"id": 1}] and reader.garbled and reader.ended.is_set()
