@@ -67,6 +67,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter("jitserve_requests", "HTTP requests by route template and status",
                                 ["route", "status"], registry=r)
         self.compilations = Counter("jitserve_compilations", "XLA compilations", registry=r)
@@ -140,6 +141,20 @@ class Metrics:
             if status.is_final:
                 self.executions.labels(status)
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, kept: the call validates and locks each time,
+        a cost every cached call paid four times over. Label values are bounded
+        (route templates, statuses, tiers), and so is this."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
+    def request(self, route: str, status: int) -> None:
+        """Count one HTTP request answered with ``status`` by ``route`` (a template)."""
+        self.child(self.requests, route, str(status)).inc()
+
     def lookup(self, tier: str, compile_seconds: float) -> None:
         """Count one executable lookup that ended in ``tier``."""
         if tier == TierName.COMPILED:
@@ -147,11 +162,11 @@ class Metrics:
             self.compilations.inc()
             self.compile_seconds.observe(compile_seconds)
         else:
-            self.cache_hits.labels(tier).inc()
+            self.child(self.cache_hits, tier).inc()
 
     def transferred(self, direction: str, nbytes: int) -> None:
         """Count array bytes moved ``"in"`` (requests) or ``"out"`` (responses)."""
-        self.transfer_bytes.labels(direction).inc(nbytes)
+        self.child(self.transfer_bytes, direction).inc(nbytes)
 
     def replica_lost(self) -> None:
         """Count a replica noticed lost."""
@@ -166,7 +181,7 @@ class Metrics:
         self.connections_closed.labels(reason).inc()
 
     def execution_finished(self, status: str) -> None:
-        self.executions.labels(status).inc()
+        self.child(self.executions, status).inc()
 
     def redis(self, stats: Mapping[str, Any]) -> None:
         """Bring the Redis series up to ``Catalog.shared_stats()`` (its counters are monotonic)."""
@@ -234,4 +249,4 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send_and_record)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.request(route, status)
