@@ -262,10 +262,18 @@ def _is_json(media_type: str) -> bool:
     return media_type == wire.JSON or media_type.endswith("+json")
 
 
-def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200) -> Response:
-    """An answer holding numpy arrays: JSON (nested lists) or streamed msgpack."""
+def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200, *,
+                   nbytes: int | None = None) -> Response:
+    """An answer holding numpy arrays: JSON (nested lists) or msgpack, streamed when big.
+
+    ``nbytes``: the arrays' bytes in all, when the caller knows them; under
+    ``wire.STREAM_BYTES`` the body is packed in one call of the C packer, which
+    touches a tenth of the Python code that cutting it into pieces does.
+    """
     if as_json:
         return Response(jsonwire.dumps(doc), status_code, media_type=wire.JSON)
+    if nbytes is not None and nbytes < wire.STREAM_BYTES:
+        return Response(wire.packb(doc), status_code, media_type=wire.MSGPACK)
     body = wire.PackedBody(wire.pack_pieces(doc))
     if body.nbytes < wire.STREAM_BYTES:
         return Response(body.join(), status_code, media_type=wire.MSGPACK)
@@ -295,6 +303,7 @@ async def outputs_response(fut: Future, metrics: Metrics, as_json: bool,
     except RemoteError as e:
         raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
                            cause={"code": e.code, "message": str(e)}) from None
-    metrics.transferred("out", sum(a.nbytes for a in host))
+    nbytes = sum(a.nbytes for a in host)
+    metrics.transferred("out", nbytes)
     return array_response({"future_id": fut.future_id, "outputs": host, "out_tree": fut.out_tree},
-                          as_json)
+                          as_json, nbytes=nbytes)
