@@ -99,32 +99,42 @@ class Future:
     removed: str | None = None
     released: set[int] = dataclasses.field(default_factory=set)
     pins: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
-    _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False)
+    # Made by the first waiter: most futures end with nobody waiting on an event.
+    _changed: asyncio.Event | None = dataclasses.field(default=None, repr=False)
 
     def _notify(self) -> None:
         # Wake everyone waiting on the old event; later waiters get a fresh one.
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _change(self) -> asyncio.Event:
+        """The event the next change sets."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     async def wait_change(self, seen: FutureStatus, timeout: float) -> None:
         """Wait up to ``timeout`` seconds while the status is still ``seen``."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while self.status is seen and self.removed is None:
-                    await self._changed.wait()
+                    await self._change().wait()
 
     async def wait_ended(self) -> None:
         """Wait until it is done, failed or cancelled, even once it left the store
         (a call that read it was accepted before; its job always ends it)."""
         while not self.status.is_final:
-            await self._changed.wait()
+            await self._change().wait()
 
     async def wait_final(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout``) until done, failed, cancelled or removed."""
+        if self.status.is_final or self.removed is not None:
+            return self.status.is_final
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while not self.status.is_final and self.removed is None:
-                    await self._changed.wait()
+                    await self._change().wait()
         return self.status.is_final
 
 
