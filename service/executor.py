@@ -45,7 +45,14 @@ from jitserve.compiler.programs import Program
 from jitserve.service.executables import CallOptions, RemoteExecutable
 from jitserve.service.futures import Future, FutureStore
 from jitserve.service.metrics import Metrics
-from jitserve.service.runtimes import Buffer, RemoteError, Runtime, RuntimePool, frames
+from jitserve.service.runtimes import (
+    Buffer,
+    RemoteError,
+    Runtime,
+    RuntimeLost,
+    RuntimePool,
+    frames,
+)
 from jitserve.wire import FutureStatus
 
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
@@ -183,6 +190,27 @@ class TempBudget:
                 async with self._changed:
                     self._changed.notify_all()
 
+    def try_take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` as in flight if they fit now and nobody waits; else ``False``."""
+        if nbytes <= 0:
+            return True
+        if self._waiting or not self._fits(nbytes):
+            return False
+        self._add(nbytes)
+        return True
+
+    def give(self, nbytes: int) -> None:
+        """Give back what ``try_take`` counted, waking the holds that wait for room."""
+        if nbytes <= 0:
+            return
+        self._add(-nbytes)
+        if self._waiting:
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
     def _add(self, nbytes: int) -> None:
         self.in_flight += nbytes
         self._metrics.execution_temp_bytes.set(self.in_flight)
@@ -233,6 +261,8 @@ class Executor:
         future.job = job
         future.runtime = runtime
         timeout = min(timeout_s or self.timeout_s, self.timeout_s)
+        if self._send_now(job, program, executable, options, timeout):
+            return job
         job.task = asyncio.get_running_loop().create_task(
             self._run(job, program, executable, options, timeout))
         self._tasks.add(job.task)
@@ -285,23 +315,9 @@ class Executor:
             self._futures.fail(fut, e.code, str(e))
         except RemoteError as e:
             answered = True
-            if not fut.status.is_final:  # a cancel that stopped it already said so
-                code = e.code if e.code in _RUN_CODES else "future_failed"
-                message_ = str(e) if code != "future_failed" else f"execution failed: {e}"
-                self._futures.fail(fut, code, message_)
+            self._failed(fut, e)
         else:
-            outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
-                       for h, a in zip(reply["handles"], fut.out_avals)]
-            if not all(b.alive for b in outputs):  # the runtime died right after answering
-                self._futures.fail(fut, "runtime_crashed",
-                                   f"runtime {runtime.index} {runtime.last_exit}: the outputs "
-                                   "were lost")
-            else:
-                run_s = float(reply["run_s"])
-                if "values" in reply:
-                    fut.host = frames.unpack_arrays(reply["values"])
-                self._metrics.execute_seconds.observe(run_s)
-                self._futures.complete(fut, outputs, run_s)
+            self._done(fut, runtime, reply)
         finally:
             self._let_go(job)
             if segment is not None:
@@ -309,6 +325,92 @@ class Executor:
                     self._runtimes.segments.give_back(segment)
                 else:  # the runtime may still read it: unlinked, left to it
                     segment.destroy()
+
+    def _send_now(self, job: ExecutionJob, program: Program, executable: RemoteExecutable,
+                  options: CallOptions, timeout_s: float) -> bool:
+        """Send the run from here, without a task, when nothing has to be awaited first:
+        no future to wait for, no buffer to move, no segment, room for its
+        intermediates, its runtime up. That is a cached call on small arrays, where
+        the task, the awaits and the context managers of ``_run`` cost a tenth of
+        the API process's time per call. Whether it was sent."""
+        runtime = job.runtime
+        assert job.args is not None
+        if job.waiting:
+            return False
+        descs: list[dict[str, Any] | None] = []
+        host: list[np.ndarray] = []
+        for i, arg in enumerate(job.args):
+            if isinstance(arg, np.ndarray):
+                host.append(arg)
+                descs.append(None)
+            elif isinstance(arg, Buffer) and arg.runtime is runtime and arg.alive:
+                give = i in job.donate and arg.refs == 1  # as in _marshal
+                descs.append({"handle": arg.handle, **({"give": True} if give else {})})
+            else:
+                return False
+        if sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES:
+            return False
+        memory = executable.memory
+        temp = memory.temp_bytes if memory is not None else 0
+        if not self._budget.try_take(temp):
+            return False
+        packed, _ = frames.pack_arrays(host, None)
+        it = iter(packed)
+        message = {"executable_id": executable.executable_id,
+                   "program_id": program.program_id, **options.to_json(),
+                   "avals": [a.to_json() for a in executable.in_avals],
+                   "args": [d if d is not None else next(it) for d in descs]}
+        fut = job.future
+        try:
+            sent = runtime.send("run", message, timeout_s=timeout_s, tag=job,
+                                on_started=lambda: self._futures.mark_running(
+                                    fut, max(time.time() - fut.created, 0.0)))
+        except RuntimeLost:  # restarting: the task waits for it
+            self._budget.give(temp)
+            return False
+        job.start()  # nothing ran since the job was made: it cannot be cancelled yet
+        job.args = None
+        sent.add_done_callback(lambda answer: self._answered(job, temp, answer))
+        return True
+
+    def _answered(self, job: ExecutionJob, temp: int,
+                  answer: asyncio.Future[dict[str, Any]]) -> None:
+        """Settle the future of a run ``_send_now`` sent."""
+        fut = job.future
+        try:
+            self._budget.give(temp)
+            if answer.cancelled():  # its loop is closing
+                if not fut.status.is_final:
+                    self._futures.fail(fut, "unavailable", "the server stopped before the run "
+                                                            "ended")
+            elif (error := answer.exception()) is not None:
+                assert isinstance(error, RemoteError)
+                self._failed(fut, error)
+            else:
+                self._done(fut, job.runtime, answer.result())
+        finally:
+            self._let_go(job)
+
+    def _failed(self, fut: Future, e: RemoteError) -> None:
+        """Fail ``fut`` for its runtime's failure of its run."""
+        if not fut.status.is_final:  # a cancel that stopped it already said so
+            code, message = run_error(e)
+            self._futures.fail(fut, code, message)
+
+    def _done(self, fut: Future, runtime: Runtime, reply: dict[str, Any]) -> None:
+        """Complete ``fut`` with the outputs its run's answer names."""
+        outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
+                   for h, a in zip(reply["handles"], fut.out_avals)]
+        if not all(b.alive for b in outputs):  # the runtime died right after answering
+            self._futures.fail(fut, "runtime_crashed",
+                               f"runtime {runtime.index} {runtime.last_exit}: the outputs "
+                               "were lost")
+            return
+        run_s = float(reply["run_s"])
+        if "values" in reply:
+            fut.host = frames.unpack_arrays(reply["values"])
+        self._metrics.execute_seconds.observe(run_s)
+        self._futures.complete(fut, outputs, run_s)
 
     async def run_split(self, runtime: Runtime, program: Program, executable: RemoteExecutable,
                         options: CallOptions, host: list[np.ndarray], rows: Sequence[int],

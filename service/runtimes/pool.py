@@ -279,6 +279,14 @@ class Runtime:
                        timeout_s: float | None, tag: object,
                        on_started: Callable[[], None] | None) -> dict[str, Any]:
         await self.wait_up()
+        return await self.send(op, message, timeout_s=timeout_s, tag=tag, on_started=on_started)
+
+    def send(self, op: str, message: dict[str, Any], *, timeout_s: float | None = None,
+             tag: object = None, on_started: Callable[[], None] | None = None
+             ) -> asyncio.Future[dict[str, Any]]:
+        """Send one request now, from the event loop; its answer is the future's result
+        (or its ``RemoteError``). ``RuntimeLost`` at once if the runtime is not up:
+        ``request`` is the call that waits for it. Never retried."""
         loop = asyncio.get_running_loop()
         call = _Call(op, loop, loop.create_future(), timeout_s, on_started, tag)
         if timeout_s is not None and op != "run":
@@ -302,7 +310,7 @@ class Runtime:
                 self._pending.pop(rid, None)
             raise RuntimeLost("runtime_crashed",
                               f"runtime {self.index} exited before it took the request") from None
-        return await call.future
+        return call.future
 
     def send_free(self, handles: Sequence[int], generation: int, nbytes: int = 0) -> None:
         """Let go of buffers (``nbytes`` in all); no answer. Ignored if the runtime has

@@ -22,10 +22,12 @@ def executor_blocked(api) -> Iterator[asyncio.Event]:
     """Hold every execution before it is sent to its runtime until the event is set.
 
     Work submitted meanwhile stays queued: not started, so still cancellable.
+    Runs that would be sent at once (``Executor._send_now``) take the queued path too.
     """
     gate = asyncio.Event()
     executor = api.app.state.executor
     marshal = executor._marshal
+    executor._send_now = lambda *args: False
 
     async def held(job):
         await gate.wait()
@@ -37,6 +39,7 @@ def executor_blocked(api) -> Iterator[asyncio.Event]:
     finally:
         gate.set()
         executor._marshal = marshal
+        del executor._send_now
 
 
 async def test_long_poll_returns_when_the_status_changes(make_api, x) -> None:

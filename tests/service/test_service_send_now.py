@@ -1,0 +1,119 @@
+"""A cached call's short path: sent from ``Executor.submit`` and answered by the lane.
+
+``Executor._send_now`` sends a run that has nothing to wait for straight from
+``submit`` (no task); the others go through ``Executor._run`` as before. The
+execute lane answers in front of the middleware stack, doing their part itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jitserve import wire
+from jitserve.service.executor import TempBudget
+from jitserve.service.futures import FutureStore
+from jitserve.service.metrics import Metrics
+
+ROUTE = "/v1/programs/{program_id}/execute"
+
+
+@pytest.fixture
+def sends(api):
+    """Whether each run ``submit`` saw was sent at once (``True``) or left to a task."""
+    executor = api.app.state.executor
+    send_now = executor._send_now
+    seen: list[bool] = []
+
+    def spy(*args):
+        sent = send_now(*args)
+        seen.append(sent)
+        return sent
+
+    executor._send_now = spy
+    return seen
+
+
+async def test_a_cached_call_is_sent_from_submit_without_a_task(api, x, sends) -> None:
+    pid = await api.upload("add_mul")
+    await api.execute(pid, [x, x], wait=30_000)  # compiles: the run follows in a task
+    sends.clear()
+    for _ in range(3):
+        r = await api.execute(pid, [x, x], wait=30_000)
+        assert r.status_code == 200, r.text
+        out = wire.unpackb(r.content)["outputs"]
+        np.testing.assert_array_equal(out[0], x + x)
+        np.testing.assert_array_equal(out[1], x * 2)
+    assert sends == [True, True, True]
+    assert not api.app.state.executor._tasks
+    assert api.app.state.executor._budget.in_flight == 0
+    assert await api.metric("jitserve_execution_temp_bytes") == 0
+
+
+async def test_a_call_on_a_running_future_waits_in_a_task(api, x, sends) -> None:
+    add_mul, triple = await api.upload("add_mul"), await api.upload("triple")
+    await api.execute(add_mul, [x, x], wait=30_000)
+    await api.execute(triple, [x], wait=30_000)
+    sends.clear()
+    first = (await api.execute(add_mul, [x, x])).json()["future_id"]
+    r = await api.execute(triple, [{"future": first, "output": 1}], wait=30_000)
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], x * 6)
+    # the second was sent at once only if the first had ended by then
+    assert sends[0] is True and len(sends) == 2
+
+
+async def test_an_input_left_on_the_runtime_is_sent_by_handle(api, x, sends) -> None:
+    add_mul, triple = await api.upload("add_mul"), await api.upload("triple")
+    await api.execute(triple, [x], wait=30_000)
+    fid = wire.unpackb((await api.execute(add_mul, [x, x], wait=30_000)).content)["future_id"]
+    sends.clear()
+    r = await api.execute(triple, [{"future": fid, "output": 0}], wait=30_000)
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], (x + x) * 3)
+    assert sends == [True]
+
+
+async def test_the_budget_takes_only_what_fits_and_wakes_waiters_when_given_back() -> None:
+    futures = FutureStore(ttl_s=60, max_live=10, max_device_bytes=100)
+    budget = TempBudget(futures, Metrics())
+    assert budget.try_take(0) and budget.in_flight == 0
+    assert budget.try_take(60) and budget.in_flight == 60
+    assert not budget.try_take(60)  # would pass the limit beside the first
+    waited = asyncio.Event()
+
+    async def waiter() -> None:
+        async with budget.hold(60):
+            waited.set()
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0.05)
+    assert not waited.is_set()
+    assert not budget.try_take(1)  # someone waits: no overtaking
+    budget.give(60)
+    await asyncio.wait_for(task, 5)
+    assert waited.is_set() and budget.in_flight == 0
+
+
+async def test_the_lane_answers_an_unexpected_error_as_the_stack_would(api, x) -> None:
+    pid = await api.upload("add_mul")
+    before = await api.metric("jitserve_requests_total", route=ROUTE, status="500")
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    api.app.state.calls.execute = broken
+    r = await api.execute(pid, [x, x], wait=1000)
+    assert r.status_code == 500
+    assert r.json()["error"] == {"code": "internal", "message": "internal server error"}
+    assert await api.metric("jitserve_requests_total", route=ROUTE, status="500") == before + 1
+
+
+async def test_the_lane_counts_its_answers_by_route_and_status(api, x) -> None:
+    pid = await api.upload("add_mul")
+    before = await api.metric("jitserve_requests_total", route=ROUTE, status="200")
+    for _ in range(2):
+        assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
+    assert await api.metric("jitserve_requests_total", route=ROUTE, status="200") == before + 2
