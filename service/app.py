@@ -18,9 +18,10 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from jitserve.compiler import Catalog, Compiler
 from jitserve.service import v2
@@ -79,6 +80,22 @@ async def start_pool(settings: Settings, *, own_loop: bool = False) -> RuntimePo
     return pool
 
 
+class _App(FastAPI):
+    """FastAPI, with the execute route's lane in front of the middleware stack
+    (``routes.execute.ExecuteLane``): every call goes through it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lane = execute_routes.ExecuteLane(self)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call = self.lane.take(scope)
+        if call is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.lane.serve(scope, receive, send, call)
+
+
 def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None = None) -> FastAPI:
     """The jitserve app.
 
@@ -89,13 +106,12 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     """
     settings = settings or Settings()
     metrics = Metrics()
-    app = FastAPI(title="jitserve", version="0.1.0", lifespan=_lifespan_for(runtimes),
+    app = _App(title="jitserve", version="0.1.0", lifespan=_lifespan_for(runtimes),
                   docs_url=None, redoc_url=None,  # served by install_docs, without a CDN
                   description="JIT-as-a-service for JAX and XLA: send programs, get array "
                               "futures back. See docs/api.md.")
     app.state.settings = settings
     app.state.metrics = metrics
-    app.add_middleware(execute_routes.ExecuteLane)  # inner: counted by the metrics
     app.add_middleware(AnnounceReplica)  # with replicas: answers name theirs
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     install_error_handlers(app)

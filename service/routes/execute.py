@@ -8,12 +8,14 @@ What it does is the same as theirs: ``deps.request_owner`` authenticates (or
 checks a peer's signature), the body is read by a ``BodyReader`` under the
 same limits.
 
-``ExecuteLane``, a middleware, goes one step further: it hands a well-formed
-execute request to the same handler (``execute``) before the router, FastAPI's
-request wrappers and its parameter validation see it, and answers its errors
-through the app's own exception handlers. A request it does not recognise
-(a ``?wait`` that is not a number, say) goes down the stack as usual, so it is
-answered, and refused, exactly as before.
+``ExecuteLane``, at the front of the app, goes one step further: it hands a
+well-formed execute request to the same handler (``execute``) before the
+middleware stack, the router, FastAPI's request wrappers and its parameter
+validation see it; it does itself what the stack's middleware would do for it
+(count it, name the replica, answer its errors through the app's own exception
+handlers). A request it does not recognise (a ``?wait`` that is not a number,
+say) goes down the stack as usual, so it is answered, and refused, exactly as
+before.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from jitserve import wire
 from jitserve.service.bodies import BodyReader, outputs_response, wants_json
@@ -152,39 +154,62 @@ async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
 _PATH = re.compile(r"/v1/programs/([^/]+)/execute")
 _ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is execute_program)
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
+_REPLICA_HEADER = wire.REPLICA_HEADER.encode()
 
 
 class ExecuteLane:
-    """ASGI middleware: a well-formed execute request goes straight to ``execute``.
+    """The front of the app: a well-formed execute request goes straight to ``execute``.
 
-    Inside ``RequestMetricsMiddleware`` (it counts the request under the route's
-    template, as the router would) and outside the router: the router's matching,
-    FastAPI's request wrappers and its validation of two query parameters cost
-    about as much as the handler's own work on a cached call. Errors are answered
-    by the app's exception handlers, as ``ExceptionMiddleware`` would; one without
-    a handler goes up to ``ServerErrorMiddleware`` (a 500, logged).
+    Ahead of the middleware stack: a cached call's time in the API process went
+    a fifth to the stack's layers and their ``send`` wrappers, and a third more to
+    the router and FastAPI's request handling (docs/performance.md). So the lane
+    does their part for the requests it takes: it counts them under the route's
+    template (``RequestMetricsMiddleware``), names the replica in the answer
+    (``AnnounceReplica``), answers errors through the app's exception handlers,
+    and one without a handler as ``ServerErrorMiddleware`` does: a 500 from the
+    app's handler for ``Exception``, then the error goes up to be logged.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: FastAPI) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    @staticmethod
+    def take(scope: Scope) -> tuple[str, int | None, bool] | None:
+        """``(program_id, wait, keep)`` of an execute request the lane serves, else ``None``."""
         if (scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path")
                 or (match := _PATH.fullmatch(scope["path"])) is None
                 or (query := _query(scope["query_string"])) is None):
-            await self.app(scope, receive, send)
-            return
-        app: FastAPI = scope["app"]
+            return None
+        return match.group(1), *query
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send,
+                    call: tuple[str, int | None, bool]) -> None:
+        app = self.app
+        scope["app"] = app
         scope["route"] = _ROUTE
         request = Request(scope, receive, send)
         try:
-            response = await execute(request, match.group(1), *query)
+            response = await execute(request, *call)
         except Exception as exc:
             handler = _handler(app, exc)
-            if handler is None:
+            if handler is not None:
+                response = await handler(request, exc)
+            else:
+                await self._answer(scope, receive, send,
+                                   await app.exception_handlers[Exception](request, exc))
                 raise
-            response = await handler(request, exc)
-        await response(scope, receive, send)
+        await self._answer(scope, receive, send, response)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send,
+                      response: Response) -> None:
+        state = self.app.state
+        cluster = getattr(state, "cluster", None)
+        if cluster is not None:  # as it is now: a replica that rejoins is renamed
+            response.raw_headers.append((_REPLICA_HEADER, cluster.replica_id.encode()))
+        try:
+            await response(scope, receive, send)
+        finally:
+            state.metrics.request(_ROUTE.path, response.status_code)
 
 
 def _query(raw: bytes) -> tuple[int | None, bool] | None:

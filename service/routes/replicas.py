@@ -38,8 +38,8 @@ class AnnounceReplica:
     A balancer that keeps the name it saw from each server (haproxy's
     ``stick store-response``, docs/deploy.md) can then send a request that names
     the replica holding its futures (the SDK's do) straight there, and no replica
-    has to forward it. Without Redis it adds nothing. Outside ``ExecuteLane``,
-    which answers executes itself.
+    has to forward it. Without Redis it adds nothing. ``ExecuteLane``, in front of
+    the stack, names the replica in the answers it gives itself.
     """
 
     def __init__(self, app: ASGIApp) -> None:

@@ -291,6 +291,7 @@ def test_a_waited_execute_writes_its_future_once_as_it_answers(
     try:
         kept = _execute(a.url, pid, [np.ones(4, np.float32)], wait=30_000)
         assert kept.status_code == 200, kept.text
+        assert kept.headers[wire.REPLICA_HEADER] == a.replica_id  # the lane names it too
         fid = wire.unpackb(kept.content)["future_id"]
         # Written before the answer, as it is then: any replica sees it done at once.
         status = httpx.get(f"{b.url}/v1/futures/{fid}", headers=AUTH, timeout=30).json()
