@@ -114,4 +114,7 @@ class FutureStatus(enum.StrEnum):
 
     @property
     def is_final(self) -> bool:
-        return self in (FutureStatus.DONE, FutureStatus.FAILED, FutureStatus.CANCELLED)
+        return self in _FINAL
+
+
+_FINAL = (FutureStatus.DONE, FutureStatus.FAILED, FutureStatus.CANCELLED)
