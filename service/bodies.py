@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -248,10 +249,26 @@ def wants_json(request: Request) -> bool:
     An ``Accept`` naming msgpack wins; one naming JSON asks for JSON; otherwise a
     request whose body is JSON (``Content-Type``) gets JSON, and any other msgpack.
     """
-    accept = request.headers.get("accept", "").lower()
+    headers = request.headers
+    accept, content_type = headers.get("accept", ""), headers.get("content-type", "")
+    if len(accept) + len(content_type) <= _KEPT_BYTES:  # clients repeat theirs
+        return _known_wants_json(accept, content_type)
+    return _wants_json(accept, content_type)
+
+
+_KEPT_BYTES = 128
+
+
+@functools.lru_cache(maxsize=256)
+def _known_wants_json(accept: str, content_type: str) -> bool:
+    return _wants_json(accept, content_type)
+
+
+def _wants_json(accept: str, content_type: str) -> bool:
+    accept = accept.lower()
     if any(t in accept for t in wire.MSGPACK_TYPES):
         return False
-    return wire.JSON in accept or _is_json(_media_type(request.headers.get("content-type", "")))
+    return wire.JSON in accept or _is_json(_media_type(content_type))
 
 
 def _media_type(header: str) -> str:

@@ -21,6 +21,7 @@ before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -215,6 +216,19 @@ class ExecuteLane:
 def _query(raw: bytes) -> tuple[int | None, bool] | None:
     """``(wait, keep)`` of a plain query string; ``None`` for anything FastAPI
     should judge (escapes, a non-numeric ``wait``, an unusual ``keep``)."""
+    return _known_query(raw) if len(raw) <= _KEPT_BYTES else _parse_query(raw)
+
+
+# Clients repeat their queries call after call: short ones are parsed once.
+_KEPT_BYTES = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _known_query(raw: bytes) -> tuple[int | None, bool] | None:
+    return _parse_query(raw)
+
+
+def _parse_query(raw: bytes) -> tuple[int | None, bool] | None:
     wait, keep = None, True
     if not raw:
         return wait, keep
