@@ -117,3 +117,18 @@ async def test_the_lane_counts_its_answers_by_route_and_status(api, x) -> None:
     for _ in range(2):
         assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
     assert await api.metric("jitserve_requests_total", route=ROUTE, status="200") == before + 2
+
+
+async def test_a_wait_that_times_out_leaves_the_other_waiters_waiting() -> None:
+    store = FutureStore(ttl_s=60, max_live=10, max_device_bytes=1 << 20)
+    fut = store.create(owner=None, executable_id="e", out_avals=[], out_tree=None)
+    longer = asyncio.create_task(fut.wait_final(30))
+    change = asyncio.create_task(fut.wait_change(fut.status, 30))
+    assert await fut.wait_final(0.05) is False  # its timer wakes every waiter once
+    await asyncio.sleep(0.05)
+    assert not longer.done() and not change.done()  # they looked, and wait on
+    store.mark_running(fut, 0.0)
+    await asyncio.wait_for(change, 5)
+    store.complete(fut, [], 0.0)
+    assert await asyncio.wait_for(longer, 5) is True
+    assert await fut.wait_final(0) is True
