@@ -9,8 +9,12 @@ ends. ``submit`` returns at once; a task then waits for the referenced futures (
 the loop, no polling), marshals the arguments (big host arrays into one
 shared-memory segment, buffers on the same runtime by handle, buffers on
 another runtime fetched and sent on: a move, counted in metrics) and sends the
-run. The runtime reports ``started`` (the future turns ``running`` and its
-deadline starts), then the output handles; the outputs stay on that runtime.
+run. A run with nothing to wait for (no running input, no move, small host
+arrays, room for its intermediates) is sent from ``submit`` itself and settled
+by a callback on its answer, without a task: that is every cached call on small
+arrays, for which the task and its awaits were a tenth of the API process's time.
+The runtime reports ``started`` (the future turns ``running`` and its deadline
+starts), then the output handles; the outputs stay on that runtime.
 
 Cancel: a run not yet sent is dropped; one that is running is stopped (its
 runtime killed and restarted) only when nothing else is in flight there.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -56,6 +61,8 @@ from jitserve.service.runtimes import (
 from jitserve.wire import FutureStatus
 
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
+
+log = logging.getLogger("jitserve.executor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +268,12 @@ class Executor:
         future.job = job
         future.runtime = runtime
         timeout = min(timeout_s or self.timeout_s, self.timeout_s)
-        if self._send_now(job, program, executable, options, timeout):
+        try:
+            if self._send_now(job, program, executable, options, timeout):
+                return job
+        except Exception as e:  # a bug here: the future still ends, and says so
+            self._broken(future, e)
+            self._let_go(job)
             return job
         job.task = asyncio.get_running_loop().create_task(
             self._run(job, program, executable, options, timeout))
@@ -316,6 +328,8 @@ class Executor:
         except RemoteError as e:
             answered = True
             self._failed(fut, e)
+        except Exception as e:  # a bug here: the future still ends, and says so
+            self._broken(fut, e)
         else:
             self._done(fut, runtime, reply)
         finally:
@@ -350,10 +364,6 @@ class Executor:
                 return False
         if sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES:
             return False
-        memory = executable.memory
-        temp = memory.temp_bytes if memory is not None else 0
-        if not self._budget.try_take(temp):
-            return False
         packed, _ = frames.pack_arrays(host, None)
         it = iter(packed)
         message = {"executable_id": executable.executable_id,
@@ -361,6 +371,10 @@ class Executor:
                    "avals": [a.to_json() for a in executable.in_avals],
                    "args": [d if d is not None else next(it) for d in descs]}
         fut = job.future
+        memory = executable.memory
+        temp = memory.temp_bytes if memory is not None else 0
+        if not self._budget.try_take(temp):
+            return False
         try:
             sent = runtime.send("run", message, timeout_s=timeout_s, tag=job,
                                 on_started=lambda: self._futures.mark_running(
@@ -368,6 +382,9 @@ class Executor:
         except RuntimeLost:  # restarting: the task waits for it
             self._budget.give(temp)
             return False
+        except BaseException:
+            self._budget.give(temp)
+            raise
         job.start()  # nothing ran since the job was made: it cannot be cancelled yet
         job.args = None
         sent.add_done_callback(lambda answer: self._answered(job, temp, answer))
@@ -388,6 +405,8 @@ class Executor:
                 self._failed(fut, error)
             else:
                 self._done(fut, job.runtime, answer.result())
+        except Exception as e:  # a bug here: the future still ends, and says so
+            self._broken(fut, e)
         finally:
             self._let_go(job)
 
@@ -396,6 +415,13 @@ class Executor:
         if not fut.status.is_final:  # a cancel that stopped it already said so
             code, message = run_error(e)
             self._futures.fail(fut, code, message)
+
+    def _broken(self, fut: Future, e: Exception) -> None:
+        """Fail ``fut`` for an error of the executor's own (logged: it is a bug)."""
+        log.error("the executor failed a run unexpectedly", exc_info=e)
+        if not fut.status.is_final:
+            self._futures.fail(fut, "future_failed",
+                               f"execution failed: internal error ({type(e).__name__})")
 
     def _done(self, fut: Future, runtime: Runtime, reply: dict[str, Any]) -> None:
         """Complete ``fut`` with the outputs its run's answer names."""

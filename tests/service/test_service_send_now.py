@@ -132,3 +132,20 @@ async def test_a_wait_that_times_out_leaves_the_other_waiters_waiting() -> None:
     store.complete(fut, [], 0.0)
     assert await asyncio.wait_for(longer, 5) is True
     assert await fut.wait_final(0) is True
+
+
+async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(api, x) -> None:
+    pid = await api.upload("add_mul")
+    await api.execute(pid, [x, x], wait=30_000)
+    executor = api.app.state.executor
+
+    def broken(*args):
+        raise TypeError("a bug")
+
+    executor._send_now = broken
+    r = await api.execute(pid, [x, x], wait=30_000)
+    assert r.status_code == 202  # accepted, then failed: the wait ends at once
+    fid = r.json()["future_id"]
+    error = (await api.result(fid)).json()["error"]
+    assert error["code"] == "future_failed" and "TypeError" in error["message"]
+    assert executor._budget.in_flight == 0
