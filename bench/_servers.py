@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -72,6 +73,15 @@ def baseline(**env: str) -> Iterator[str]:
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     with process(argv, url, env):
         yield url
+
+
+def write_results(name: str, results: object) -> Path:
+    """Write ``results`` to ``bench/results/<name>.json`` and say so."""
+    out = BENCH / "results" / f"{name}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return out
 
 
 def rss_bytes(pid: int) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
 from _models import SIZES, make_mlp  # noqa: E402
-from _servers import baseline, jitserve  # noqa: E402
+from _servers import baseline, jitserve, write_results  # noqa: E402
 
 from jitserve.client import AsyncClient  # noqa: E402
 
@@ -174,10 +174,7 @@ def main() -> None:
             with baseline(BASELINE_MLP=size) as base:
                 results[f"{size}_mlp_64_in_flight"] = asyncio.run(
                     run(url, base, size, total, [1.0, 2.0, 5.0], rounds))
-    out = Path(__file__).resolve().parent / "results" / "batching.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results("batching", results)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _servers import free_port, process
+from _servers import free_port, process, write_results
 
 from jitserve import wire
 from jitserve.client import AsyncClient
@@ -271,10 +271,7 @@ def main() -> None:
         results["replica_lost_detect_s"] = {"runs": lost, "max": max(lost),
                                             "bound_s": 4 * HEARTBEAT_S}
         print("lost", json.dumps(results["replica_lost_detect_s"], indent=1))
-    out = Path(__file__).resolve().parent / "results" / "replicas.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results("replicas", results)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
-from _servers import jitserve  # noqa: E402
+from _servers import jitserve, write_results  # noqa: E402
 
 from jitserve import wire  # noqa: E402
 from jitserve.service.app import start_pool  # noqa: E402
@@ -119,10 +119,7 @@ def main() -> None:
     print("hop", json.dumps(results["hop"], indent=1))
     results["restart"] = restart(rounds)
     print("restart", json.dumps(results["restart"], indent=1))
-    out = Path(__file__).resolve().parent / "results" / "runtimes.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results("runtimes", results)
 
 
 if __name__ == "__main__":

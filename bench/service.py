@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
-from _servers import baseline, cpu_seconds, jitserve, rss_bytes  # noqa: E402
+from _servers import baseline, cpu_seconds, jitserve, rss_bytes, write_results  # noqa: E402
 
 from jitserve.client import AsyncClient, Client  # noqa: E402
 from jitserve.client._transport import async_transport  # noqa: E402
@@ -302,10 +302,7 @@ def main() -> None:
         print("P4", json.dumps(results["P4_transfer"], indent=1))
         results["P5_chain_64MiB"] = p5(url)
         print("P5", json.dumps(results["P5_chain_64MiB"], indent=1))
-    out = Path(__file__).resolve().parent / "results" / "service.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results("service", results)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _servers import baseline, cpu_seconds, free_port, process
+from _servers import baseline, cpu_seconds, free_port, process, write_results
 
 from service import baseline_body, export, f
 
@@ -129,10 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     results = compare(args.a, args.b, args.rounds)
     print(json.dumps(results, indent=1))
-    out = Path(__file__).resolve().parent / "results" / "trees.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results("trees", results)
 
 
 if __name__ == "__main__":

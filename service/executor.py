@@ -179,9 +179,7 @@ class TempBudget:
         if nbytes <= 0:
             yield
             return
-        if self._waiting == 0 and self._fits(nbytes):  # the common case: no lock round trip
-            self._add(nbytes)
-        else:
+        if not self.try_take(nbytes):  # the common case takes it: no lock round trip
             async with self._changed:
                 self._waiting += 1
                 try:
@@ -194,8 +192,7 @@ class TempBudget:
         finally:
             self._add(-nbytes)
             if self._waiting:
-                async with self._changed:
-                    self._changed.notify_all()
+                await self._notify()
 
     def try_take(self, nbytes: int) -> bool:
         """Count ``nbytes`` as in flight if they fit now and nobody waits; else ``False``."""
@@ -311,15 +308,11 @@ class Executor:
         try:
             await self._resolve(job)
             descs, segment = await self._marshal(job)
-            message = {"executable_id": executable.executable_id,
-                       "program_id": program.program_id, **options.to_json(),
-                       "avals": [a.to_json() for a in executable.in_avals], "args": descs}
+            message = _run_message(program, executable, options, descs)
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 job.start()
-                reply = await runtime.request(
-                    "run", message, timeout_s=timeout_s, tag=job,
-                    on_started=lambda: self._futures.mark_running(
-                        fut, max(time.time() - fut.created, 0.0)))
+                reply = await runtime.request("run", message, timeout_s=timeout_s, tag=job,
+                                              on_started=self._on_started(fut))
             answered = True
         except (asyncio.CancelledError, _Cancelled):
             return  # the store already marked it cancelled
@@ -358,27 +351,22 @@ class Executor:
                 host.append(arg)
                 descs.append(None)
             elif isinstance(arg, Buffer) and arg.runtime is runtime and arg.alive:
-                give = i in job.donate and arg.refs == 1  # as in _marshal
-                descs.append({"handle": arg.handle, **({"give": True} if give else {})})
+                descs.append(_by_handle(job, i, arg))
             else:
                 return False
         if sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES:
             return False
         packed, _ = frames.pack_arrays(host, None)
         it = iter(packed)
-        message = {"executable_id": executable.executable_id,
-                   "program_id": program.program_id, **options.to_json(),
-                   "avals": [a.to_json() for a in executable.in_avals],
-                   "args": [d if d is not None else next(it) for d in descs]}
-        fut = job.future
+        message = _run_message(program, executable, options,
+                               [d if d is not None else next(it) for d in descs])
         memory = executable.memory
         temp = memory.temp_bytes if memory is not None else 0
         if not self._budget.try_take(temp):
             return False
         try:
             sent = runtime.send("run", message, timeout_s=timeout_s, tag=job,
-                                on_started=lambda: self._futures.mark_running(
-                                    fut, max(time.time() - fut.created, 0.0)))
+                                on_started=self._on_started(job.future))
         except RuntimeLost:  # restarting: the task waits for it
             self._budget.give(temp)
             return False
@@ -409,6 +397,10 @@ class Executor:
             self._broken(fut, e)
         finally:
             self._let_go(job)
+
+    def _on_started(self, fut: Future) -> Callable[[], None]:
+        """What a run's ``started`` does: ``fut`` turns running, its queue time kept."""
+        return lambda: self._futures.mark_running(fut, max(time.time() - fut.created, 0.0))
 
     def _failed(self, fut: Future, e: RemoteError) -> None:
         """Fail ``fut`` for its runtime's failure of its run."""
@@ -455,9 +447,7 @@ class Executor:
         descs, segment = await self._pack(host)
         answered = False
         try:
-            message = {"executable_id": executable.executable_id,
-                       "program_id": program.program_id, **options.to_json(),
-                       "avals": [a.to_json() for a in executable.in_avals], "args": descs,
+            message = {**_run_message(program, executable, options, descs),
                        "split": list(rows)}
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 try:
@@ -530,10 +520,7 @@ class Executor:
         for i, arg in enumerate(job.args):
             if isinstance(arg, Buffer):
                 if arg.runtime is runtime and arg.alive:
-                    # A donated buffer that only this run holds is given up to it
-                    # (the run consumes it); one that others hold is copied there.
-                    give = i in job.donate and arg.refs == 1
-                    descs.append({"handle": arg.handle, **({"give": True} if give else {})})
+                    descs.append(_by_handle(job, i, arg))
                     continue
                 try:
                     (arg,) = await self._runtimes.fetch([arg])  # noqa: PLW2901
@@ -553,6 +540,22 @@ class Executor:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _run_message(program: Program, executable: RemoteExecutable, options: CallOptions,
+                 descs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``run`` request for ``executable`` on the arguments ``descs`` describe."""
+    return {"executable_id": executable.executable_id, "program_id": program.program_id,
+            **options.to_json(), "avals": [a.to_json() for a in executable.in_avals],
+            "args": descs}
+
+
+def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:
+    """Argument ``position`` of ``job`` as a buffer already on its runtime. A donated
+    buffer that only this run holds is given up to it (the run consumes it); one
+    that others hold is copied there."""
+    give = position in job.donate and buf.refs == 1
+    return {"handle": buf.handle, **({"give": True} if give else {})}
 
 
 def _sizes(mem: MemoryStats) -> str:

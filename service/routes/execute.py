@@ -37,7 +37,7 @@ from jitserve.service.cluster import Cluster, ReplicaLost
 from jitserve.service.deps import request_cluster, request_owner
 from jitserve.service.errors import BadRequest
 from jitserve.service.openapi import errors, message_body, outputs_content
-from jitserve.service.routes.replicas import pull, relay, remote_replica
+from jitserve.service.routes.replicas import pull, relay, remote_replica, replica_header
 from jitserve.service.schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
 from jitserve.wire import ErrorCode
 
@@ -155,7 +155,6 @@ async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
 _PATH = re.compile(r"/v1/programs/([^/]+)/execute")
 _ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is execute_program)
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
-_REPLICA_HEADER = wire.REPLICA_HEADER.encode()
 
 
 class ExecuteLane:
@@ -205,8 +204,8 @@ class ExecuteLane:
                       response: Response) -> None:
         state = self.app.state
         cluster = getattr(state, "cluster", None)
-        if cluster is not None:  # as it is now: a replica that rejoins is renamed
-            response.raw_headers.append((_REPLICA_HEADER, cluster.replica_id.encode()))
+        if cluster is not None:
+            response.raw_headers.append(replica_header(cluster))
         try:
             await response(scope, receive, send)
         finally:

@@ -50,15 +50,20 @@ class AnnounceReplica:
         if cluster is None:
             await self.app(scope, receive, send)
             return
-        name = cluster.replica_id.encode()  # as it is now: a replica that rejoins is renamed
+        header = replica_header(cluster)
 
         async def announce(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (_REPLICA_HEADER, name)]}
+                message = {**message, "headers": [*message.get("headers", ()), header]}
             await send(message)
 
         await self.app(scope, receive, announce)
+
+
+def replica_header(cluster: Cluster) -> tuple[bytes, bytes]:
+    """The raw header that names this replica in an answer, as it is named now (a
+    replica that rejoins is renamed)."""
+    return _REPLICA_HEADER, cluster.replica_id.encode()
 
 
 class PeerError(ServiceError):
