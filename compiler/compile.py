@@ -214,6 +214,9 @@ class Executable:
             meta["cost"] = cost_of(loaded)
         self.meta = meta
         self.nbytes = nbytes
+        # The bytes of one run's outputs, known once (``None`` if a shape is not).
+        self.out_nbytes = (sum(a.nbytes for a in self.out_avals)
+                           if all(a.is_static for a in self.out_avals) else None)
 
     def check_inputs(self, avals: Sequence[Aval]) -> None:
         """Raise ``SignatureMismatch`` naming the first input that does not fit."""

@@ -38,6 +38,7 @@ from jitserve.service.runtimes import frames, landlock
 log = logging.getLogger("jitserve.runtime")
 
 _OTHER_THREADS = 4
+_AVALS_KEPT = 1024
 
 
 class RemoteFailure(Exception):
@@ -89,6 +90,7 @@ class RuntimeServer:
         self._queued_runs: collections.deque[dict[str, Any]] = collections.deque()
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
+        self._avals: dict[tuple[Any, Any], Any] = {}  # jax avals of inputs, by shape and dtype
         try:  # jaxlib's transfer; jax.device_put where a jaxlib lacks it
             from jax._src.lib import xla_client
 
@@ -247,13 +249,17 @@ class RuntimeServer:
         the transfer of a small one (docs/performance.md)."""
         if self._put is None:
             return self._jax.device_put(array, self.device)
-        from jax._src import core
+        key = (array.shape, array.dtype)
+        aval = self._avals.get(key)
+        if aval is None:
+            from jax._src import core
 
-        aval = core.ShapedArray(array.shape, array.dtype)
+            if len(self._avals) >= _AVALS_KEPT:
+                self._avals.clear()
+            aval = self._avals[key] = core.ShapedArray(array.shape, array.dtype)
         return self._put(aval, self._sharding, [array], [self.device], True, enable_x64=True)
 
     def op_run(self, m: dict[str, Any]) -> dict[str, Any]:
-        jax = self._jax
         exe = self._executable(m)
         args: list[Any] = []
         host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
@@ -274,7 +280,8 @@ class RuntimeServer:
         self._send({"id": m["id"], "kind": "started"})
         t0 = time.perf_counter()
         outputs = exe.run(args)
-        jax.block_until_ready(outputs)
+        for out in outputs:  # jaxlib's own call: jax.block_until_ready walks a pytree first
+            out.block_until_ready()
         run_s = time.perf_counter() - t0
         if m.get("split") is not None:
             return self._split(outputs, [int(n) for n in m["split"]], run_s)
@@ -284,7 +291,10 @@ class RuntimeServer:
             self.buffers[handle] = out
             handles.append(handle)
         reply: dict[str, Any] = {"handles": handles, "run_s": run_s}
-        if sum(out.nbytes for out in outputs) <= frames.INLINE_OUTPUTS_BYTES:
+        out_nbytes = exe.out_nbytes
+        if out_nbytes is None:
+            out_nbytes = sum(out.nbytes for out in outputs)
+        if out_nbytes <= frames.INLINE_OUTPUTS_BYTES:
             # Small outputs come along: fetching them later would cost a round trip.
             import numpy as np
 
