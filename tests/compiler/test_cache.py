@@ -205,6 +205,18 @@ def test_a_compile_measures_the_memory_stats() -> None:
     assert loaded.asked == 1 and exe.memory is None
 
 
+def test_an_executable_knows_its_output_bytes(make_compiler: MakeCompiler, tmp_path: Path,
+                                              program_bytes: bytes) -> None:
+    """A runtime decides from ``out_nbytes`` whether outputs come with a run's answer."""
+    from jitserve.compiler import Executable
+
+    exe = _lookup_and_check(make_compiler(tmp_path), program_bytes).executable
+    (out,) = exe.run([jax.device_put(a, jax.devices("cpu")[0]) for a in (X, Y)])
+    assert exe.out_nbytes == out.nbytes == 3 * 2 * 4
+    dynamic = {"in_avals": [], "out_avals": [{"shape": [None, 2], "dtype": "float32"}]}
+    assert Executable(_Loaded(), "0" * 64, dynamic, 10).out_nbytes is None
+
+
 def _flip(data: bytes) -> bytes:
     middle = len(data) // 2
     return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 16]) + data[middle + 16:]
