@@ -135,7 +135,9 @@ def bearer_token(request: Request) -> str | None:
 
 def request_cluster(request: Request) -> Cluster | None:
     """``get_cluster`` for a handler that takes no dependencies (after ``request_owner``)."""
-    if getattr(request.state, "forwarded", False):
+    # request_owner's mark, read from the dict behind ``request.state``: an absent
+    # attribute of a ``State`` costs a raised and caught ``AttributeError``
+    if request.scope.get("state", {}).get("forwarded", False):
         return None
     return getattr(_state(request), "cluster", None)
 

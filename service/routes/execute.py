@@ -28,6 +28,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -187,7 +188,7 @@ class ExecuteLane:
         app = self.app
         scope["app"] = app
         scope["route"] = _ROUTE
-        request = Request(scope, receive, send)
+        request = _LaneRequest(scope, receive, send)
         try:
             response = await execute(request, *call)
         except Exception as exc:
@@ -210,6 +211,42 @@ class ExecuteLane:
             await response(scope, receive, send)
         finally:
             state.metrics.request(_ROUTE.path, response.status_code)
+
+
+class _LaneRequest(Request):
+    """A request whose headers are looked up in a dict (``_Headers``)."""
+
+    @functools.cached_property
+    def headers(self) -> Headers:  # type: ignore[override]
+        return _Headers(scope=self.scope)
+
+
+class _Headers(Headers):
+    """Starlette's headers, read through a dict of the first value of each name.
+
+    A call reads six headers (authentication, a peer's signature, ``Accept``,
+    ``Content-Type`` twice, ``Content-Length``); starlette's lookup scans the list
+    for each, and raises and catches a ``KeyError`` for each one absent.
+    """
+
+    def __init__(self, *, scope: Scope) -> None:
+        super().__init__(scope=scope)
+        # ASGI names are lowercase already; the first of a repeated name wins, as in
+        # a scan
+        self._first = dict(reversed(self._list))
+
+    def __getitem__(self, key: str) -> str:
+        value = self._first.get(key.lower().encode("latin-1"))
+        if value is None:
+            raise KeyError(key)
+        return value.decode("latin-1")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._first.get(key.lower().encode("latin-1"))
+        return default if value is None else value.decode("latin-1")
+
+    def __contains__(self, key: Any) -> bool:
+        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
 
 
 def _query(raw: bytes) -> tuple[int | None, bool] | None:
