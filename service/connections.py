@@ -74,9 +74,11 @@ class HeadGuard:
         self._start_head()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self._awaiting_head():
-            self._start_head()  # the first bytes of the next request
-        counting = self._head_timer is not None
+        # The first bytes of the next request head. As a rule they hold all of it:
+        # the deadline is armed only if they do not (a timer per request costs more
+        # than the rest of the guard).
+        starting = self._head_timer is None and self._awaiting_head()
+        counting = starting or self._head_timer is not None
         before = self.cycle
         super().data_received(data)  # type: ignore[misc]
         if not counting:
@@ -84,6 +86,8 @@ class HeadGuard:
         if self.cycle is not before:  # the head was complete: uvicorn started its request
             self._end_head()
             return
+        if starting and not self.transport.is_closing():
+            self._start_head()
         self._head_bytes += len(data)
         if self._head_bytes > self.limits.max_bytes and not self.transport.is_closing():
             self._refuse("header_too_large", f"the request head is over "
