@@ -132,6 +132,10 @@ class Pipe:
         """The descriptor answers are read from."""
         return self._r.fileno()
 
+    def writer_fileno(self) -> int:
+        """The descriptor ``send_bytes`` writes to."""
+        return self._w.fileno()
+
     def close(self) -> None:
         for conn in (self._r, self._w):
             try:

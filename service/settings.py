@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     max_live_futures: int = Field(10_000, gt=0)
     max_device_bytes: int = Field(8 * GiB, gt=0)
     executor_threads: int = Field(2, gt=0)
+    # A run whose executable's last run took under this is done by the runtime thread
+    # that read it, before it reads the next request (no hand-off to another thread);
+    # 0 hands every run off (service/runtimes/child.py).
+    runtime_quick_run_ms: float = Field(2.0, ge=0)
 
     # Runtimes: the supervised processes that decode, compile and run programs
     # (service/runtimes, docs/runtimes.md). Unset: one per core on CPU (at most 8),

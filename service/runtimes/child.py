@@ -16,6 +16,10 @@ Requests are served concurrently, by threads that take turns reading the pipe:
 at most ``executor_threads`` runs at once, and four more threads for everything
 else, so a long run never delays a fetch of another future's outputs. A run
 announces ``started`` before it begins, which is when its deadline starts counting.
+A run of an executable whose last run here took under
+``JITSERVE_RUNTIME_QUICK_RUN_MS`` is done by the thread that read it without
+handing the pipe on first: waking the next reader, and passing the GIL between
+the two, cost more than such a run (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import itertools
 import logging
 import os
 import resource
+import select
+import struct
 import sys
 import threading
 import time
@@ -39,6 +45,8 @@ log = logging.getLogger("jitserve.runtime")
 
 _OTHER_THREADS = 4
 _AVALS_KEPT = 1024
+_RUN_TIMES_KEPT = 4096
+_LENGTH = struct.Struct("!i")  # multiprocessing.connection's frame header
 
 
 class RemoteFailure(Exception):
@@ -77,6 +85,11 @@ class RuntimeServer:
         self._jax = jax
         self._pipe = pipe
         self._send_lock = threading.Lock()
+        # Answers are written without blocking (``_send``): a thread that holds the
+        # pipe lets go of it before it waits for room to write.
+        self._write_fd = pipe.writer_fileno()
+        os.set_blocking(self._write_fd, False)
+        self._reader: int | None = None  # the thread holding the pipe (``_recv_lock``)
         settings = Settings(**config["settings"])
         self.memory_limit = config.get("max_memory_bytes")
         self.compiler = Compiler(settings.compiler_config())
@@ -88,6 +101,11 @@ class RuntimeServer:
         self._runs_lock = threading.Lock()
         self._run_slots = settings.executor_threads
         self._queued_runs: collections.deque[dict[str, Any]] = collections.deque()
+        # A run known to take less than this (all of it: inputs, run, answer) is done
+        # by the thread holding the pipe, which reads the next request after it.
+        self._quick_run_s = settings.runtime_quick_run_ms / 1000
+        self._run_times: dict[str, float] = {}  # the last run's seconds, by executable
+        self.runs = self.quick_runs = 0
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         self._avals: dict[tuple[Any, Any], Any] = {}  # jax avals of inputs, by shape and dtype
@@ -108,24 +126,38 @@ class RuntimeServer:
                                "device_kind": device.device_kind}})
         threading.Thread(target=self.compiler.warm, daemon=True).start()
         for i in range(self._threads - 1):
-            threading.Thread(target=self._follow, name=f"jitserve-runtime-{i}",
+            threading.Thread(target=self._take_turns, name=f"jitserve-runtime-{i}",
                              daemon=True).start()
-        self._follow()
+        self._take_turns()
+
+    def _take_turns(self) -> None:
+        """``_follow``; a thread that fails ends the runtime (the API process restarts
+        it, failing its runs), rather than leaving the pipe to threads that wait for
+        it, or a run without an answer."""
+        try:
+            self._follow()
+        except BaseException:
+            log.exception("a runtime thread failed; the runtime exits")
+            os._exit(1)
 
     def _follow(self) -> None:
-        """Read a request and answer it in this thread; the next read is another's.
+        """Read requests and answer them; the thread holding ``_recv_lock`` reads.
 
         Threads take turns at the pipe (leader and followers), so a request is
-        answered by the thread that read it, with no hand-off to a pool. At most
+        answered by the thread that read it, with no hand-off to a pool. The
+        reader passes the pipe on before it answers, except for frees and quick
+        runs (``_quick``), which it answers before reading again: then no other
+        thread wakes. It lets go of the pipe before anything that would block
+        (``_send``, when the API process is slow to read). At most
         ``executor_threads`` runs go at once; a run that finds none free waits in
-        a queue that finishing runs drain, while this thread goes back to reading.
+        a queue that finishing runs drain, while the reader goes on reading.
         """
         while True:
-            with self._recv_lock:
-                try:
-                    frame = self._pipe.recv_bytes()
-                except (EOFError, OSError):
-                    os._exit(0)  # the API process is gone or closed us: nothing to finish
+            self._hold()
+            try:
+                frame = self._pipe.recv_bytes()
+            except (EOFError, OSError):
+                os._exit(0)  # the API process is gone or closed us: nothing to finish
             message: dict[str, Any] | None = frames.unpack(frame)
             assert message is not None
             for handle in message.pop("free", ()):  # frees riding on a request
@@ -136,6 +168,7 @@ class RuntimeServer:
                     self.buffers.pop(handle, None)
                 continue
             if op != "run":
+                self._let_go()
                 self._answer(message)
                 continue
             with self._runs_lock:
@@ -143,14 +176,53 @@ class RuntimeServer:
                     self._queued_runs.append(message)
                     continue
                 self._run_slots -= 1
+            if self._quick(message):
+                self.quick_runs += 1
+            else:
+                self._let_go()
             while message is not None:
-                self._answer(message)
-                with self._runs_lock:
-                    if self._queued_runs:
-                        message = self._queued_runs.popleft()
-                    else:
-                        self._run_slots += 1
-                        message = None
+                self._run(message)
+                message = self._next_run()
+                if message is not None:  # a queued run: not this thread's to read for
+                    self._let_go()
+
+    def _hold(self) -> None:
+        """Take the pipe, unless this thread holds it."""
+        me = threading.get_ident()
+        if self._reader != me:
+            self._recv_lock.acquire()
+            self._reader = me
+
+    def _let_go(self) -> None:
+        """Hand the pipe to the next thread, if this one holds it."""
+        if self._reader == threading.get_ident():
+            self._reader = None
+            self._recv_lock.release()
+
+    def _quick(self, m: dict[str, Any]) -> bool:
+        """Whether run ``m`` is known to be quick: its executable is loaded, and its
+        last run here took under ``JITSERVE_RUNTIME_QUICK_RUN_MS``."""
+        exe_id = m.get("executable_id")
+        last = self._run_times.get(exe_id)  # type: ignore[arg-type]
+        return (last is not None and last < self._quick_run_s
+                and self.compiler.loaded_executable(exe_id) is not None)
+
+    def _run(self, m: dict[str, Any]) -> None:
+        """Answer run ``m``, and keep how long that took."""
+        t0 = time.perf_counter()
+        self._answer(m)
+        self.runs += 1
+        if len(self._run_times) >= _RUN_TIMES_KEPT:
+            self._run_times.clear()
+        self._run_times[m.get("executable_id")] = time.perf_counter() - t0  # type: ignore[index]
+
+    def _next_run(self) -> dict[str, Any] | None:
+        """A queued run for this thread's run slot, else ``None`` (the slot is free)."""
+        with self._runs_lock:
+            if self._queued_runs:
+                return self._queued_runs.popleft()
+            self._run_slots += 1
+            return None
 
     def _answer(self, message: dict[str, Any]) -> None:
         from jitserve.compiler.errors import CompilerError
@@ -180,9 +252,29 @@ class RuntimeServer:
         return {"code": "execution_failed", "message": text}
 
     def _send(self, reply: dict[str, Any]) -> None:
+        """Write ``reply`` framed as ``Connection.send_bytes`` frames it.
+
+        Never waiting while this thread holds the pipe, for room to write or for
+        another thread's write: the API process may be writing requests faster than
+        it reads answers (its event loop blocks on a full pipe), so the thread that
+        would read them must not wait on it.
+        """
         data = frames.pack(reply)
-        with self._send_lock:
-            self._pipe.send_bytes(data)
+        n = len(data)
+        head = _LENGTH.pack(n) if n <= 0x7FFFFFFF else _LENGTH.pack(-1) + struct.pack("!Q", n)
+        frame = memoryview(head + data)
+        if not self._send_lock.acquire(blocking=False):  # another thread is writing
+            self._let_go()
+            self._send_lock.acquire()
+        try:
+            while frame:
+                try:
+                    frame = frame[os.write(self._write_fd, frame):]
+                except BlockingIOError:
+                    self._let_go()
+                    select.select([], [self._write_fd], [])
+        finally:
+            self._send_lock.release()
 
     # -- programs ----------------------------------------------------------------
 
@@ -385,7 +477,7 @@ class RuntimeServer:
     def op_stats(self, m: dict[str, Any]) -> dict[str, Any]:
         catalog = self.compiler.catalog
         return {"buffers": len(self.buffers), **self.compiler.stats(), "cache": catalog.state,
-                "redis": catalog.shared_stats()}
+                "redis": catalog.shared_stats(), "runs": self.runs, "quick_runs": self.quick_runs}
 
 
 def _program_json(program: Any) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""Quick runs: a run whose executable ran here in under ``runtime_quick_run_ms`` last
+time is done by the runtime thread that read it, before that thread reads again;
+any other run hands the pipe to another thread first, so requests behind a long
+run are answered while it runs. Real runtime processes; their ``stats`` answer
+counts runs, and the runs done by the reader."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import _export, _spec
+
+from jitserve import wire
+
+
+async def _stats(api) -> dict:
+    runtime = api.app.state.runtimes.runtimes[0]
+    return await runtime.request("stats", {}, timeout_s=60)
+
+
+async def test_runs_known_quick_are_done_by_the_reader(make_api, x) -> None:
+    async with make_api(own_runtimes=True, runtime_quick_run_ms=60_000) as api:
+        pid = await api.upload("add_mul")
+        for _ in range(4):
+            r = await api.execute(pid, [x, x], wait=30_000)
+            assert r.status_code == 200, r.text
+            out = wire.unpackb(r.content)["outputs"]
+            np.testing.assert_array_equal(out[0], x + x)
+            np.testing.assert_array_equal(out[1], x * 2)
+        stats = await _stats(api)
+    assert stats["runs"] == 4
+    assert stats["quick_runs"] == 3  # the first was not known yet
+
+
+async def test_no_run_is_quick_at_zero(make_api, x) -> None:
+    async with make_api(own_runtimes=True, runtime_quick_run_ms=0) as api:
+        pid = await api.upload("add_mul")
+        for _ in range(3):
+            assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
+        stats = await _stats(api)
+    assert (stats["runs"], stats["quick_runs"]) == (3, 0)
+
+
+def _spin(x: jax.Array, n: jax.Array) -> jax.Array:
+    """``n`` rounds of a 256x256 matmul: as long a run as a caller asks for."""
+    return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ y), x)
+
+
+async def test_requests_behind_a_long_run_are_answered_while_it_runs(api) -> None:
+    api.programs["spin"] = _export(_spin, _spec((256, 256)), _spec((), np.int32))
+    pid = await api.upload("spin")
+    y = np.full((256, 256), 0.01, np.float32)
+    assert (await api.execute(pid, [y, np.int32(1)], wait=60_000)).status_code == 200
+    for _ in range(2):  # unknown, then known to be long: handed off both times
+        before = (await _stats(api))["runs"]
+        fid = (await api.execute(pid, [y, np.int32(300)])).json()["future_id"]
+        while (await api.http.get(f"/v1/futures/{fid}")).json()["status"] != "running":
+            await asyncio.sleep(0.005)
+        stats = await _stats(api)  # read by another thread while the run goes on
+        assert stats["runs"] == before
+        assert (await api.http.get(f"/v1/futures/{fid}")).json()["status"] == "running"
+        assert (await api.result(fid, wait=60_000)).status_code == 200
+    assert (await _stats(api))["runs"] == before + 1
+
+
+@pytest.mark.timeout(300)
+async def test_many_quick_runs_of_big_messages_in_flight_all_end(make_api) -> None:
+    """64 calls of 64 KiB in and out fill both pipes. The thread doing quick runs
+    holds the pipe, so it must not wait to write while the API process's event
+    loop waits to write to it (it did: a deadlock)."""
+    async with make_api(own_runtimes=True, runtime_quick_run_ms=60_000,
+                        executor_threads=1) as api:
+        api.programs["plus1"] = _export(lambda v: v + 1, _spec((1 << 14,)))
+        pid = await api.upload("plus1")
+        v = np.arange(1 << 14, dtype=np.float32)
+        assert (await api.execute(pid, [v], wait=60_000)).status_code == 200
+
+        async def call(k: int) -> None:
+            r = await api.execute(pid, [v + k], wait=120_000)
+            assert r.status_code == 200, r.text
+            np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], v + k + 1)
+
+        for _ in range(3):
+            await asyncio.gather(*(call(k) for k in range(64)))
+        stats = await _stats(api)
+    assert stats["quick_runs"] > 0
