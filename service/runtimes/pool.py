@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -212,6 +213,79 @@ def _frame_size(buffer: bytes | bytearray, start: int) -> tuple[int | None, int]
     return _BIG_SIZE.unpack_from(buffer, start + 4)[0], 12
 
 
+def frame(data: bytes) -> bytes:
+    """``data`` framed as ``multiprocessing.connection`` frames it (``_frame_size``)."""
+    n = len(data)
+    head = _SIZE.pack(n) if n <= 0x7FFFFFFF else _SIZE.pack(-1) + _BIG_SIZE.pack(n)
+    return head + data
+
+
+class _PipeWriter:
+    """Writes frames to a runtime's request pipe, never blocking the caller.
+
+    The pipe holds 64 KiB. While all of a runtime's threads are busy (compiles of
+    new programs, say) it reads nothing, and a write that did not fit used to
+    block the event loop that made it: every request of the API process waited
+    for those compiles (docs/runtimes.md). Now what does not fit waits here, in
+    order, and a thread of this writer's own sends it as the pipe takes it; the
+    thread ends when it has sent everything.
+    """
+
+    def __init__(self, fd: int, name: str) -> None:
+        self._fd = fd
+        self._name = name
+        os.set_blocking(fd, False)
+        self._lock = threading.Lock()
+        self._pending = bytearray()
+        self._closed = False
+        self._idle = threading.Event()  # no thread of this writer's runs
+        self._idle.set()
+
+    def write(self, data: bytes) -> None:
+        """Send ``data``, framed, after what waits; ``BrokenPipeError`` once closed."""
+        out: bytes | memoryview = frame(data)
+        with self._lock:
+            if self._closed:
+                raise BrokenPipeError(f"{self._name}: the pipe is closed")
+            if not self._pending:
+                try:
+                    n = os.write(self._fd, out)
+                except BlockingIOError:
+                    n = 0
+                if n == len(out):
+                    return
+                out = memoryview(out)[n:]
+            self._pending += out
+            if self._idle.is_set():
+                self._idle.clear()
+                threading.Thread(target=self._drain, name=self._name, daemon=True).start()
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                with contextlib.suppress(OSError, ValueError):  # closed meanwhile: seen below
+                    select.select([], [self._fd], [], 1.0)
+                with self._lock:
+                    if self._closed or not self._pending:
+                        return
+                    try:
+                        del self._pending[:os.write(self._fd, self._pending)]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # the process is gone: its supervisor fails its calls
+                        self._pending.clear()
+                        return
+        finally:
+            self._idle.set()
+
+    def close(self) -> None:
+        """Drop what waits; once this returns the descriptor is not written again."""
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+        self._idle.wait(5.0)
+
+
 class Runtime:
     """One supervised runtime process (restarted whenever it exits).
 
@@ -235,7 +309,6 @@ class Runtime:
         self.backoff_until = 0.0
         self._pool = pool
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
         self._frees: list[int] = []  # handles of this generation to free (send_free)
         self._frees_loop: asyncio.AbstractEventLoop | None = None  # where _send_frees is due
@@ -243,6 +316,7 @@ class Runtime:
         self._up = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
         self._pipe: frames.Pipe | None = None
+        self._writer: _PipeWriter | None = None  # the current pipe's requests
         self._kill_reason: str | None = None
         self._kill_at: float | None = None
         self._late_op = "run"
@@ -296,15 +370,14 @@ class Runtime:
                 raise RuntimeLost("runtime_crashed", f"runtime {self.index} is restarting; retry")
             rid = next(self._ids)
             self._pending[rid] = call
-            pipe = self._pipe
+            writer = self._writer
             frees, self._frees = self._frees, []
             self._frees_loop = None  # if it fires, it finds none
         if frees:
             message = {**message, "free": frees}
         try:
-            data = frames.pack({"id": rid, "op": op, **message})
-            with self._send_lock:
-                pipe.send_bytes(data)
+            assert writer is not None
+            writer.write(frames.pack({"id": rid, "op": op, **message}))
         except (OSError, ValueError):
             with self._lock:
                 self._pending.pop(rid, None)
@@ -343,11 +416,11 @@ class Runtime:
         with self._lock:
             self._frees_loop = None
             handles, self._frees = self._frees, []
-            pipe = self._pipe if self.state == "up" else None
-        if pipe is None or not handles:
+            writer = self._writer if self.state == "up" else None
+        if writer is None or not handles:
             return
-        with contextlib.suppress(OSError, ValueError), self._send_lock:
-            pipe.send_bytes(frames.pack({"op": "free", "handles": handles}))
+        with contextlib.suppress(OSError, ValueError):
+            writer.write(frames.pack({"op": "free", "handles": handles}))
 
     async def wait_up(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
         """Wait until the runtime is up; ``RuntimeLost`` (503-worthy) when it is not in time."""
@@ -476,6 +549,7 @@ class Runtime:
             process.wait()
             raise
         self.info = ready
+        self._writer = _PipeWriter(pipe.writer_fileno(), f"jitserve-runtime-{self.index}-writer")
         self._pipe = pipe
 
     def _backoff(self, why: str) -> None:
@@ -530,9 +604,12 @@ class Runtime:
         """The process exited: say why, fail what was in flight, drop what it held."""
         assert self._process is not None and self._pipe is not None
         code = self._process.wait()
+        assert self._writer is not None
+        self._writer.close()
         self._pipe.close()
         with self._lock:
             self._pipe = None
+            self._writer = None
             self._frees.clear()  # that process's handles: the next one starts empty
             pid, self.pid = self.pid, None
             calls = list(self._pending.values())
