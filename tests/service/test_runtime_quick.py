@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import _export, _spec
 
 from jitserve import wire
 
@@ -45,13 +42,7 @@ async def test_no_run_is_quick_at_zero(make_api, x) -> None:
     assert (stats["runs"], stats["quick_runs"]) == (3, 0)
 
 
-def _spin(x: jax.Array, n: jax.Array) -> jax.Array:
-    """``n`` rounds of a 256x256 matmul: as long a run as a caller asks for."""
-    return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ y), x)
-
-
 async def test_requests_behind_a_long_run_are_answered_while_it_runs(api) -> None:
-    api.programs["spin"] = _export(_spin, _spec((256, 256)), _spec((), np.int32))
     pid = await api.upload("spin")
     y = np.full((256, 256), 0.01, np.float32)
     assert (await api.execute(pid, [y, np.int32(1)], wait=60_000)).status_code == 200
@@ -74,7 +65,6 @@ async def test_many_quick_runs_of_big_messages_in_flight_all_end(make_api) -> No
     loop waits to write to it (it did: a deadlock)."""
     async with make_api(own_runtimes=True, runtime_quick_run_ms=60_000,
                         executor_threads=1) as api:
-        api.programs["plus1"] = _export(lambda v: v + 1, _spec((1 << 14,)))
         pid = await api.upload("plus1")
         v = np.arange(1 << 14, dtype=np.float32)
         assert (await api.execute(pid, [v], wait=60_000)).status_code == 200

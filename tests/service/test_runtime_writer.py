@@ -14,7 +14,6 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
-from conftest import _export, _spec
 
 from jitserve import wire
 from jitserve.service.runtimes.pool import _PipeWriter
@@ -62,7 +61,6 @@ async def test_the_api_answers_while_its_runtime_reads_nothing(make_api) -> None
     still answers; the calls end once it goes on. A loop that blocked on the pipe
     would answer only after the runtime was resumed, 20 s later."""
     async with make_api(own_runtimes=True) as api:
-        api.programs["plus1"] = _export(lambda v: v + 1, _spec((1 << 14,)))
         plus1 = await api.upload("plus1")
         v = np.arange(1 << 14, dtype=np.float32)
         assert (await api.execute(plus1, [v], wait=60_000)).status_code == 200
