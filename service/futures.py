@@ -99,33 +99,44 @@ class Future:
     removed: str | None = None
     released: set[int] = dataclasses.field(default_factory=set)
     pins: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
-    # Made by the first waiter: most futures end with nobody waiting on an event.
-    _changed: asyncio.Event | None = dataclasses.field(default=None, repr=False)
+    # The loop futures of those waiting for the next change: made by the first
+    # waiter (most futures end with nobody waiting), dropped by the change.
+    _waiters: list[asyncio.Future[None]] | None = dataclasses.field(default=None, repr=False)
 
     def _notify(self) -> None:
-        # Wake everyone waiting on the old event; later waiters get a fresh one.
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        # Wake everyone waiting; later waiters wait for the change after this one.
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
 
-    def _change(self) -> asyncio.Event:
-        """The event the next change sets."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
+    async def _next_change(self) -> None:
+        """Return at the next ``_notify``. (A bare loop future per waiter: an
+        ``asyncio.Event`` per future cost more than the rest of a cached call's wait.)"""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            waiters = self._waiters
+            if waiters is not None and (not waiter.done() or waiter.cancelled()):
+                with contextlib.suppress(ValueError):  # a wait given up: only its own
+                    waiters.remove(waiter)
 
     async def wait_change(self, seen: FutureStatus, timeout: float) -> None:
         """Wait up to ``timeout`` seconds while the status is still ``seen``."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 while self.status is seen and self.removed is None:
-                    await self._change().wait()
+                    await self._next_change()
 
     async def wait_ended(self) -> None:
         """Wait until it is done, failed or cancelled, even once it left the store
         (a call that read it was accepted before; its job always ends it)."""
         while not self.status.is_final:
-            await self._change().wait()
+            await self._next_change()
 
     async def wait_final(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout``) until done, failed, cancelled or removed.
@@ -147,7 +158,7 @@ class Future:
                                                                                   expire)
         try:
             while not (self.status.is_final or self.removed is not None or expired):
-                await self._change().wait()
+                await self._next_change()
         finally:
             if timer is not None:
                 timer.cancel()

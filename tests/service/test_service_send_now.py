@@ -135,6 +135,22 @@ async def test_a_wait_that_times_out_leaves_the_other_waiters_waiting() -> None:
     assert await fut.wait_final(0) is True
 
 
+async def test_waits_given_up_leave_nothing_behind_and_a_change_wakes_the_rest() -> None:
+    store = FutureStore(ttl_s=60, max_live=10, max_device_bytes=1 << 20)
+    fut = store.create(owner=None, executable_id="e", out_avals=[], out_tree=None)
+    for _ in range(50):  # long polls that time out on a future that does not change
+        await fut.wait_change(fut.status, 0.001)
+    cancelled = asyncio.create_task(fut.wait_final(30))
+    waiting = [asyncio.create_task(fut.wait_final(30)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    await asyncio.sleep(0.01)
+    assert fut._waiters is not None and len(fut._waiters) == 3  # only those still waiting
+    store.complete(fut, [], 0.0)
+    assert await asyncio.wait_for(asyncio.gather(*waiting), 5) == [True] * 3
+    assert fut._waiters is None
+
+
 async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(api, x) -> None:
     pid = await api.upload("add_mul")
     await api.execute(pid, [x, x], wait=30_000)
