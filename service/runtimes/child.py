@@ -32,7 +32,6 @@ import logging
 import os
 import resource
 import select
-import struct
 import sys
 import threading
 import time
@@ -46,7 +45,6 @@ log = logging.getLogger("jitserve.runtime")
 _OTHER_THREADS = 4
 _AVALS_KEPT = 1024
 _RUN_TIMES_KEPT = 4096
-_LENGTH = struct.Struct("!i")  # multiprocessing.connection's frame header
 
 
 class RemoteFailure(Exception):
@@ -259,10 +257,7 @@ class RuntimeServer:
         it reads answers (its event loop blocks on a full pipe), so the thread that
         would read them must not wait on it.
         """
-        data = frames.pack(reply)
-        n = len(data)
-        head = _LENGTH.pack(n) if n <= 0x7FFFFFFF else _LENGTH.pack(-1) + struct.pack("!Q", n)
-        frame = memoryview(head + data)
+        frame = memoryview(frames.frame(frames.pack(reply)))
         if not self._send_lock.acquire(blocking=False):  # another thread is writing
             self._let_go()
             self._send_lock.acquire()

@@ -25,6 +25,7 @@ import mmap
 import os
 import re
 import secrets
+import struct
 import threading
 import weakref
 from collections.abc import Sequence
@@ -38,7 +39,8 @@ from jitserve import wire
 from jitserve.compiler._worker import Pipe
 
 __all__ = ["INLINE_MAX_BYTES", "INLINE_OUTPUTS_BYTES", "Pipe", "Segment", "SegmentCache",
-           "layout", "pack", "pack_arrays", "unpack", "unpack_arrays", "write_arrays"]
+           "frame", "frame_size", "layout", "pack", "pack_arrays", "unpack", "unpack_arrays",
+           "write_arrays"]
 
 INLINE_MAX_BYTES = 1 << 20
 # A run's outputs up to this size come back with its answer, so that fetching
@@ -57,6 +59,32 @@ def pack(message: dict[str, Any]) -> bytes:
 
 def unpack(frame: bytes) -> dict[str, Any]:
     return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+
+
+# A frame, as ``multiprocessing.connection`` (``Pipe``) writes one: a big-endian int32
+# length, or -1 and then an int64 one for 2 GiB and more, then the bytes.
+_SIZE = struct.Struct("!i")
+_BIG_SIZE = struct.Struct("!Q")
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` framed as ``Pipe.send_bytes`` frames it, for writers of their own."""
+    n = len(data)
+    head = _SIZE.pack(n) if n <= 0x7FFFFFFF else _SIZE.pack(-1) + _BIG_SIZE.pack(n)
+    return head + data
+
+
+def frame_size(buffer: bytes | bytearray, start: int) -> tuple[int | None, int]:
+    """The size of the frame at ``start`` and of its header; ``(None, 0)`` until the
+    header is whole."""
+    if len(buffer) - start < 4:
+        return None, 0
+    (size,) = _SIZE.unpack_from(buffer, start)
+    if size != -1:
+        return size, 4
+    if len(buffer) - start < 12:
+        return None, 0
+    return _BIG_SIZE.unpack_from(buffer, start + 4)[0], 12
 
 
 class Segment:

@@ -33,7 +33,6 @@ import logging
 import os
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -172,14 +171,14 @@ class _LoopReader:
         buffer = self._buffer
         if buffer:
             buffer += data
-            size, header = _frame_size(buffer, 0)
+            size, header = frames.frame_size(buffer, 0)
             if size is not None and len(buffer) < header + size:
                 return True  # a big frame, not whole yet: copied once it is
             data = bytes(buffer)
             buffer.clear()
         start = 0
         while True:
-            size, header = _frame_size(data, start)
+            size, header = frames.frame_size(data, start)
             if size is None or len(data) < start + header + size:
                 break
             begin = start + header
@@ -196,28 +195,6 @@ class _LoopReader:
 
 
 _READ_BYTES = 1 << 20
-_SIZE = struct.Struct("!i")
-_BIG_SIZE = struct.Struct("!Q")
-
-
-def _frame_size(buffer: bytes | bytearray, start: int) -> tuple[int | None, int]:
-    """The size of the frame at ``start`` and of its header; ``(None, 0)`` until the
-    header is whole. A size over 2 GiB is -1, then 8 bytes (``multiprocessing``)."""
-    if len(buffer) - start < 4:
-        return None, 0
-    (size,) = _SIZE.unpack_from(buffer, start)
-    if size != -1:
-        return size, 4
-    if len(buffer) - start < 12:
-        return None, 0
-    return _BIG_SIZE.unpack_from(buffer, start + 4)[0], 12
-
-
-def frame(data: bytes) -> bytes:
-    """``data`` framed as ``multiprocessing.connection`` frames it (``_frame_size``)."""
-    n = len(data)
-    head = _SIZE.pack(n) if n <= 0x7FFFFFFF else _SIZE.pack(-1) + _BIG_SIZE.pack(n)
-    return head + data
 
 
 class _PipeWriter:
@@ -243,7 +220,7 @@ class _PipeWriter:
 
     def write(self, data: bytes) -> None:
         """Send ``data``, framed, after what waits; ``BrokenPipeError`` once closed."""
-        out: bytes | memoryview = frame(data)
+        out: bytes | memoryview = frames.frame(data)
         with self._lock:
             if self._closed:
                 raise BrokenPipeError(f"{self._name}: the pipe is closed")
