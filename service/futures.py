@@ -7,12 +7,14 @@ arrays are garbage-collected), or the future is deleted or expires. An output
 that a queued call still has to read is *pinned*: it is freed when the last such
 call has taken hold of it, so releasing or deleting never pulls an input from
 under a call that was already accepted. Every state change happens on the event
-loop and wakes long-pollers through an ``asyncio.Event``, so nobody busy-waits.
+loop and wakes long-pollers (each waits on a loop future of its own), so nobody
+busy-waits.
 
 The store bounds how many futures are alive and how many output bytes they may
 hold, in all and per owner (each API key's quota, ``service.quotas``); past a
 limit ``create`` raises ``TooManyRequests`` (a 429 with ``Retry-After``; for an
-owner's quota, ``QuotaExceeded``, which names it). Ids are
+owner's quota, ``QuotaExceeded``, which names it). When futures expire is kept
+soonest first, so neither sweeping nor a ``Retry-After`` walks the store. Ids are
 ``secrets.token_urlsafe(24)`` (192 bits): unguessable, and only their creator (by
 API-key digest) can see them.
 """
@@ -23,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import heapq
 import hmac
 import logging
 import secrets
@@ -200,6 +203,12 @@ class FutureStore:
         self.on_change: Callable[[Future], None] | None = None
         # Starts every new id: the replica that holds the future (cluster.py), or "".
         self.id_prefix = ""
+        # When futures expire, soonest first (``_Expiry``): all of them, and each
+        # owner's, so that neither a sweep nor a 429's Retry-After walks the store.
+        self._expiry = _Expiry(self._futures, self.__len__)
+        self._expiry_of: dict[str, _Expiry] = {}
+        # Running futures past their TTL: they expire once they end.
+        self._overdue: dict[str, Future] = {}
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0, compiling: bool = False) -> Future:
@@ -218,8 +227,24 @@ class FutureStore:
         self.device_bytes += need
         self._live_of[owner] += 1
         self._bytes_of[owner] += need
+        self._expires(fut)
         self._changed(fut)
         return fut
+
+    def _expires(self, fut: Future, at: float | None = None) -> None:
+        """Note when ``fut`` expires: at ``expires_at``, or from now on at ``at``."""
+        if at is not None:
+            if at == fut.expires_at:
+                return  # noted already
+            fut.expires_at = at
+        self._expiry.add(fut)
+        owner = fut.owner
+        if owner is not None:
+            of = self._expiry_of.get(owner)
+            if of is None:
+                of = self._expiry_of[owner] = _Expiry(self._futures,
+                                                      lambda: self._live_of[owner])
+            of.add(fut)
 
     def live_of(self, owner: str | None) -> int:
         """How many live futures ``owner`` has."""
@@ -272,10 +297,12 @@ class FutureStore:
 
     def _retry_after(self, owner: str | None = None) -> float:
         # When the first future (of the owner, for its quota) expires, space frees up for sure.
-        futures = self._futures.values()
-        soonest = min((f.expires_at for f in futures if owner is None or f.owner == owner),
-                      default=self._clock())
-        return min(max(soonest - self._clock(), 1.0), 60.0)
+        now = self._clock()
+        expiry = self._expiry if owner is None else self._expiry_of.get(owner)
+        soonest = now if expiry is None else expiry.soonest(default=now)
+        if any(owner is None or f.owner == owner for f in self._overdue.values()):
+            soonest = now  # one ends any moment, and expires then
+        return min(max(soonest - now, 1.0), 60.0)
 
     def get(self, future_id: str, owner: str | None) -> Future:
         """The live future ``future_id`` of ``owner``; ``NotFound`` otherwise.
@@ -316,7 +343,7 @@ class FutureStore:
             self._settle(fut)
             return
         if fut.removed is None:
-            fut.expires_at = self._clock() + self.ttl_s
+            self._expires(fut, self._clock() + self.ttl_s)
         self._finish(fut, FutureStatus.DONE)
         self._settle(fut)  # released or deleted meanwhile: nobody can fetch those
 
@@ -324,7 +351,10 @@ class FutureStore:
         """The execution failed; the future keeps the error (``extra``: its other fields,
         such as the ``quota`` a refused compile ran into)."""
         fut.error = {"code": code, "message": message, **extra}
-        fut.expires_at = self._clock() + self.ttl_s
+        if fut.removed is None:
+            self._expires(fut, self._clock() + self.ttl_s)
+        else:
+            fut.expires_at = self._clock() + self.ttl_s
         self._finish(fut, FutureStatus.FAILED)
         self._settle(fut)
 
@@ -425,6 +455,8 @@ class FutureStore:
     def _remove(self, fut: Future, why: str) -> None:
         if self._futures.pop(fut.future_id, None) is not None:
             self._uncount(self._live_of, fut.owner, 1)
+            if fut.owner is not None and fut.owner not in self._live_of:
+                self._expiry_of.pop(fut.owner, None)
         if fut.removed is None:
             fut.removed = why
         self._settle(fut)  # one still to run settles when it ends
@@ -469,10 +501,22 @@ class FutureStore:
         return fut.expires_at <= now and fut.status is not FutureStatus.RUNNING
 
     def sweep(self) -> int:
-        """Expire futures past their TTL; returns how many."""
+        """Expire futures past their TTL; returns how many. It costs what it expires,
+        not what is alive: a full store sweeps on every call (``create``)."""
         now = self._clock()
-        stale = [f for f in self._futures.values() if self._expired(f, now)]
-        for fut in stale:
+        stale: dict[str, Future] = {}
+        for fut in self._expiry.due(now):
+            if fut.status is FutureStatus.RUNNING:
+                self._overdue[fut.future_id] = fut
+            else:
+                stale[fut.future_id] = fut
+        for fid, fut in list(self._overdue.items()):
+            if self._futures.get(fid) is not fut or fut.expires_at > now:
+                del self._overdue[fid]  # gone, or ended with a fresh TTL (noted anew)
+            elif fut.status is not FutureStatus.RUNNING:
+                del self._overdue[fid]
+                stale[fid] = fut
+        for fut in stale.values():
             if fut.status in _NOT_STARTED and fut.job is not None and fut.job.cancel():
                 fut.error = {"code": "future_expired", "message": "expired before it ran"}
                 self._finish(fut, FutureStatus.CANCELLED)
@@ -513,6 +557,47 @@ class FutureStore:
 
 
 _NOT_STARTED = (FutureStatus.COMPILING, FutureStatus.PENDING)
+
+
+class _Expiry:
+    """Futures by when they expire, soonest first: a heap of ``(expires_at, id)``.
+
+    An entry is current while its future is in ``live`` with that ``expires_at``;
+    a future that leaves the store or gets a new TTL leaves a stale entry behind,
+    skipped when it comes up, and dropped in bulk when stale entries outnumber the
+    rest (so the heap holds at most about twice what is alive).
+    """
+
+    def __init__(self, live: dict[str, Future], count: Callable[[], int]) -> None:
+        self._live = live
+        self._count = count  # how many futures this notes: at most one current entry each
+        self._heap: list[tuple[float, str]] = []
+
+    def add(self, fut: Future) -> None:
+        heapq.heappush(self._heap, (fut.expires_at, fut.future_id))
+        if len(self._heap) > 2 * self._count() + 64:
+            self._heap = [e for e in self._heap if self._is_current(e)]
+            heapq.heapify(self._heap)
+
+    def soonest(self, default: float) -> float:
+        """When the first future still noted here expires (``default`` if none)."""
+        heap = self._heap
+        while heap and not self._is_current(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else default
+
+    def due(self, now: float) -> list[Future]:
+        """Take out the futures whose ``expires_at`` has passed at ``now``."""
+        heap, out = self._heap, []
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._is_current(entry):
+                out.append(self._live[entry[1]])
+        return out
+
+    def _is_current(self, entry: tuple[float, str]) -> bool:
+        fut = self._live.get(entry[1])
+        return fut is not None and fut.expires_at == entry[0]
 
 
 def _same_owner(have: str | None, want: str | None) -> bool:

@@ -186,3 +186,118 @@ async def test_store_ids_are_unguessable_and_owned() -> None:
         store.get(b.future_id, "alice")
     assert store.delete(a)[0] is FutureStatus.PENDING
     assert store.counts()["pending"] == 1
+
+
+def _store(now: list[float], **limits: int) -> FutureStore:
+    return FutureStore(ttl_s=100, max_device_bytes=1 << 20, clock=lambda: now[0],
+                       **{"max_live": 1000, **limits})
+
+
+def _new(store: FutureStore, owner: str | None = None):
+    return store.create(owner=owner, executable_id="e", out_avals=(), out_tree=None)
+
+
+def test_sweep_expires_exactly_the_futures_past_their_ttl() -> None:
+    now = [0.0]
+    store = _store(now)
+    early = [_new(store) for _ in range(5)]
+    now[0] = 50.0
+    late = [_new(store, "alice") for _ in range(5)]
+    store.complete(early[0], [], 0.0)  # finished at 50: lives until 150
+    store.delete(early[1])
+    now[0] = 120.0
+    assert store.sweep() == 3  # early[2:]; early[0] got a fresh TTL, early[1] is gone
+    assert {f.removed for f in early[2:]} == {"expired"} and early[0].removed is None
+    assert store.sweep() == 0
+    now[0] = 150.0
+    assert store.sweep() == 6 and len(store) == 0
+    assert all(f.removed == "expired" for f in late)
+
+
+def test_a_running_future_outlives_its_ttl_until_it_ends() -> None:
+    now = [0.0]
+    store = _store(now)
+    done_later, failed_later = _new(store), _new(store)
+    for fut in (done_later, failed_later):
+        store.mark_running(fut, 0.0)
+    now[0] = 500.0
+    assert store.sweep() == 0  # running: kept, however old
+    store.complete(done_later, [], 1.0)  # a fresh TTL from its end
+    store.fail_all("unavailable", "stopping")  # fails without a fresh TTL
+    assert store.sweep() == 1 and failed_later.removed == "expired"
+    now[0] = 599.0
+    assert store.sweep() == 0
+    now[0] = 600.0
+    assert store.sweep() == 1 and done_later.removed == "expired"
+
+
+def test_retry_after_is_the_wait_for_the_soonest_expiry() -> None:
+    now = [0.0]
+    store = _store(now, max_live=3, owner_max_live=2)
+    first = _new(store)
+    now[0] = 30.0
+    _new(store, "alice")
+    now[0] = 40.0
+    _new(store, "alice")
+    with pytest.raises(Exception, match="futures are alive") as refused:
+        _new(store)
+    assert refused.value.retry_after_s == 60  # first expires at 100: 60 s, the cap
+    now[0] = 80.0
+    with pytest.raises(Exception, match="futures are alive") as refused:
+        _new(store)
+    assert refused.value.retry_after_s == 20
+    store.delete(first)
+    with pytest.raises(Exception, match="live futures") as refused:
+        _new(store, "alice")  # alice's quota: her first expires at 130
+    assert refused.value.retry_after_s == 50
+
+
+class _NoWalks(dict):
+    """The store's futures, refusing to be walked."""
+
+    def values(self):
+        raise AssertionError("the store walked every future")
+
+    def items(self):
+        raise AssertionError("the store walked every future")
+
+    def __iter__(self):
+        raise AssertionError("the store walked every future")
+
+
+def test_a_full_store_refuses_without_walking_its_futures() -> None:
+    """At the limit every call sweeps and computes a Retry-After: neither may cost
+    what is alive, or each refused call would cost the API process that much."""
+    now = [0.0]
+    store = _store(now, max_live=500, owner_max_live=10)
+    for i in range(500):
+        now[0] = i / 10
+        _new(store, "alice" if i % 50 == 10 else None)
+    store._futures = _NoWalks(store._futures)
+    store._expiry._live = store._futures
+    for of in store._expiry_of.values():
+        of._live = store._futures
+    now[0] = 50.0  # none has expired
+    for owner, wait in ((None, 50), ("alice", 51)):
+        with pytest.raises(Exception, match="alive|live futures") as refused:
+            _new(store, owner)
+        assert refused.value.retry_after_s == wait
+    now[0] = 100.55
+    assert store.sweep() == 6  # those created at 0 to 0.5 s
+
+
+def test_expiry_bookkeeping_stays_proportional_to_what_is_alive() -> None:
+    now = [0.0]
+    store = _store(now)
+    kept = [_new(store, "alice") for _ in range(10)]
+    for i in range(5000):  # calls whose futures are deleted at once (keep=false)
+        now[0] = i / 100
+        store.delete(_new(store, "alice" if i % 2 else None))
+        if i % 7 == 0:
+            store.complete(kept[i % 10], [], 0.0)  # refreshed TTLs leave stale entries
+    assert len(store._expiry._heap) <= 2 * len(store) + 64
+    assert len(store._expiry_of["alice"]._heap) <= 2 * len(kept) + 64
+    store.delete(kept[0])
+    for fut in kept[1:]:
+        store.delete(fut)
+    assert store._expiry_of == {}  # an owner with nothing alive leaves nothing behind
