@@ -338,6 +338,8 @@ class FutureStore:
     def complete(self, fut: Future, outputs: list[Any], run_s: float) -> None:
         """The execution finished with ``outputs`` (device arrays)."""
         fut.timings.run_s = run_s
+        if fut.timings.queued_s is None:  # a quick run says no ``started`` (runtimes/child.py)
+            fut.timings.queued_s = max(self._clock() - fut.created - run_s, 0.0)
         fut.outputs = list(outputs)
         if fut.status.is_final:  # failed meanwhile (fail_all): nobody may read them
             self._settle(fut)

@@ -35,6 +35,7 @@ import select
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ log = logging.getLogger("jitserve.runtime")
 _OTHER_THREADS = 4
 _AVALS_KEPT = 1024
 _RUN_TIMES_KEPT = 4096
+# How often ``_QuickWatch`` looks, and after how many looks without quick runs it sleeps.
+_QUICK_WATCH_S = 0.05
+_QUICK_WATCH_IDLE_LOOKS = 20
 
 
 class RemoteFailure(Exception):
@@ -104,6 +108,7 @@ class RuntimeServer:
         self._quick_run_s = settings.runtime_quick_run_ms / 1000
         self._run_times: dict[str, float] = {}  # the last run's seconds, by executable
         self.runs = self.quick_runs = 0
+        self._quick_watch = _QuickWatch(self._send)
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         self._avals: dict[tuple[Any, Any], Any] = {}  # jax avals of inputs, by shape and dtype
@@ -123,6 +128,9 @@ class RuntimeServer:
                     "device": {"id": device.id, "platform": device.platform,
                                "device_kind": device.device_kind}})
         threading.Thread(target=self.compiler.warm, daemon=True).start()
+        if self._quick_run_s > 0:
+            threading.Thread(target=self._quick_watch.watch, name="jitserve-quick-watch",
+                             daemon=True).start()
         for i in range(self._threads - 1):
             threading.Thread(target=self._take_turns, name=f"jitserve-runtime-{i}",
                              daemon=True).start()
@@ -176,6 +184,7 @@ class RuntimeServer:
                 self._run_slots -= 1
             if self._quick(message):
                 self.quick_runs += 1
+                message["quick"] = True  # run by this thread at once: see op_run
             else:
                 self._let_go()
             while message is not None:
@@ -364,11 +373,22 @@ class RuntimeServer:
             else:
                 args.append(self._to_device(next(host_iter)))
         del host, host_iter
-        self._send({"id": m["id"], "kind": "started"})
+        # A quick run says nothing before its answer, unless it overruns (_QuickWatch):
+        # ``started`` and the API process's wake-up for it cost a twentieth of a
+        # cached call.
+        quick = m.get("quick", False)
+        if quick:
+            self._quick_watch.begin(m["id"])
+        else:
+            self._send({"id": m["id"], "kind": "started"})
         t0 = time.perf_counter()
-        outputs = exe.run(args)
-        for out in outputs:  # jaxlib's own call: jax.block_until_ready walks a pytree first
-            out.block_until_ready()
+        try:
+            outputs = exe.run(args)
+            for out in outputs:  # jaxlib's own call: jax.block_until_ready walks a pytree first
+                out.block_until_ready()
+        finally:
+            if quick:
+                self._quick_watch.end()
         run_s = time.perf_counter() - t0
         if m.get("split") is not None:
             return self._split(outputs, [int(n) for n in m["split"]], run_s)
@@ -472,7 +492,59 @@ class RuntimeServer:
     def op_stats(self, m: dict[str, Any]) -> dict[str, Any]:
         catalog = self.compiler.catalog
         return {"buffers": len(self.buffers), **self.compiler.stats(), "cache": catalog.state,
-                "redis": catalog.shared_stats(), "runs": self.runs, "quick_runs": self.quick_runs}
+                "redis": catalog.shared_stats(), "runs": self.runs, "quick_runs": self.quick_runs,
+                "quick_runs_overran": self._quick_watch.overran}
+
+
+class _QuickWatch:
+    """Says ``started`` for a quick run that turns out not to be.
+
+    The API process starts a run's deadline (and lets a DELETE stop it) when the
+    run says ``started``. A quick run does not, as its answer follows at once; so
+    that one which hangs this time still has a deadline, this thread looks every
+    ``_QUICK_WATCH_S`` and says it for a quick run it sees twice: 50-100 ms late.
+    After a second without quick runs it sleeps until the next one begins.
+    """
+
+    def __init__(self, send: Callable[[dict[str, Any]], None]) -> None:
+        self._send = send
+        self._running: int | None = None  # the id of the quick run going on
+        self._begun = 0
+        self._awake = False
+        self._wake = threading.Event()
+        self.overran = 0  # quick runs this said ``started`` for
+
+    def begin(self, rid: int) -> None:
+        """Quick run ``rid`` starts (one at a time: the thread holding the pipe runs it)."""
+        self._running = rid
+        self._begun += 1
+        if not self._awake:
+            self._awake = True
+            self._wake.set()
+
+    def end(self) -> None:
+        self._running = None
+
+    def watch(self) -> None:
+        seen = said = None
+        idle, begun = 0, self._begun
+        while True:
+            if idle >= _QUICK_WATCH_IDLE_LOOKS:
+                self._awake = False
+                self._wake.clear()
+                if self._begun == begun and self._running is None:  # else begin missed us
+                    self._wake.wait()
+                self._awake = True
+                idle = 0
+            time.sleep(_QUICK_WATCH_S)
+            rid = self._running
+            if rid is not None and rid == seen and rid != said:
+                self._send({"id": rid, "kind": "started"})
+                said = rid
+                self.overran += 1
+            seen = rid
+            idle = idle + 1 if self._begun == begun and rid is None else 0
+            begun = self._begun
 
 
 def _program_json(program: Any) -> dict[str, Any]:

@@ -78,3 +78,39 @@ async def test_many_quick_runs_of_big_messages_in_flight_all_end(make_api) -> No
             await asyncio.gather(*(call(k) for k in range(64)))
         stats = await _stats(api)
     assert stats["quick_runs"] > 0
+
+
+async def _known_quick(api, pid: str, y: np.ndarray) -> None:
+    """Run ``spin`` twice with one step: then its executable is known to be quick."""
+    for _ in range(2):
+        assert (await api.execute(pid, [y, np.int32(1)], wait=60_000)).status_code == 200
+    assert (await _stats(api))["quick_runs"] >= 1
+
+
+async def test_a_quick_run_that_overruns_says_it_started(make_api) -> None:
+    """A quick run sends no ``started``; one that runs long this time gets it said
+    for it, so it turns ``running`` (and its deadline starts) while it runs."""
+    async with make_api(own_runtimes=True, runtime_quick_run_ms=60_000) as api:
+        pid = await api.upload("spin")
+        y = np.full((256, 256), 0.01, np.float32)
+        await _known_quick(api, pid, y)
+        assert (await _stats(api))["quick_runs_overran"] == 0
+        fid = (await api.execute(pid, [y, np.int32(300)])).json()["future_id"]
+        seen = set()
+        while (status := (await api.http.get(f"/v1/futures/{fid}")).json()["status"]) == "pending":
+            await asyncio.sleep(0.002)
+        seen.add(status)
+        assert (await api.result(fid, wait=60_000)).status_code == 200
+        assert seen == {"running"}
+        assert (await _stats(api))["quick_runs_overran"] == 1
+
+
+async def test_a_quick_run_that_hangs_still_meets_its_deadline(make_api) -> None:
+    async with make_api(own_runtimes=True, runtime_quick_run_ms=60_000) as api:
+        pid = await api.upload("spin")
+        y = np.full((256, 256), 0.01, np.float32)
+        await _known_quick(api, pid, y)
+        r = await api.execute(pid, [y, np.int32(1 << 30)], timeout_s=1.0, wait=60_000)
+        assert r.status_code == 202, r.text
+        view = (await api.http.get(f"/v1/futures/{r.json()['future_id']}")).json()
+        assert view["status"] == "failed" and view["error"]["code"] == "execution_timeout", view
