@@ -95,7 +95,8 @@ async def test_a_quick_run_that_overruns_says_it_started(make_api) -> None:
         y = np.full((256, 256), 0.01, np.float32)
         await _known_quick(api, pid, y)
         assert (await _stats(api))["quick_runs_overran"] == 0
-        fid = (await api.execute(pid, [y, np.int32(300)])).json()["future_id"]
+        # about 0.7 s here: well past the watch's two looks, 50 ms apart
+        fid = (await api.execute(pid, [y, np.int32(3000)])).json()["future_id"]
         seen = set()
         while (status := (await api.http.get(f"/v1/futures/{fid}")).json()["status"]) == "pending":
             await asyncio.sleep(0.002)
