@@ -365,8 +365,10 @@ class Executor:
         if not self._budget.try_take(temp):
             return False
         try:
-            sent = runtime.send("run", message, timeout_s=timeout_s, tag=job,
-                                on_started=self._on_started(job.future))
+            runtime.send_then("run", message,
+                              lambda reply, error: self._answered(job, temp, reply, error),
+                              timeout_s=timeout_s, tag=job,
+                              on_started=self._on_started(job.future))
         except RuntimeLost:  # restarting: the task waits for it
             self._budget.give(temp)
             return False
@@ -375,24 +377,20 @@ class Executor:
             raise
         job.start()  # nothing ran since the job was made: it cannot be cancelled yet
         job.args = None
-        sent.add_done_callback(lambda answer: self._answered(job, temp, answer))
         return True
 
-    def _answered(self, job: ExecutionJob, temp: int,
-                  answer: asyncio.Future[dict[str, Any]]) -> None:
+    def _answered(self, job: ExecutionJob, temp: int, reply: dict[str, Any] | None,
+                  error: BaseException | None) -> None:
         """Settle the future of a run ``_send_now`` sent."""
         fut = job.future
         try:
             self._budget.give(temp)
-            if answer.cancelled():  # its loop is closing
-                if not fut.status.is_final:
-                    self._futures.fail(fut, "unavailable", "the server stopped before the run "
-                                                            "ended")
-            elif (error := answer.exception()) is not None:
+            if error is not None:
                 assert isinstance(error, RemoteError)
                 self._failed(fut, error)
             else:
-                self._done(fut, job.runtime, answer.result())
+                assert reply is not None
+                self._done(fut, job.runtime, reply)
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(fut, e)
         finally:

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -91,7 +92,7 @@ class Buffer:
 class _Call:
     op: str
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[dict[str, Any]]
+    settle: Callable[[dict[str, Any] | None, BaseException | None], None]  # on ``loop``
     timeout_s: float | None
     on_started: Callable[[], None] | None
     tag: object = None
@@ -344,7 +345,23 @@ class Runtime:
         (or its ``RemoteError``). ``RuntimeLost`` at once if the runtime is not up:
         ``request`` is the call that waits for it. Never retried."""
         loop = asyncio.get_running_loop()
-        call = _Call(op, loop, loop.create_future(), timeout_s, on_started, tag)
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._send(_Call(op, loop, functools.partial(_settle, future), timeout_s, on_started,
+                         tag), message)
+        return future
+
+    def send_then(self, op: str, message: dict[str, Any],
+                  on_answer: Callable[[dict[str, Any] | None, BaseException | None], None], *,
+                  timeout_s: float | None = None, tag: object = None,
+                  on_started: Callable[[], None] | None = None) -> None:
+        """``send``, where the answer is ``on_answer(reply, None)`` (or ``(None,
+        error)``), called on this event loop as it is read: a future's done callback
+        would run a turn of the loop later."""
+        self._send(_Call(op, asyncio.get_running_loop(), on_answer, timeout_s, on_started,
+                         tag), message)
+
+    def _send(self, call: _Call, message: dict[str, Any]) -> None:
+        op, timeout_s = call.op, call.timeout_s
         if timeout_s is not None and op != "run":
             call.deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -365,7 +382,6 @@ class Runtime:
                 self._pending.pop(rid, None)
             raise RuntimeLost("runtime_crashed",
                               f"runtime {self.index} exited before it took the request") from None
-        return call.future
 
     def send_free(self, handles: Sequence[int], generation: int, nbytes: int = 0) -> None:
         """Let go of buffers (``nbytes`` in all); no answer. Ignored if the runtime has
@@ -576,11 +592,11 @@ class Runtime:
             if call.on_started is not None:
                 _post(call.loop, call.on_started, here=here)
         elif kind == "ok":
-            _post(call.loop, _settle, call.future, message, None, here=here)
+            _post(call.loop, call.settle, message, None, here=here)
         else:
             error = RemoteError(str(message.get("code", "internal")),
                                 str(message.get("message", "failed")))
-            _post(call.loop, _settle, call.future, None, error, here=here)
+            _post(call.loop, call.settle, None, error, here=here)
 
     def _ended(self) -> None:
         """The process exited: say why, fail what was in flight, drop what it held."""
@@ -610,7 +626,7 @@ class Runtime:
                 error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
             else:
                 error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
-            _post(call.loop, _settle, call.future, None, error)
+            _post(call.loop, call.settle, None, error)
         self._pool.lost(self, self.generation, why)
 
 
