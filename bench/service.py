@@ -60,13 +60,16 @@ def median_ms(fn: Any, n: int) -> float:
 
 def interleaved_ms(calls: dict[str, Any], n: int) -> dict[str, float]:
     """Median ms of each of ``calls``, called in turn ``n`` times (after 10 rounds of
-    warm-up), so that the machine's drift during the run hits them all alike."""
+    warm-up), so that the machine's drift during the run hits them all alike. Every
+    other round goes in the other order: a call runs faster right after one of the
+    same server (the CPU's caches hold its code), so a fixed order favours some."""
     for _ in range(min(10, n)):
         for fn in calls.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(n):
-        for name, fn in calls.items():
+    order = list(calls.items())
+    for i in range(n):
+        for name, fn in (order if i % 2 == 0 else order[::-1]):
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
