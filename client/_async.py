@@ -35,7 +35,7 @@ from jitserve.client._models import (
     Timeout,
 )
 from jitserve.client._remote import AsyncRemoteArray
-from jitserve.client._transport import async_transport
+from jitserve.client._transport import async_transport, lean_cookies
 from jitserve.client.errors import APIError, JitserveError, ProtocolError
 
 __all__ = ["AsyncClient"]
@@ -73,12 +73,12 @@ class AsyncClient(BaseClient):
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
                          progress=progress)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(),
-                                       timeout=self.timeout.to_httpx(),
-                                       transport=transport or async_transport())
+        self._http = lean_cookies(httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx(),
+            transport=transport or async_transport()))
         # Releases are sent from a thread (see ReleaseQueue), so over a blocking client.
-        self._release_http = httpx.Client(base_url=self.base_url, headers=self._headers(),
-                                          timeout=self.timeout.to_httpx())
+        self._release_http = lean_cookies(httpx.Client(
+            base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx()))
 
     def _new_lock(self) -> asyncio.Lock:
         return asyncio.Lock()

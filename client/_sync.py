@@ -36,7 +36,7 @@ from jitserve.client._models import (
     Timeout,
 )
 from jitserve.client._remote import RemoteArray
-from jitserve.client._transport import sync_transport
+from jitserve.client._transport import lean_cookies, sync_transport
 from jitserve.client.errors import APIError, JitserveError, ProtocolError
 
 __all__ = ["Client"]
@@ -84,9 +84,9 @@ class Client(BaseClient):
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
                          progress=progress)
-        self._http = httpx.Client(base_url=self.base_url, headers=self._headers(),
-                                  timeout=self.timeout.to_httpx(),
-                                  transport=transport or sync_transport())
+        self._http = lean_cookies(httpx.Client(
+            base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx(),
+            transport=transport or sync_transport()))
         self._release_http = self._http  # httpx.Client is thread-safe
 
     def _new_lock(self) -> threading.Lock:

@@ -37,7 +37,7 @@ import socket
 import ssl
 import time
 import urllib.request
-from typing import Any
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -298,6 +298,29 @@ def _pool_options() -> dict[str, Any]:
 
 def _env_proxies() -> bool:
     return any(k in ("http", "https", "all") for k in urllib.request.getproxies())
+
+
+class _Cookies(httpx.Cookies):
+    """A client's cookies, offered an answer only when it sets one.
+
+    httpx wraps every answer and its request in ``urllib`` look-alikes to offer
+    them to its cookie jar, a tenth of the client's CPU on a small SDK call
+    (docs/performance.md). jitserve sets no cookies; a proxy in front of it may,
+    and those still reach the jar. (httpx2 does the same: pydantic/httpx2#1107.)
+    """
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        if "set-cookie" in response.headers:
+            super().extract_cookies(response)
+
+
+_C = TypeVar("_C", httpx.Client, httpx.AsyncClient)
+
+
+def lean_cookies(client: _C) -> _C:
+    """``client``, its cookies read only from answers that set some (``_Cookies``)."""
+    client._cookies = _Cookies(client.cookies)
+    return client
 
 
 def sync_transport() -> httpx.HTTPTransport | None:
