@@ -255,6 +255,10 @@ class BaseClient:
     def _encode(self, body: Any) -> tuple[bytes | wire.PackedBody, str]:
         if self.wire_format == "json":
             return wire.dumps_json(body), wire.JSON
+        if _array_bytes(body) < wire.STREAM_BYTES:
+            # One call of the C packer: packing piece by piece ran 44 Python calls
+            # for a one-array call, a twentieth of its client CPU.
+            return wire.packb(body), wire.MSGPACK
         packed = wire.PackedBody(wire.pack_pieces(body))
         # Big bodies go out as views of the arrays' own buffers: no copy into one
         # message, which costs as much again as sending it.
@@ -563,3 +567,16 @@ def platforms_of(doc: Any) -> tuple[str, ...] | None:
 def drive_step(op: Op[T], value: Any, exc: JitserveError | None) -> _Call | _Sleep | _Acquire:
     """Advance ``op`` with an answer or an exception; ``StopIteration`` carries its result."""
     return op.throw(exc) if exc is not None else op.send(value)
+
+
+def _array_bytes(obj: Any) -> int:
+    """The bytes of the arrays and buffers in a message about to be packed."""
+    if isinstance(obj, (np.ndarray, memoryview)):
+        return obj.nbytes
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, Mapping):
+        return sum(_array_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_array_bytes(v) for v in obj)
+    return 0
