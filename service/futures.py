@@ -237,6 +237,8 @@ class FutureStore:
             if at == fut.expires_at:
                 return  # noted already
             fut.expires_at = at
+        if fut.removed is not None:
+            return  # out of the store: nothing expires it
         self._expiry.add(fut)
         owner = fut.owner
         if owner is not None:
@@ -353,10 +355,7 @@ class FutureStore:
         """The execution failed; the future keeps the error (``extra``: its other fields,
         such as the ``quota`` a refused compile ran into)."""
         fut.error = {"code": code, "message": message, **extra}
-        if fut.removed is None:
-            self._expires(fut, self._clock() + self.ttl_s)
-        else:
-            fut.expires_at = self._clock() + self.ttl_s
+        self._expires(fut, self._clock() + self.ttl_s)
         self._finish(fut, FutureStatus.FAILED)
         self._settle(fut)
 

@@ -23,9 +23,7 @@ async def test_runs_known_quick_are_done_by_the_reader(make_api, x) -> None:
     async with make_api(own_runtimes=True, runtime_quick_run_ms=60_000) as api:
         pid = await api.upload("add_mul")
         for _ in range(4):
-            r = await api.execute(pid, [x, x], wait=30_000)
-            assert r.status_code == 200, r.text
-            out = wire.unpackb(r.content)["outputs"]
+            out = await api.outputs(pid, [x, x])
             np.testing.assert_array_equal(out[0], x + x)
             np.testing.assert_array_equal(out[1], x * 2)
         stats = await _stats(api)
