@@ -425,7 +425,7 @@ class Executor:
         run_s = float(reply["run_s"])
         if "values" in reply:
             fut.host = frames.unpack_arrays(reply["values"])
-        self._metrics.execute_seconds.observe(run_s)
+        self._metrics.observe(self._metrics.execute_seconds, run_s)
         self._futures.complete(fut, outputs, run_s)
 
     async def run_split(self, runtime: Runtime, program: Program, executable: RemoteExecutable,
@@ -467,7 +467,7 @@ class Executor:
             host_values = None if values is None else frames.unpack_arrays(values)
             pieces.append(SplitPiece(buffers, host_values))
         run_s = float(reply["run_s"])
-        self._metrics.execute_seconds.observe(run_s)
+        self._metrics.observe(self._metrics.execute_seconds, run_s)
         return run_s, pieces
 
     async def put(self, future: Future, runtime: Runtime, arrays: list[np.ndarray]) -> None:
