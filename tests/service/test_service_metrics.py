@@ -59,3 +59,31 @@ def test_kept_observations_are_filed_before_they_pile_up() -> None:
     assert filed is not None and 1024 <= filed <= 1500
     assert sum(len(v) for v in metrics._observed.values()) < 1024
 
+
+def test_no_access_line_is_made_below_its_level() -> None:
+    import asyncio
+    import logging
+
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from jitserve.service.connections import HeadLimits, guarded_protocol
+
+    async def app(scope: object, receive: object, send: object) -> None: ...
+
+    protocol = guarded_protocol(HeadLimits(timeout_s=5, max_bytes=1 << 16), HttpToolsProtocol)
+    access = logging.getLogger("uvicorn.access")
+    level, handlers = access.level, list(access.handlers)
+    loop = asyncio.new_event_loop()
+    try:
+        seen = {}
+        for name in ("warning", "info"):
+            config = uvicorn.Config(app, log_level=name)  # sets uvicorn.access's level
+            config.load()
+            seen[name] = protocol(config, ServerState(), {}, _loop=loop).access_log  # type: ignore[call-arg]
+    finally:
+        loop.close()
+        access.setLevel(level)
+        access.handlers = handlers
+    assert seen == {"warning": False, "info": True}
