@@ -125,6 +125,19 @@ async def test_small_body_in_slow_pieces_times_out_only_when_a_piece_does() -> N
         await BodyReader(_request([], length=12, end="disconnect"), max_bytes=MiB).read()
 
 
+async def test_a_cancel_while_the_first_piece_waits_stays_a_cancel() -> None:
+    # The first piece's time limit cancels the task itself: a cancel from elsewhere
+    # (a client gone, a shutdown) must not turn into a body timeout, nor be swallowed.
+    task = asyncio.ensure_future(BodyReader(_request([], length=12, end="stall"),
+                                            max_bytes=MiB, timeout_s=30).read())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # and its timer went with it: nothing cancels this task's next wait
+    assert await asyncio.wait_for(asyncio.sleep(0.1, "slept"), 1) == "slept"
+
+
 @pytest.mark.parametrize(("pieces", "length", "error", "words"), [
     ([b"x" * 10], 20, BadRequest, "ended after 10 of 20 bytes"),
     ([b"x" * 600, b"x" * 600], None, PayloadTooLarge, "over the limit of 1,000"),
