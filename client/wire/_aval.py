@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,16 +48,18 @@ class Aval:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    # Kept once worked out (an aval never changes): a server reads an executable's
+    # output avals' sizes on every call.
+    @functools.cached_property
     def is_static(self) -> bool:
         return all(isinstance(d, int) for d in self.shape)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Elements of a static aval; -1 when a dimension is dynamic."""
         return math.prod(self.shape) if self.is_static else -1  # type: ignore[arg-type]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of a static aval; packed sub-byte types round up per element."""
         return self.size * dtype_from_name(self.dtype).itemsize

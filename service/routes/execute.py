@@ -216,9 +216,9 @@ class ExecuteLane:
 class _LaneRequest(Request):
     """A request whose headers are looked up in a dict (``_Headers``)."""
 
-    @functools.cached_property
-    def headers(self) -> Headers:  # type: ignore[override]
-        return _Headers(scope=self.scope)
+    def __init__(self, scope: Scope, *args: Any) -> None:
+        super().__init__(scope, *args)
+        self._headers = _Headers(scope=scope)  # what starlette's ``headers`` returns
 
 
 class _Headers(Headers):
