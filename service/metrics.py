@@ -60,9 +60,9 @@ from jitserve.wire import FutureStatus, TierName
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics", "RequestMetricsMiddleware"]
 
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Observations of a histogram kept before they are filed (``Metrics.observe``).
 _OBSERVED_KEPT = 1024
-_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
@@ -164,9 +164,7 @@ class Metrics:
 
     def count(self, metric: Any, *values: str, amount: float = 1) -> None:
         """``metric.labels(*values).inc(amount)``, tallied until the metrics are read."""
-        child = self._children.get((id(metric), values))
-        if child is None:
-            child = self.child(metric, *values)
+        child = self.child(metric, *values)
         with self._filing:
             tally = self._tally
             tally[child] = tally.get(child, 0) + amount

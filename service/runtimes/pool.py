@@ -344,10 +344,9 @@ class Runtime:
         """Send one request now, from the event loop; its answer is the future's result
         (or its ``RemoteError``). ``RuntimeLost`` at once if the runtime is not up:
         ``request`` is the call that waits for it. Never retried."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[dict[str, Any]] = loop.create_future()
-        self._send(_Call(op, loop, functools.partial(_settle, future), timeout_s, on_started,
-                         tag), message)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.send_then(op, message, functools.partial(_settle, future), timeout_s=timeout_s,
+                       tag=tag, on_started=on_started)
         return future
 
     def send_then(self, op: str, message: dict[str, Any],
