@@ -12,7 +12,8 @@ on the same function and machine, and written to bench/results/service.json:
       growth of the server and of the client during the round trip over the payload.
   P5  a 10-step chain on a 64 MiB array through futures vs shipping the data each step.
 
-Run: ``.venv/bin/python bench/service.py [--quick]``
+Run: ``.venv/bin/python bench/service.py [--quick] [--only P1 ...] [--runs N]``
+(``--runs``: P1 that many times on fresh servers, with the spread of its ratios).
 """
 
 from __future__ import annotations
@@ -288,23 +289,60 @@ def p5(url: str, steps: int = 10, mib: int = 64) -> dict[str, float]:
     return {"chain_s": chain_s, "ship_each_step_s": ship_s, "speedup": ship_s / chain_s}
 
 
+def p1_runs(n: int, runs: int) -> dict[str, Any]:
+    """P1 ``runs`` times, each on servers of its own: one run's ratio moves by a
+    tenth or more on this machine, so a verdict needs the spread of several."""
+    each = []
+    for i in range(runs):
+        with jitserve() as (url, _), baseline() as base:
+            each.append(p1(url, base, n))
+        if runs > 1:
+            print(f"P1 run {i + 1}/{runs}: REST msgpack "
+                  f"{each[-1]['ratio_rest_msgpack_vs_baseline']:.3f}x, JSON "
+                  f"{each[-1]['ratio_rest_json_vs_baseline_json']:.3f}x, SDK "
+                  f"{each[-1]['ratio_vs_baseline']:.3f}x", flush=True)
+    if runs == 1:
+        return each[0]
+    ratios = [k for k in each[0] if k.startswith("ratio")]
+    return {**{k: statistics.median(r[k] for r in each) for k in each[0]},
+            "runs": runs,
+            "spread": {k: {"min": min(r[k] for r in each), "max": max(r[k] for r in each)}
+                       for k in ratios},
+            "each_run": each}
+
+
+PARTS = ("P1", "P2", "P4", "P5")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer calls, no 256 MiB")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="run these parts only")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="P1 this many times, each on fresh servers: its medians "
+                             "over the runs, and each ratio's min and max")
     args = parser.parse_args()
     n, total = (50, 256) if args.quick else (300, 2048)
     sizes = [1, 16] if args.quick else [1, 16, 256]
     results: dict[str, Any] = {"machine": {"cpus": len(os.sched_getaffinity(0))}}
-    with jitserve() as (url, proc), baseline() as base:
-        results["P1_round_trip"] = p1(url, base, n)
-        print("P1", json.dumps(results["P1_round_trip"], indent=1))
-        results["P2_throughput_64_in_flight"] = asyncio.run(p2(url, base, total,
-                                                                     proc.pid))
-        print("P2", json.dumps(results["P2_throughput_64_in_flight"], indent=1))
-        results["P4_transfer"] = p4(url, proc.pid, sizes)
-        print("P4", json.dumps(results["P4_transfer"], indent=1))
-        results["P5_chain_64MiB"] = p5(url)
-        print("P5", json.dumps(results["P5_chain_64MiB"], indent=1))
+    if "P1" in args.only:
+        results["P1_round_trip"] = p1_runs(n, max(args.runs, 1))
+        print("P1", json.dumps({k: v for k, v in results["P1_round_trip"].items()
+                                if k != "each_run"}, indent=1))
+    rest = [part for part in args.only if part != "P1"]
+    if rest:
+        with jitserve() as (url, proc), baseline() as base:
+            if "P2" in rest:
+                results["P2_throughput_64_in_flight"] = asyncio.run(p2(url, base, total,
+                                                                             proc.pid))
+                print("P2", json.dumps(results["P2_throughput_64_in_flight"], indent=1))
+            if "P4" in rest:
+                results["P4_transfer"] = p4(url, proc.pid, sizes)
+                print("P4", json.dumps(results["P4_transfer"], indent=1))
+            if "P5" in rest:
+                results["P5_chain_64MiB"] = p5(url)
+                print("P5", json.dumps(results["P5_chain_64MiB"], indent=1))
     write_results("service", results)
 
 
