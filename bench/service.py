@@ -59,12 +59,12 @@ def median_ms(fn: Any, n: int) -> float:
     return interleaved_ms({"": fn}, n)[""]
 
 
-def interleaved_ms(calls: dict[str, Any], n: int) -> dict[str, float]:
-    """Median ms of each of ``calls``, called in turn ``n`` times (after 10 rounds of
-    warm-up), so that the machine's drift during the run hits them all alike. Every
+def interleaved_ms(calls: dict[str, Any], n: int, warmup: int = 10) -> dict[str, float]:
+    """Median ms of each of ``calls``, called in turn ``n`` times (after ``warmup``
+    rounds), so that the machine's drift during the run hits them all alike. Every
     other round goes in the other order: a call runs faster right after one of the
     same server (the CPU's caches hold its code), so a fixed order favours some."""
-    for _ in range(min(10, n)):
+    for _ in range(min(warmup, n)):
         for fn in calls.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in calls}

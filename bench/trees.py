@@ -24,19 +24,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 from _servers import baseline, cpu_seconds, free_port, process, write_results
 
-from service import baseline_body, export, f
+from service import baseline_body, export, f, interleaved_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 # pyproject.toml's package-dir: jitserve.<name> -> <folder>
@@ -94,27 +92,19 @@ def compare(a: str | None, b: str | None, rounds: int) -> dict[str, object]:
             targets[key] = f"{url}/v1/programs/{program.json()['program_id']}/execute?wait=10000"
         headers = {"content-type": "application/msgpack"}
 
-        def call(target: str) -> float:
-            t = time.perf_counter()
-            r = client.post(target, content=body, headers=headers)
-            elapsed = time.perf_counter() - t
-            assert r.status_code == 200, r.text
-            return elapsed
+        def call(target: str) -> Callable[[], None]:
+            def one() -> None:
+                r = client.post(target, content=body, headers=headers)
+                assert r.status_code == 200, r.text
+            return one
 
+        calls = {key: call(target) for key, target in targets.items()}
         for _ in range(20):
-            for target in targets.values():
-                call(target)
+            for one in calls.values():
+                one()
         before = {k: cpu_seconds(pid) for k, (_, pid) in servers.items()}
-        times: dict[str, list[float]] = {k: [] for k in targets}
-        order = list(targets.items())
-        for i in range(rounds):
-            # Each round in the other order: a call runs faster right after a call of
-            # the same code (the CPU's caches hold jaxlib's), which favoured b by 4%
-            # when a always went first.
-            for key, target in (order if i % 2 == 0 else order[::-1]):
-                times[key].append(call(target))
+        ms = interleaved_ms(calls, rounds, warmup=0)
         after = {k: cpu_seconds(pid) for k, (_, pid) in servers.items()}
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     cpu = {names[k]: {"api_ms": (after[k][0] - before[k][0]) / rounds * 1e3,
                       "runtimes_ms": (after[k][1] - before[k][1]) / rounds * 1e3}
            for k in servers}

@@ -621,9 +621,7 @@ class Runtime:
             elif call.stop == "cancel":
                 error = RuntimeLost("future_cancelled", "deleted while it ran: its runtime "
                                     f"{self.index} was stopped and restarted")
-            elif self._kill_reason in ("timeout", "request_timeout"):
-                error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
-            else:
+            else:  # ``why`` says what killed it (a late run, a request's timeout) or how it ended
                 error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
             _post(call.loop, call.settle, None, error)
         self._pool.lost(self, self.generation, why)
