@@ -2,6 +2,7 @@
 
     python bench/trees.py b5fa5ed          # that commit against the checkout
     python bench/trees.py b5fa5ed HEAD~2   # two commits
+    python bench/trees.py . --b-env JITSERVE_X=1   # the checkout, with a setting against without
 
 On this machine the speed drifts by 30% and more within minutes, so two trees
 measured one after the other are hard to compare. Here both servers run at once
@@ -74,13 +75,18 @@ def server(env: dict[str, str], scratch: Path) -> Iterator[tuple[str, int]]:
         yield url, proc.pid
 
 
-def compare(a: str | None, b: str | None, rounds: int) -> dict[str, object]:
+def compare(a: str | None, b: str | None, rounds: int,
+            b_env: dict[str, str] | None = None) -> dict[str, object]:
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     body = baseline_body(x)
     names = {"a": a or "checkout", "b": b or "checkout"}
+    if b_env:
+        names["b"] += " " + " ".join(f"{k}={v}" for k, v in b_env.items())
+    extra = {"a": {}, "b": b_env or {}}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         scratch = Path(tmp)
-        servers = {k: stack.enter_context(server(stack.enter_context(tree(c, scratch)), scratch))
+        servers = {k: stack.enter_context(server(
+                       {**stack.enter_context(tree(c, scratch)), **extra[k]}, scratch))
                    for k, c in (("a", a), ("b", b))}
         base = stack.enter_context(baseline())
         client = stack.enter_context(httpx.Client(timeout=60))
@@ -117,11 +123,14 @@ def compare(a: str | None, b: str | None, rounds: int) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a", help="a commit (the one to compare against)")
+    parser.add_argument("a", help="a commit (the one to compare against); '.': the checkout")
     parser.add_argument("b", nargs="?", help="another commit; omitted: the checkout")
     parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for b's server only (repeatable)")
     args = parser.parse_args()
-    results = compare(args.a, args.b, args.rounds)
+    b_env = dict(item.split("=", 1) for item in args.b_env)
+    results = compare(None if args.a == "." else args.a, args.b, args.rounds, b_env)
     print(json.dumps(results, indent=1))
     write_results("trees", results)
 
