@@ -82,6 +82,8 @@ def compare(a: str | None, b: str | None, rounds: int,
     names = {"a": a or "checkout", "b": b or "checkout"}
     if b_env:
         names["b"] += " " + " ".join(f"{k}={v}" for k, v in b_env.items())
+    if names["a"] == names["b"]:  # the same tree twice: each server's CPU under its own name
+        names = {k: f"{name} ({k})" for k, name in names.items()}
     extra = {"a": {}, "b": b_env or {}}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         scratch = Path(tmp)
