@@ -6,14 +6,17 @@ on the same function and machine, and written to bench/results/service.json:
   P1  median round trip of a cached call with ``wait`` vs a minimal hand-written
       FastAPI endpoint (bench/_baseline_app.py) and vs in-process ``jax.jit``; and
       vs the supervised baseline, the same endpoint with the work in a child
-      process (the floor of running no program in the API process).
+      process (the floor of running no program in the API process). Twice: the
+      calls taking turns one by one (``P1_round_trip``), then 50 at a time
+      (``P1_round_trip_in_stretches``), as a server with one client sees them.
   P2  throughput with 64 calls in flight from the AsyncClient vs the same baselines.
   P4  upload / download GB/s at 1, 16 and 256 MiB through the SDK, and the peak RSS
       growth of the server and of the client during the round trip over the payload.
   P5  a 10-step chain on a 64 MiB array through futures vs shipping the data each step.
 
-Run: ``.venv/bin/python bench/service.py [--quick] [--only P1 ...] [--runs N]``
-(``--runs``: P1 that many times on fresh servers, with the spread of its ratios).
+Run: ``.venv/bin/python bench/service.py [--quick] [--only P1 ...] [--runs N]
+[--stretch N]`` (``--runs``: P1 that many times on fresh servers, with the spread
+of its ratios; ``--stretch``: the calls in a row of P1's second pass, 0 for none).
 """
 
 from __future__ import annotations
@@ -59,21 +62,28 @@ def median_ms(fn: Any, n: int) -> float:
     return interleaved_ms({"": fn}, n)[""]
 
 
-def interleaved_ms(calls: dict[str, Any], n: int, warmup: int = 10) -> dict[str, float]:
-    """Median ms of each of ``calls``, called in turn ``n`` times (after ``warmup``
-    rounds), so that the machine's drift during the run hits them all alike. Every
-    other round goes in the other order: a call runs faster right after one of the
-    same server (the CPU's caches hold its code), so a fixed order favours some."""
+def interleaved_ms(calls: dict[str, Any], n: int, warmup: int = 10,
+                   block: int = 1) -> dict[str, float]:
+    """Median ms of each of ``calls``, each called ``n`` times (after ``warmup``
+    rounds), in turn, ``block`` calls at a time, so that the machine's drift during
+    the run hits them all alike. Every other round goes in the other order: a call
+    runs faster right after one of the same server (the CPU's caches hold its
+    code), so a fixed order favours some. With ``block`` 1, every call follows
+    another server's, whose code has taken the caches; with a bigger ``block``,
+    most calls follow one of their own, as they do for a server that serves one
+    client."""
     for _ in range(min(warmup, n)):
         for fn in calls.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
     order = list(calls.items())
-    for i in range(n):
+    for i in range(-(-n // block)):
         for name, fn in (order if i % 2 == 0 else order[::-1]):
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+            seen = times[name]
+            for _ in range(min(block, n - len(seen))):
+                t = time.perf_counter()
+                fn()
+                seen.append(time.perf_counter() - t)
     return {name: statistics.median(seen) * 1e3 for name, seen in times.items()}
 
 
@@ -82,12 +92,13 @@ def baseline_body(x: np.ndarray) -> bytes:
                                     "data": x.tobytes()}]})
 
 
-def p1(url: str, base: str, n: int) -> dict[str, float]:
+def p1(url: str, base: str, n: int, block: int = 1) -> dict[str, float]:
     """A small cached call, three ways: the SDK (msgpack), and raw REST with a msgpack
-    and a JSON body; each against the baseline endpoint in the same encoding, in
+    body (as is, and with ``keep=false``, which keeps nothing, as the baseline) and
+    a JSON body; each against the baseline endpoint in the same encoding, in
     process (``/run``) and in a child process (``/run_child``, the supervised
     baseline: the floor of a server that runs no program in its API process).
-    All are called in turn, one call each per round."""
+    All are called in turn, ``block`` calls each per round (``interleaved_ms``)."""
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     jitted = jax.jit(f)
     local_ms = median_ms(lambda: np.asarray(jitted(x)), n)
@@ -109,18 +120,22 @@ def p1(url: str, base: str, n: int) -> dict[str, float]:
         ms = interleaved_ms({
             "sdk": lambda: c.execute(pid, [x], wait=10)[0].result(),
             "rest": raw(execute, packed, msgpack_headers),
+            "rest_drop": raw(execute + "&keep=false", packed, msgpack_headers),
             "rest_json": raw(execute, as_json, json_headers),
             "base": raw(f"{base}/run", packed, msgpack_headers),
             "base_json": raw(f"{base}/run", as_json, json_headers),
             "child": raw(f"{base}/run_child", packed, msgpack_headers),
-            "child_json": raw(f"{base}/run_child", as_json, json_headers)}, n)
+            "child_json": raw(f"{base}/run_child", as_json, json_headers)}, n, block=block)
     return {"jitserve_sdk_ms": ms["sdk"], "jitserve_rest_msgpack_ms": ms["rest"],
-            "jitserve_rest_json_ms": ms["rest_json"], "baseline_fastapi_ms": ms["base"],
+            "jitserve_rest_json_ms": ms["rest_json"],
+            "jitserve_rest_msgpack_keep_false_ms": ms["rest_drop"],
+            "baseline_fastapi_ms": ms["base"],
             "baseline_fastapi_json_ms": ms["base_json"],
             "supervised_baseline_ms": ms["child"],
             "supervised_baseline_json_ms": ms["child_json"], "local_jit_ms": local_ms,
             "ratio_vs_baseline": ms["sdk"] / ms["base"],
             "ratio_rest_msgpack_vs_baseline": ms["rest"] / ms["base"],
+            "ratio_rest_msgpack_keep_false_vs_baseline": ms["rest_drop"] / ms["base"],
             "ratio_rest_json_vs_baseline_json": ms["rest_json"] / ms["base_json"],
             "ratio_rest_msgpack_vs_supervised_baseline": ms["rest"] / ms["child"],
             "ratio_rest_json_vs_supervised_baseline_json": ms["rest_json"] / ms["child_json"],
@@ -289,15 +304,15 @@ def p5(url: str, steps: int = 10, mib: int = 64) -> dict[str, float]:
     return {"chain_s": chain_s, "ship_each_step_s": ship_s, "speedup": ship_s / chain_s}
 
 
-def p1_runs(n: int, runs: int) -> dict[str, Any]:
+def p1_runs(n: int, runs: int, block: int = 1) -> dict[str, Any]:
     """P1 ``runs`` times, each on servers of its own: one run's ratio moves by a
     tenth or more on this machine, so a verdict needs the spread of several."""
     each = []
     for i in range(runs):
         with jitserve() as (url, _), baseline() as base:
-            each.append(p1(url, base, n))
+            each.append({**p1(url, base, n, block), "block": block})
         if runs > 1:
-            print(f"P1 run {i + 1}/{runs}: REST msgpack "
+            print(f"P1 run {i + 1}/{runs}, {block} at a time: REST msgpack "
                   f"{each[-1]['ratio_rest_msgpack_vs_baseline']:.3f}x, JSON "
                   f"{each[-1]['ratio_rest_json_vs_baseline_json']:.3f}x, SDK "
                   f"{each[-1]['ratio_vs_baseline']:.3f}x", flush=True)
@@ -322,14 +337,23 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="P1 this many times, each on fresh servers: its medians "
                              "over the runs, and each ratio's min and max")
+    parser.add_argument("--stretch", type=int, default=50,
+                        help="P1 again with this many calls in a row to each server "
+                             "(at most a sixth of its calls; 0: not)")
     args = parser.parse_args()
     n, total = (50, 256) if args.quick else (300, 2048)
     sizes = [1, 16] if args.quick else [1, 16, 256]
     results: dict[str, Any] = {"machine": {"cpus": len(os.sched_getaffinity(0))}}
     if "P1" in args.only:
-        results["P1_round_trip"] = p1_runs(n, max(args.runs, 1))
-        print("P1", json.dumps({k: v for k, v in results["P1_round_trip"].items()
-                                if k != "each_run"}, indent=1))
+        # Calls taking turns one by one, each after another server's; then in
+        # stretches, as a server serving one client sees them (docs/performance.md).
+        p1s = {"P1_round_trip": 1,
+               "P1_round_trip_in_stretches": min(args.stretch, max(n // 6, 1))}
+        for key, block in p1s.items():
+            if block > 0:
+                results[key] = p1_runs(n, max(args.runs, 1), block)
+                print(key, json.dumps({k: v for k, v in results[key].items()
+                                       if k != "each_run"}, indent=1))
     rest = [part for part in args.only if part != "P1"]
     if rest:
         with jitserve() as (url, proc), baseline() as base:
