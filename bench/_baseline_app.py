@@ -8,6 +8,12 @@ bench/batching.py too, with ``BASELINE_MLP`` naming the MLP it runs instead.
 (bench/_baseline_child.py), which gets the request body over a pipe and sends
 back the answer's, as a server that keeps programs out of its API process must
 at the least. It is the floor of that rule, as ``/run`` is of a server without it.
+
+``asgi_app`` serves the same two endpoints as plain ASGI under uvicorn, without
+FastAPI (``uvicorn _baseline_app:asgi_app``): the floor of a server built on
+uvicorn, as jitserve's execute lane is, which answers ahead of FastAPI's
+routing and middleware (service/routes/execute.py). Its ``/run_child`` is that
+floor for a server that also runs no program in its API process.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,16 +66,15 @@ def answer(fn, raw: bytes, as_json: bool) -> bytes:  # noqa: ANN001
     return msgpack.packb(out)
 
 
-def _media_type(request: Request) -> str:
-    if request.headers.get("content-type", "").startswith("application/json"):
-        return "application/json"
-    return "application/msgpack"
+def _media_type(content_type: str) -> str:
+    return "application/json" if content_type.startswith("application/json") \
+        else "application/msgpack"
 
 
 @app.post("/run")
 async def run(request: Request) -> Response:
     """msgpack in and out, or JSON (nested lists) when the body is JSON, as jitserve does."""
-    media_type = _media_type(request)
+    media_type = _media_type(request.headers.get("content-type", ""))
     return Response(answer(f, await request.body(), media_type == "application/json"),
                     media_type=media_type)
 
@@ -108,6 +114,37 @@ _child = _Child()
 @app.post("/run_child")
 async def run_child(request: Request) -> Response:
     """``/run``, with the work done in a child process (the supervised baseline)."""
-    media_type = _media_type(request)
-    kind = b"j" if media_type == "application/json" else b"m"
-    return Response(await _child.call(kind + await request.body()), media_type=media_type)
+    media_type = _media_type(request.headers.get("content-type", ""))
+    return Response(await _child.call(_frame(media_type, await request.body())),
+                    media_type=media_type)
+
+
+def _frame(media_type: str, body: bytes) -> bytes:
+    """The child's request: one byte for the encoding, then the HTTP body."""
+    return (b"j" if media_type == "application/json" else b"m") + body
+
+
+async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """``/healthz``, ``/run`` and ``/run_child`` as plain ASGI: no routing, request
+    or response objects, dependencies or middleware."""
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+    media_type = _media_type(content_type.decode("latin-1"))
+    path = scope["path"]
+    if path == "/run":
+        out = answer(f, body, media_type == "application/json")
+    elif path == "/run_child":
+        out = await _child.call(_frame(media_type, body))
+    else:
+        media_type, out = "application/json", b'{"status":"ok"}'
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", media_type.encode()),
+                            (b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})

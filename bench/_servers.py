@@ -65,11 +65,12 @@ def jitserve(**env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 @contextlib.contextmanager
-def baseline(**env: str) -> Iterator[str]:
-    """The hand-written minimal FastAPI endpoint (bench/_baseline_app.py) under uvicorn."""
+def baseline(app: str = "app", **env: str) -> Iterator[str]:
+    """The hand-written minimal FastAPI endpoint (bench/_baseline_app.py) under uvicorn;
+    ``app="asgi_app"``: the same endpoints as plain ASGI, without FastAPI."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "uvicorn", "_baseline_app:app", "--app-dir", str(BENCH),
+    argv = [sys.executable, "-m", "uvicorn", f"_baseline_app:{app}", "--app-dir", str(BENCH),
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     with process(argv, url, env):
         yield url

@@ -9,6 +9,9 @@ on the same function and machine, and written to bench/results/service.json:
       process (the floor of running no program in the API process). Twice: the
       calls taking turns one by one (``P1_round_trip``), then 50 at a time
       (``P1_round_trip_in_stretches``), as a server with one client sees them.
+      Both baselines also run as plain ASGI under uvicorn, without FastAPI
+      (``asgi_*``): the plain supervised one is the floor of a server on
+      uvicorn that runs no program in its API process, as jitserve is.
   P2  throughput with 64 calls in flight from the AsyncClient vs the same baselines.
   P4  upload / download GB/s at 1, 16 and 256 MiB through the SDK, and the peak RSS
       growth of the server and of the client during the round trip over the payload.
@@ -92,12 +95,13 @@ def baseline_body(x: np.ndarray) -> bytes:
                                     "data": x.tobytes()}]})
 
 
-def p1(url: str, base: str, n: int, block: int = 1) -> dict[str, float]:
+def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, float]:
     """A small cached call, three ways: the SDK (msgpack), and raw REST with a msgpack
     body (as is, and with ``keep=false``, which keeps nothing, as the baseline) and
     a JSON body; each against the baseline endpoint in the same encoding, in
     process (``/run``) and in a child process (``/run_child``, the supervised
-    baseline: the floor of a server that runs no program in its API process).
+    baseline: the floor of a server that runs no program in its API process);
+    and both baseline endpoints in msgpack as plain ASGI (``asgi``, without FastAPI).
     All are called in turn, ``block`` calls each per round (``interleaved_ms``)."""
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     jitted = jax.jit(f)
@@ -125,7 +129,9 @@ def p1(url: str, base: str, n: int, block: int = 1) -> dict[str, float]:
             "base": raw(f"{base}/run", packed, msgpack_headers),
             "base_json": raw(f"{base}/run", as_json, json_headers),
             "child": raw(f"{base}/run_child", packed, msgpack_headers),
-            "child_json": raw(f"{base}/run_child", as_json, json_headers)}, n, block=block)
+            "child_json": raw(f"{base}/run_child", as_json, json_headers),
+            "asgi": raw(f"{asgi}/run", packed, msgpack_headers),
+            "asgi_child": raw(f"{asgi}/run_child", packed, msgpack_headers)}, n, block=block)
     return {"jitserve_sdk_ms": ms["sdk"], "jitserve_rest_msgpack_ms": ms["rest"],
             "jitserve_rest_json_ms": ms["rest_json"],
             "jitserve_rest_msgpack_keep_false_ms": ms["rest_drop"],
@@ -133,6 +139,7 @@ def p1(url: str, base: str, n: int, block: int = 1) -> dict[str, float]:
             "baseline_fastapi_json_ms": ms["base_json"],
             "supervised_baseline_ms": ms["child"],
             "supervised_baseline_json_ms": ms["child_json"], "local_jit_ms": local_ms,
+            "asgi_baseline_ms": ms["asgi"], "asgi_supervised_baseline_ms": ms["asgi_child"],
             "ratio_vs_baseline": ms["sdk"] / ms["base"],
             "ratio_rest_msgpack_vs_baseline": ms["rest"] / ms["base"],
             "ratio_rest_msgpack_keep_false_vs_baseline": ms["rest_drop"] / ms["base"],
@@ -140,6 +147,9 @@ def p1(url: str, base: str, n: int, block: int = 1) -> dict[str, float]:
             "ratio_rest_msgpack_vs_supervised_baseline": ms["rest"] / ms["child"],
             "ratio_rest_json_vs_supervised_baseline_json": ms["rest_json"] / ms["child_json"],
             "ratio_supervised_baseline_vs_baseline": ms["child"] / ms["base"],
+            "ratio_asgi_baseline_vs_baseline": ms["asgi"] / ms["base"],
+            "ratio_asgi_supervised_baseline_vs_baseline": ms["asgi_child"] / ms["base"],
+            "ratio_rest_msgpack_vs_asgi_supervised_baseline": ms["rest"] / ms["asgi_child"],
             "ratio_vs_local_jit": ms["sdk"] / local_ms}
 
 
@@ -309,11 +319,12 @@ def p1_runs(n: int, runs: int, block: int = 1) -> dict[str, Any]:
     tenth or more on this machine, so a verdict needs the spread of several."""
     each = []
     for i in range(runs):
-        with jitserve() as (url, _), baseline() as base:
-            each.append({**p1(url, base, n, block), "block": block})
+        with jitserve() as (url, _), baseline() as base, baseline("asgi_app") as asgi:
+            each.append({**p1(url, base, asgi, n, block), "block": block})
         if runs > 1:
             print(f"P1 run {i + 1}/{runs}, {block} at a time: REST msgpack "
-                  f"{each[-1]['ratio_rest_msgpack_vs_baseline']:.3f}x, JSON "
+                  f"{each[-1]['ratio_rest_msgpack_vs_baseline']:.3f}x (plain ASGI floor "
+                  f"{each[-1]['ratio_asgi_supervised_baseline_vs_baseline']:.3f}x), JSON "
                   f"{each[-1]['ratio_rest_json_vs_baseline_json']:.3f}x, SDK "
                   f"{each[-1]['ratio_vs_baseline']:.3f}x", flush=True)
     if runs == 1:
