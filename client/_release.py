@@ -22,7 +22,7 @@ logger = logging.getLogger("jitserve.client")
 
 #: One output of a future: ``(future_id, output index)``.
 Ref = tuple[str, int]
-_STOP = ("", -1)
+_STOP = ("", -1, 0)
 
 
 class ReleaseQueue:
@@ -32,20 +32,26 @@ class ReleaseQueue:
       send: posts one batch to the server (called from the thread; may raise).
       interval: seconds a batch waits for more releases before it is sent.
       batch: a batch this full is sent at once.
+      max_bytes: a batch whose outputs hold this many bytes is sent at once: a
+        loop that drops a big state per step would otherwise keep an interval's
+        worth of states on the server, more the faster it runs.
     """
 
     def __init__(self, send: Callable[[list[Ref]], object], *, interval: float = 0.05,
-                 batch: int = 512) -> None:
+                 batch: int = 512, max_bytes: int = 16 << 20) -> None:
         self._send = send
         self._interval = interval
         self._batch = batch
-        self._queue: queue.SimpleQueue[Ref] = queue.SimpleQueue()  # put() is safe in finalizers
+        self._max_bytes = max_bytes
+        # (future_id, output, bytes); put() is safe in finalizers
+        self._queue: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="jitserve-release", daemon=True)
         self._thread.start()
 
-    def put(self, future_id: str, output: int) -> None:
-        """Queue one output for release; safe from any thread and from a finalizer."""
-        self._queue.put((future_id, output))
+    def put(self, future_id: str, output: int, nbytes: int = 0) -> None:
+        """Queue one output (of ``nbytes``) for release; safe from any thread and from a
+        finalizer."""
+        self._queue.put((future_id, output, max(nbytes, 0)))
 
     def stop(self) -> None:
         """Let the thread send what is queued and end, without waiting for it (safe in finalizers)."""
@@ -61,14 +67,17 @@ class ReleaseQueue:
         stop = False
         while not stop:
             batch = [self._queue.get()]
+            nbytes = batch[0][2]
             deadline = time.monotonic() + self._interval
-            while len(batch) < self._batch and batch[-1] is not _STOP:
+            while len(batch) < self._batch and nbytes < self._max_bytes and batch[-1] is not _STOP:
                 try:
                     batch.append(self._queue.get(timeout=max(deadline - time.monotonic(), 0.0)))
                 except queue.Empty:
                     break
+                nbytes += batch[-1][2]
             stop = batch[-1] is _STOP
-            self._post([ref for ref in batch if ref is not _STOP])
+            self._post([(future_id, output) for future_id, output, _ in batch
+                        if (future_id, output) != _STOP[:2]])
 
     def _post(self, refs: list[Ref]) -> None:
         if not refs:

@@ -105,10 +105,11 @@ class _FutureState:
         if self.values is not None:
             self.values.pop(index, None)
 
-    def drop(self, index: int) -> None:
-        """Output ``index`` is garbage: forget it and queue its release (a finalizer; never raises)."""
+    def drop(self, index: int, nbytes: int = 0) -> None:
+        """Output ``index`` (of ``nbytes``) is garbage: forget it and queue its release
+        (a finalizer; never raises)."""
         self.forget(index)
-        self.releases.put(self.future_id, index)
+        self.releases.put(self.future_id, index, nbytes)
 
 
 def local_value(x: Any) -> Any:
@@ -156,7 +157,7 @@ class _RemoteBase:
             self.dtype: Any = key_type.dtype if key_type else wire.dtype_from_name(aval.dtype)
         except wire.WireError as e:
             raise ProtocolError(f"output {index} of future {future.future_id}: {e}") from None
-        self._finalizer = weakref.finalize(self, future.drop, index)
+        self._finalizer = weakref.finalize(self, future.drop, index, aval.nbytes)
         self._finalizer.atexit = False  # at exit the server's TTL frees it; no IO then
 
     @property

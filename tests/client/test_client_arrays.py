@@ -144,6 +144,34 @@ def test_release_queue_batches_and_survives_failures() -> None:
     assert max(map(len, batches)) == 4
 
 
+def test_release_queue_sends_a_heavy_batch_at_once() -> None:
+    sent: list[list[tuple[str, int]]] = []
+    queue = ReleaseQueue(sent.append, interval=60.0, max_bytes=100)
+    for i in range(3):
+        queue.put("big", i, 40)  # the third makes 120 bytes: no waiting out the interval
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == [[("big", 0), ("big", 1), ("big", 2)]]
+    queue.put("small", 0, 1)
+    queue.close()  # the light one waited for more; close sends it
+    assert sent[-1] == [("small", 0)]
+
+
+def test_dropped_arrays_are_released_with_their_size() -> None:
+    sent: list[list[tuple[str, int]]] = []
+    queue = ReleaseQueue(sent.append, interval=60.0, max_bytes=X.nbytes)
+    state = _FutureState(None, "fut", 1, queue, values={0: X})
+    y = RemoteArray(state, 0, Aval(X.shape, X.dtype.name))
+    del y
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == [[("fut", 0)]]  # one output of max_bytes: sent before the interval
+    queue.close()
+
+
 def test_release_queue_puts_from_many_threads() -> None:
     got: list[tuple[str, int]] = []
     queue = ReleaseQueue(got.extend, interval=0.01)
