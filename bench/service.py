@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside thi
 
 from _servers import baseline, cpu_seconds, jitserve, rss_bytes, write_results  # noqa: E402
 
-from jitserve.client import AsyncClient, Client  # noqa: E402
+from jitserve.client import AsyncClient, Client, Timeout  # noqa: E402
 from jitserve.client._transport import async_transport  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -96,9 +96,10 @@ def baseline_body(x: np.ndarray) -> bytes:
 
 
 def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, float]:
-    """A small cached call, three ways: the SDK (msgpack), and raw REST with a msgpack
-    body (as is, and with ``keep=false``, which keeps nothing, as the baseline) and
-    a JSON body; each against the baseline endpoint in the same encoding, in
+    """A small cached call, three ways: the SDK (``Client.execute`` with a wait, and
+    ``np.asarray(client.jit(f)(x))`` with its default hold and without one), and raw
+    REST with a msgpack body (as is, and with ``keep=false``, which keeps nothing, as
+    the baseline) and a JSON body; each against the baseline endpoint in the same encoding, in
     process (``/run``) and in a child process (``/run_child``, the supervised
     baseline: the floor of a server that runs no program in its API process);
     and both baseline endpoints in msgpack as plain ASGI (``asgi``, without FastAPI).
@@ -111,9 +112,11 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
                                     "data": x.tolist()}]}).encode()
     msgpack_headers = {"content-type": "application/msgpack"}
     json_headers = {"content-type": "application/json"}
-    with Client(url) as c, httpx.Client() as h:
+    with Client(url) as c, Client(url, timeout=Timeout(hold=0)) as unheld, \
+            httpx.Client() as h:
         pid = c.upload(export(f, x)).program_id
         execute = f"{url}/v1/programs/{pid}/execute?wait=10000"
+        jf, jf_unheld = c.jit(f), unheld.jit(f)
 
         def raw(target: str, body: bytes, headers: dict[str, str]) -> Any:
             def call() -> None:
@@ -123,6 +126,8 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
 
         ms = interleaved_ms({
             "sdk": lambda: c.execute(pid, [x], wait=10)[0].result(),
+            "sdk_jit": lambda: np.asarray(jf(x)),
+            "sdk_jit_unheld": lambda: np.asarray(jf_unheld(x)),
             "rest": raw(execute, packed, msgpack_headers),
             "rest_drop": raw(execute + "&keep=false", packed, msgpack_headers),
             "rest_json": raw(execute, as_json, json_headers),
@@ -132,7 +137,9 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
             "child_json": raw(f"{base}/run_child", as_json, json_headers),
             "asgi": raw(f"{asgi}/run", packed, msgpack_headers),
             "asgi_child": raw(f"{asgi}/run_child", packed, msgpack_headers)}, n, block=block)
-    return {"jitserve_sdk_ms": ms["sdk"], "jitserve_rest_msgpack_ms": ms["rest"],
+    return {"jitserve_sdk_ms": ms["sdk"], "jitserve_sdk_jit_ms": ms["sdk_jit"],
+            "jitserve_sdk_jit_unheld_ms": ms["sdk_jit_unheld"],
+            "jitserve_rest_msgpack_ms": ms["rest"],
             "jitserve_rest_json_ms": ms["rest_json"],
             "jitserve_rest_msgpack_keep_false_ms": ms["rest_drop"],
             "baseline_fastapi_ms": ms["base"],
@@ -141,6 +148,8 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
             "supervised_baseline_json_ms": ms["child_json"], "local_jit_ms": local_ms,
             "asgi_baseline_ms": ms["asgi"], "asgi_supervised_baseline_ms": ms["asgi_child"],
             "ratio_vs_baseline": ms["sdk"] / ms["base"],
+            "ratio_sdk_jit_vs_baseline": ms["sdk_jit"] / ms["base"],
+            "ratio_sdk_jit_unheld_vs_baseline": ms["sdk_jit_unheld"] / ms["base"],
             "ratio_rest_msgpack_vs_baseline": ms["rest"] / ms["base"],
             "ratio_rest_msgpack_keep_false_vs_baseline": ms["rest_drop"] / ms["base"],
             "ratio_rest_json_vs_baseline_json": ms["rest_json"] / ms["base_json"],
@@ -326,7 +335,8 @@ def p1_runs(n: int, runs: int, block: int = 1) -> dict[str, Any]:
                   f"{each[-1]['ratio_rest_msgpack_vs_baseline']:.3f}x (plain ASGI floor "
                   f"{each[-1]['ratio_asgi_supervised_baseline_vs_baseline']:.3f}x), JSON "
                   f"{each[-1]['ratio_rest_json_vs_baseline_json']:.3f}x, SDK "
-                  f"{each[-1]['ratio_vs_baseline']:.3f}x", flush=True)
+                  f"{each[-1]['ratio_vs_baseline']:.3f}x, client.jit "
+                  f"{each[-1]['ratio_sdk_jit_vs_baseline']:.3f}x", flush=True)
     if runs == 1:
         return each[0]
     ratios = [k for k in each[0] if k.startswith("ratio")]

@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+from jitserve import wire
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _RemoteBase, local_value
 from jitserve.client._trace import Compiled, local_input, trace
@@ -38,6 +39,37 @@ class _Split:
     treedef: Any
     leaves: list[Any]
     donated: tuple[bool, ...]
+
+
+class _Hold:
+    """Whether the calls of one signature ask the server to hold the answer (``Timeout.hold``).
+
+    A call that asked and got a 202 (a compile, a long run, a queue) spent the
+    hold for nothing, so after ``k`` such calls in a row the next ``2**k`` calls of
+    the signature (at most ``_MAX_SKIP``) do not ask; then one asks again.
+    """
+
+    __slots__ = ("misses", "skip")
+
+    def __init__(self) -> None:
+        self.misses = 0
+        self.skip = 0
+
+    def ask(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def answered(self, with_outputs: bool) -> None:
+        if with_outputs:
+            self.misses = 0
+        else:
+            self.misses += 1
+            self.skip = min(1 << self.misses, _MAX_SKIP)
+
+
+_MAX_SKIP = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +137,7 @@ class _RemoteFunctionBase:
             fn, _as_tuple(donate_argnums, int), _as_tuple(donate_argnames, str))
         self._cache: dict[Hashable, Compiled] = {}
         self._locks: dict[Hashable, Any] = {}  # one per signature: trace and upload it once
+        self._holds: dict[str, _Hold | None] = {}  # by program id; None: never asks
         functools.update_wrapper(self, fn)
 
     def __repr__(self) -> str:
@@ -118,6 +151,7 @@ class _RemoteFunctionBase:
         """Forget traced signatures; the next calls trace (and check the server) again."""
         self._client._forget_programs(c.program_id for c in self._cache.values())
         self._cache.clear()
+        self._holds.clear()
 
     # ------------------------------------------------------------------ arguments
 
@@ -228,17 +262,35 @@ class _RemoteFunctionBase:
         client._remember_program(compiled.program_id)
 
     def _op_execute(self, compiled: Compiled, values: list[Any], donate: list[int]) -> Op[_Execution]:
+        hold = self._hold(compiled)
+        wait = self._client.timeout.hold if hold is not None and hold.ask() else None
         op = self._client._op_execute
         try:
-            return (yield from op(compiled.program_id, values, None, "", donate))
+            ex = yield from op(compiled.program_id, values, wait, "", donate)
         except NotFound:
             # The server may have lost the program (a restart); a missing future
             # reference is the other 404, and re-raises below.
             self._client._forget_programs([compiled.program_id])
             if (yield from self._client._op_get_program(compiled.program_id)) is not None:
                 raise
-        yield from self._op_ensure_uploaded(compiled, check=False)
-        return (yield from op(compiled.program_id, values, None, "", donate))
+            yield from self._op_ensure_uploaded(compiled, check=False)
+            ex = yield from op(compiled.program_id, values, wait, "", donate)
+        if wait is not None:
+            assert hold is not None
+            hold.answered(ex.outputs is not None)
+        return ex
+
+    def _hold(self, compiled: Compiled) -> _Hold | None:
+        """The hold state of ``compiled``'s calls; ``None`` when they never ask: a
+        hold of 0, or outputs too big to come back with the answer."""
+        if not self._client.timeout.hold:
+            return None
+        pid = compiled.program_id
+        if pid not in self._holds:
+            small = all(a.is_static for a in compiled.out_avals) and sum(
+                a.nbytes for a in compiled.out_avals) <= wire.INLINE_OUTPUTS_BYTES
+            self._holds[pid] = _Hold() if small else None
+        return self._holds[pid]
 
 
 class RemoteFunction(_RemoteFunctionBase):
@@ -250,6 +302,10 @@ class RemoteFunction(_RemoteFunctionBase):
     jaxpr document, uploads the program if the server lacks it, and runs it. It
     returns as soon as the server has queued the run (before any compile ends): the
     outputs' pytree with a ``RemoteArray`` per leaf, shapes and dtypes already known.
+    When the outputs are small (``wire.INLINE_OUTPUTS_BYTES`` in all), the call
+    lets the server hold its answer up to ``Timeout.hold`` for them, so a quick
+    call comes back with its values and ``np.asarray(f(x))`` is one round trip
+    (``_Hold``: a signature that keeps missing the hold stops asking for a while).
 
     Arguments and outputs may be any pytree ``jax.jit`` takes (optax states, flax
     structs, typed PRNG keys...): the trees stay here, only leaves travel. Leaves

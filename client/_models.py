@@ -51,20 +51,31 @@ class Timeout:
       connect: opening a connection; defaults to ``request``.
       poll: the longest wait asked of the server per long-poll request; a longer
         wait is a loop of these, so no proxy ever sees a very long request.
+      hold: how long a call of a jitted function whose outputs are small
+        (``wire.INLINE_OUTPUTS_BYTES`` in all) lets the server hold its answer for
+        them. Outputs ready by then come back with the answer, so
+        ``np.asarray(f(x))`` costs one round trip instead of two; past it the call
+        returns as a call with ``0`` does, as soon as the run is queued. A
+        signature whose calls keep missing it stops asking for a while
+        (``RemoteFunction``).
 
     >>> Timeout(10.0, connect=2.0)
-    Timeout(request=10.0, connect=2.0, poll=30.0)
+    Timeout(request=10.0, connect=2.0, poll=30.0, hold=0.002)
     """
 
     request: float | None = 60.0
     connect: float | None | NotGiven = NOT_GIVEN
     poll: float = 30.0
+    hold: float = 0.002
 
     def __post_init__(self) -> None:
         if self.connect is NOT_GIVEN:
             object.__setattr__(self, "connect", self.request)
         if not self.poll > 0:
             raise ValueError(f"poll must be a positive number of seconds, got {self.poll!r}")
+        if not 0 <= self.hold <= self.poll:
+            raise ValueError(f"hold must be from 0 to poll ({self.poll!r}) seconds, "
+                             f"got {self.hold!r}")
 
     @classmethod
     def of(cls, value: Timeout | float | None) -> Timeout:

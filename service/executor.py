@@ -58,7 +58,7 @@ from jitserve.service.runtimes import (
     RuntimePool,
     frames,
 )
-from jitserve.wire import FutureStatus
+from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
 
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
 
@@ -482,7 +482,7 @@ class Executor:
                 self._runtimes.segments.give_back(segment)
         outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
                    for h, a in zip(reply["handles"], arrays)]
-        if sum(a.nbytes for a in arrays) <= frames.INLINE_OUTPUTS_BYTES:
+        if sum(a.nbytes for a in arrays) <= INLINE_OUTPUTS_BYTES:
             future.host = arrays  # small: fetches need no round trip
         self._futures.mark_running(future, 0.0)
         self._futures.complete(future, outputs, 0.0)

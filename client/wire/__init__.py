@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from jitserve.wire._aval import Aval, Dim
 from jitserve.wire._codec import (
+    INLINE_OUTPUTS_BYTES,
     MAX_DEPTH,
     MAX_RANK,
     STREAM_BYTES,
@@ -64,6 +65,7 @@ __all__ = [
     "ERROR_STATUS",
     "ErrorCode",
     "FutureStatus",
+    "INLINE_OUTPUTS_BYTES",
     "JAXPR_FORMAT_NAME",
     "JAXPR_FORMAT_VERSION",
     "JAXPR_MIN_SUPPORTED_VERSION",

@@ -39,6 +39,7 @@ from jitserve.wire._dtypes import DTYPES, WireError, dtype_from_name, dtype_name
 from jitserve.wire._views import unpack_views
 
 __all__ = [
+    "INLINE_OUTPUTS_BYTES",
     "MAX_DEPTH",
     "MAX_RANK",
     "PackedBody",
@@ -232,6 +233,10 @@ _JOIN_BELOW = 64 << 10
 #: Bodies of at least this many bytes are streamed (requests and answers alike);
 #: smaller ones are sent as one ``bytes``, which costs less than streaming.
 STREAM_BYTES = 1 << 20
+#: A run's outputs of at most this many bytes in all come back with its answer
+#: from the runtime, so the server holds their values; the SDK asks for them
+#: with the call itself (``Timeout.hold``) rather than in a second request.
+INLINE_OUTPUTS_BYTES = 64 << 10
 
 
 def pack_pieces(obj: Any) -> list[bytes | memoryview]:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jitserve import wire
 from jitserve.service.runtimes import frames, landlock
 
 log = logging.getLogger("jitserve.runtime")
@@ -401,7 +402,7 @@ class RuntimeServer:
         out_nbytes = exe.out_nbytes
         if out_nbytes is None:
             out_nbytes = sum(out.nbytes for out in outputs)
-        if out_nbytes <= frames.INLINE_OUTPUTS_BYTES:
+        if out_nbytes <= wire.INLINE_OUTPUTS_BYTES:
             # Small outputs come along: fetching them later would cost a round trip.
             import numpy as np
 
@@ -429,7 +430,7 @@ class RuntimeServer:
                 self.buffers[handle] = piece
                 mine.append(handle)
             handles.append(mine)
-            if sum(p.nbytes for p in call) <= frames.INLINE_OUTPUTS_BYTES:
+            if sum(p.nbytes for p in call) <= wire.INLINE_OUTPUTS_BYTES:
                 values.append(frames.pack_arrays([np.asarray(p) for p in call], None)[0])
             else:
                 values.append(None)

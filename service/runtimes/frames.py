@@ -38,14 +38,11 @@ import numpy as np
 from jitserve import wire
 from jitserve.compiler._worker import Pipe
 
-__all__ = ["INLINE_MAX_BYTES", "INLINE_OUTPUTS_BYTES", "Pipe", "Segment", "SegmentCache",
+__all__ = ["INLINE_MAX_BYTES", "Pipe", "Segment", "SegmentCache",
            "frame", "frame_size", "layout", "pack", "pack_arrays", "unpack", "unpack_arrays",
            "write_arrays"]
 
 INLINE_MAX_BYTES = 1 << 20
-# A run's outputs up to this size come back with its answer, so that fetching
-# them costs no second round trip.
-INLINE_OUTPUTS_BYTES = 64 << 10
 _ALIGN = 64
 _MIN_SEGMENT = 4 << 20
 SHM_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))

@@ -22,6 +22,7 @@ from jitserve.client import (
     ProgramError,
     RemoteArray,
     RemoteFunction,
+    Timeout,
     wire,
 )
 
@@ -207,8 +208,8 @@ def test_reupload_when_the_server_lost_the_program(client: Client, server: FakeS
     server.requests.clear()
     np.testing.assert_allclose(np.asarray(f(X)), np.exp(X), rtol=1e-6)
     assert [p.split(" ")[0] + " " + p.split("/")[-1] for p in server.paths()] == [
-        "POST execute", f"GET {next(iter(server.programs))}", "POST programs", "POST execute",
-        "GET result"]
+        "POST execute", f"GET {next(iter(server.programs))}", "POST programs", "POST execute"]
+    # the retried call held its answer too: the outputs came with it
 
 
 def test_missing_future_reference_is_not_found(client: Client, server: FakeServer) -> None:
@@ -295,6 +296,69 @@ async def test_async_jit(aclient: AsyncClient, server: FakeServer) -> None:
         return -a
 
     np.testing.assert_array_equal(await (await neg(X)), -X)
+
+
+def held(server: FakeServer) -> list[str | None]:
+    """The ``wait`` each execute asked for (``None``: none)."""
+    return [r.url.params.get("wait") for r in server.requests if r.url.path.endswith("/execute")]
+
+
+def test_small_outputs_come_back_with_the_call(client: Client, server: FakeServer) -> None:
+    f = client.jit(lambda a: (jnp.sin(a), a.sum()))
+    f(X)
+    server.requests.clear()
+    y, total = f(X + 1)
+    assert y.is_ready()  # nothing left to ask
+    np.testing.assert_allclose(np.asarray(y), np.sin(X + 1), rtol=1e-6)
+    assert float(total) == float((X + 1).sum())
+    assert server.paths() == [f"POST /v1/programs/{next(iter(server.programs))}/execute"]
+    assert held(server) == ["2"]  # Timeout.hold, in ms
+    z = f(y)[0]  # a held answer still names a future: chaining keeps data on the server
+    assert executes(server)[-1]["args"] == [{"future": y.future_id, "output": 0}]
+    np.testing.assert_allclose(np.asarray(z), np.sin(np.sin(X + 1)), rtol=1e-6)
+
+
+def test_big_outputs_are_not_held(client: Client, server: FakeServer) -> None:
+    n = wire.INLINE_OUTPUTS_BYTES // 4 + 1  # float32: one element past the limit
+    f = client.jit(lambda a: jnp.zeros(n, jnp.float32) + a.sum())
+    y = f(X)
+    assert held(server) == [None]  # they would come back whole, wanted or not
+    np.testing.assert_array_equal(np.asarray(y), np.full(n, X.sum(), np.float32))
+    assert server.paths()[-1].startswith("GET /v1/futures/")
+
+
+def test_a_signature_that_misses_the_hold_stops_asking_for_a_while(
+        client: Client, server: FakeServer) -> None:
+    f = client.jit(jnp.cos)
+    server.hold_execute = True  # every answer comes before the outputs
+    for _ in range(1 + 2 + 1 + 4 + 1):
+        f(X)
+    # a miss, two calls that do not ask; a second miss, four that do not ask; ask again
+    assert held(server) == ["2", None, None, "2", None, None, None, None, "2"]
+    server.hold_execute = False
+    server.requests.clear()
+    for _ in range(1 + 8 + 3):
+        f(X)
+    assert held(server) == [None] * 8 + ["2"] * 4  # the skips left, then a hit: ask on
+
+
+async def test_async_small_outputs_come_back_with_the_call(
+        aclient: AsyncClient, server: FakeServer) -> None:
+    f = aclient.jit(jnp.sin)
+    await f(X)
+    server.requests.clear()
+    y = await f(X)
+    np.testing.assert_allclose(y._local(), np.sin(X), rtol=1e-6)  # fetched: no await needed
+    assert held(server) == ["2"] and len(server.paths()) == 1
+
+
+def test_hold_zero_never_asks(server: FakeServer) -> None:
+    with Client("http://jitserve.test", api_key=None, timeout=Timeout(5.0, poll=0.2, hold=0),
+                transport=httpx.MockTransport(server)) as c:
+        f = c.jit(jnp.sin)
+        f(X)
+        np.testing.assert_allclose(np.asarray(f(X)), np.sin(X), rtol=1e-6)
+    assert held(server) == [None, None]
 
 
 def test_jit_needs_a_callable(client: Client) -> None:

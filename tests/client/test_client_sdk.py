@@ -437,6 +437,10 @@ def test_timeout_value_object() -> None:
     assert Timeout(None).to_httpx(wait=5).read is None
     with pytest.raises(ValueError, match="poll"):
         Timeout(poll=0)
+    assert Timeout().hold == 0.002 and Timeout(hold=0).hold == 0
+    for hold in (-1.0, 31.0):
+        with pytest.raises(ValueError, match="hold must be from 0 to poll"):
+            Timeout(hold=hold)
     with pytest.raises(TypeError):
         Client(URL, "key")  # type: ignore[misc]  # configuration is keyword-only
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from corpus import CASES, Case, assert_outputs_match, expected
 
-from jitserve.client import AsyncClient, Client, RemoteArray
+from jitserve.client import AsyncClient, Client, RemoteArray, Timeout
 
 jax.config.update("jax_enable_x64", True)
 
@@ -59,18 +59,43 @@ def test_static_argnums_recompile_per_value(client: Client) -> None:
     np.testing.assert_array_equal(np.asarray(f(x, 3)), x * 3)
 
 
-def test_chaining_moves_no_bytes(client: Client, server_url: str) -> None:
-    f = client.jit(lambda v: jnp.sin(v) + 1.0)
+@pytest.mark.parametrize("hold", [0.0, Timeout().hold], ids=["no hold", "default hold"])
+def test_chaining_uploads_no_bytes(server_url: str, hold: float) -> None:
+    """A chained input stays on the server. Without a hold nothing comes back
+    either; with one, each call's small outputs come back with its answer."""
     x = np.linspace(0, 1, 1 << 12)  # under the e2e server's small body limit
-    y = f(x)
-    y.block_until_ready()
-    before_in = _metric(server_url, "jitserve_transfer_bytes_total", '{direction="in"}')
-    before_out = _metric(server_url, "jitserve_transfer_bytes_total", '{direction="out"}')
-    z = f(f(y))
-    z.block_until_ready()
-    assert _metric(server_url, "jitserve_transfer_bytes_total", '{direction="in"}') == before_in
-    assert _metric(server_url, "jitserve_transfer_bytes_total", '{direction="out"}') == before_out
-    np.testing.assert_allclose(np.asarray(z), np.sin(np.sin(np.sin(x) + 1) + 1) + 1, rtol=1e-12)
+    with Client(server_url, timeout=Timeout(120, hold=hold)) as client:
+        f = client.jit(lambda v: jnp.sin(v) + 1.0)
+        y = f(x)
+        y.block_until_ready()
+        before_in = _metric(server_url, "jitserve_transfer_bytes_total", '{direction="in"}')
+        before_out = _metric(server_url, "jitserve_transfer_bytes_total", '{direction="out"}')
+        z = f(f(y))
+        z.block_until_ready()
+        assert _metric(server_url, "jitserve_transfer_bytes_total", '{direction="in"}') == before_in
+        out = _metric(server_url, "jitserve_transfer_bytes_total", '{direction="out"}') - before_out
+        assert out in ((0,) if hold == 0 else (0, x.nbytes, 2 * x.nbytes))  # a miss brings none
+        np.testing.assert_allclose(np.asarray(z), np.sin(np.sin(np.sin(x) + 1) + 1) + 1,
+                                   rtol=1e-12)
+
+
+def test_a_call_and_its_value_take_one_request(server_url: str) -> None:
+    """``np.asarray(f(x))`` of a function with small outputs: the execute's answer
+    holds the outputs (``Timeout.hold``, long here so that a loaded machine never
+    misses it), so no result request follows, and the call is one round trip."""
+    route = '{route="/v1/futures/{future_id}/result",status="200"}'
+    with Client(server_url, timeout=Timeout(120, hold=10.0)) as client:
+        f = client.jit(lambda v: (jnp.cos(v) * 2.0, v.sum()))
+        x = np.linspace(-1, 1, 256)
+        results = _metric(server_url, "jitserve_requests_total", route)
+        got = [f(x * k) for k in range(1, 9)]  # the first compiles within the hold
+        values = [(np.asarray(a), float(b)) for a, b in got]
+        assert _metric(server_url, "jitserve_requests_total", route) == results
+        for k, (a, b) in enumerate(values, start=1):
+            np.testing.assert_allclose(a, np.cos(x * k) * 2.0, rtol=1e-12)
+            assert b == pytest.approx(float((x * k).sum()), abs=1e-12)
+        y = f(got[-1][0])[0]  # a held answer's arrays chain by reference
+        np.testing.assert_allclose(np.asarray(y), np.cos(np.cos(x * 8) * 2.0) * 2.0, rtol=1e-12)
 
 
 def test_recall_reuses_the_program(client: Client) -> None:
