@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import uvicorn
+from _asgi import read_body
 
 from jitserve.service.peers import PeerClient
 
@@ -27,12 +28,7 @@ _client = PeerClient(idle_s=2.0)
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive)
     query = scope["query_string"].decode("latin-1")
     target = scope["raw_path"].decode("latin-1") + ("?" + query if query else "")
     headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _HEADERS}

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import msgpack
 import numpy as np
+from _asgi import read_body
 from fastapi import FastAPI, Request, Response
 
 jax.config.update("jax_enable_x64", True)
@@ -129,12 +130,7 @@ async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     or response objects, dependencies or middleware."""
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive)
     content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
     media_type = _media_type(content_type.decode("latin-1"))
     path = scope["path"]
