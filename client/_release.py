@@ -76,8 +76,7 @@ class ReleaseQueue:
                     break
                 nbytes += batch[-1][2]
             stop = batch[-1] is _STOP
-            self._post([(future_id, output) for future_id, output, _ in batch
-                        if (future_id, output) != _STOP[:2]])
+            self._post([(item[0], item[1]) for item in batch if item is not _STOP])
 
     def _post(self, refs: list[Ref]) -> None:
         if not refs:
