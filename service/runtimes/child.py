@@ -216,13 +216,16 @@ class RuntimeServer:
                 and self.compiler.loaded_executable(exe_id) is not None)
 
     def _run(self, m: dict[str, Any]) -> None:
-        """Answer run ``m``, and keep how long that took."""
+        """Answer run ``m``, and keep how long that took. Kept before the answer goes:
+        the next run of the executable may be read by another thread as soon as the
+        API process has the answer, and must find it known by then."""
         t0 = time.perf_counter()
-        self._answer(m)
+        reply = self._reply(m)
         self.runs += 1
         if len(self._run_times) >= _RUN_TIMES_KEPT:
             self._run_times.clear()
         self._run_times[m.get("executable_id")] = time.perf_counter() - t0  # type: ignore[index]
+        self._send(reply)
 
     def _next_run(self) -> dict[str, Any] | None:
         """A queued run for this thread's run slot, else ``None`` (the slot is free)."""
@@ -233,6 +236,10 @@ class RuntimeServer:
             return None
 
     def _answer(self, message: dict[str, Any]) -> None:
+        self._send(self._reply(message))
+
+    def _reply(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The answer to ``message``: its handler's, or the error it raised."""
         from jitserve.compiler.errors import CompilerError
 
         rid = message.get("id", 0)
@@ -247,7 +254,7 @@ class RuntimeServer:
             reply = {"id": rid, "kind": "error", "code": str(e.code), "message": str(e)}
         except Exception as e:  # noqa: BLE001 - everything a program does is reported
             reply = {"id": rid, "kind": "error", **self._classify(e)}
-        self._send(reply)
+        return reply
 
     def _classify(self, e: Exception) -> dict[str, str]:
         from jitserve.compiler.errors import first_line
