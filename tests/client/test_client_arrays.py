@@ -144,14 +144,19 @@ def test_release_queue_batches_and_survives_failures() -> None:
     assert max(map(len, batches)) == 4
 
 
+def _until_sent(sent: list[Any], timeout: float = 10.0) -> None:
+    """Wait for a queue's thread to send its first batch (well before its interval)."""
+    deadline = time.monotonic() + timeout
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_release_queue_sends_a_heavy_batch_at_once() -> None:
     sent: list[list[tuple[str, int]]] = []
     queue = ReleaseQueue(sent.append, interval=60.0, max_bytes=100)
     for i in range(3):
         queue.put("big", i, 40)  # the third makes 120 bytes: no waiting out the interval
-    deadline = time.monotonic() + 10
-    while not sent and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until_sent(sent)
     assert sent == [[("big", 0), ("big", 1), ("big", 2)]]
     queue.put("small", 0, 1)
     queue.close()  # the light one waited for more; close sends it
@@ -165,9 +170,7 @@ def test_dropped_arrays_are_released_with_their_size() -> None:
     y = RemoteArray(state, 0, Aval(X.shape, X.dtype.name))
     del y
     gc.collect()
-    deadline = time.monotonic() + 10
-    while not sent and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until_sent(sent)
     assert sent == [[("fut", 0)]]  # one output of max_bytes: sent before the interval
     queue.close()
 
