@@ -3,7 +3,7 @@
     python bench/_bare_relay.py PORT TARGET_URL
 
 uvicorn (httptools, uvloop, as ``jitserve serve`` runs) and the replicas' own
-client (service/peers.py), as a replica forwards: each request's method, path,
+client (service/cluster/peers.py), as a replica forwards: each request's method, path,
 query, body, ``Accept`` and ``Content-Type`` go to ``TARGET_URL``, and its answer
 comes back. Nothing else: no authentication, parsing, limits or metrics. What a
 chained call costs through this, over the call sent straight to the target, is
@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 from _asgi import read_body
 
-from jitserve.service.peers import PeerClient
+from jitserve.service.cluster.peers import PeerClient
 
 _HEADERS = (b"accept", b"content-type")
 _PASSED = ("content-type", "content-length")

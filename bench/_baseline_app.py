@@ -12,7 +12,7 @@ at the least. It is the floor of that rule, as ``/run`` is of a server without i
 ``asgi_app`` serves the same two endpoints as plain ASGI under uvicorn, without
 FastAPI (``uvicorn _baseline_app:asgi_app``): the floor of a server built on
 uvicorn, as jitserve's execute lane is, which answers ahead of FastAPI's
-routing and middleware (service/routes/execute.py). Its ``/run_child`` is that
+routing and middleware (service/api/routes/execute.py). Its ``/run_child`` is that
 floor for a server that also runs no program in its API process.
 """
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jitserve.service.app import create_app
-    from jitserve.service.settings import Settings
+    from .app import create_app
+    from .settings import Settings
 
 __all__ = ["Settings", "create_app"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from jitserve.service.app import create_app
+        from .app import create_app
         return create_app
     if name == "Settings":
-        from jitserve.service.settings import Settings
+        from .settings import Settings
         return Settings
     raise AttributeError(f"module 'jitserve.service' has no attribute {name!r}")

@@ -24,32 +24,33 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from jitserve.compiler import Catalog, Compiler
-from jitserve.service import v2
-from jitserve.service.batching import Batcher
-from jitserve.service.calls import Calls
-from jitserve.service.cluster import Cluster
-from jitserve.service.drain import Drain
-from jitserve.service.errors import install_error_handlers
-from jitserve.service.executables import ExecutableIndex
-from jitserve.service.executor import Executor
-from jitserve.service.futures import FutureStore
-from jitserve.service.metrics import Metrics, RequestMetricsMiddleware
-from jitserve.service.openapi import install_docs
-from jitserve.service.programs import ProgramStore
-from jitserve.service.quotas import Quotas
-from jitserve.service.routes import arrays as arrays_routes
-from jitserve.service.routes import batching as batching_routes
-from jitserve.service.routes import executables as executables_routes
-from jitserve.service.routes import execute as execute_routes
-from jitserve.service.routes import futures as futures_routes
-from jitserve.service.routes import health as health_routes
-from jitserve.service.routes import programs as programs_routes
-from jitserve.service.routes.replicas import AnnounceReplica
-from jitserve.service.runtimes import RuntimePool, make_pool
-from jitserve.service.scheduler import FairScheduler
-from jitserve.service.settings import Settings
-from jitserve.service.tenants import Tenants
-from jitserve.service.warm import start_warming
+
+from . import v2
+from .api.openapi import install_docs
+from .api.routes import arrays as arrays_routes
+from .api.routes import batching as batching_routes
+from .api.routes import executables as executables_routes
+from .api.routes import execute as execute_routes
+from .api.routes import futures as futures_routes
+from .api.routes import health as health_routes
+from .api.routes import programs as programs_routes
+from .calls.batching import Batcher
+from .calls.calls import Calls
+from .calls.drain import Drain
+from .calls.executables import ExecutableIndex
+from .calls.executor import Executor
+from .calls.futures import FutureStore
+from .calls.programs import ProgramStore
+from .calls.quotas import Quotas
+from .calls.scheduler import FairScheduler
+from .calls.tenants import Tenants
+from .calls.warming import start_warming
+from .cluster._cluster import Cluster
+from .cluster.relay import AnnounceReplica
+from .errors import install_error_handlers
+from .metrics import Metrics, RequestMetricsMiddleware
+from .runtimes import RuntimePool, make_pool
+from .settings import Settings
 
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
@@ -203,7 +204,7 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
     if cluster is not None:
         await cluster.start(futures.live)
     _log_startup(settings, pool, state.catalog)
-    # --warm: compile a manifest; /readyz says "warming" until it is done (service/warm.py)
+    # --warm: compile a manifest; /readyz says "warming" until it is done (service/calls/warming.py)
     state.warming = start_warming(settings, state.programs, state.calls, len(pool.runtimes))
     grpc_server = None
     try:

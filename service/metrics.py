@@ -101,14 +101,14 @@ class Metrics:
         self.redis_bytes = Counter("jitserve_redis_bytes", "bytes moved to and from Redis",
                                    ["direction"], registry=r)
         self._redis_seen = {"errors": 0, "bytes_read": 0, "bytes_written": 0}
-        # Replicas (service/cluster.py): bytes forwarded to and received from other
+        # Replicas (service/cluster/_cluster.py): bytes forwarded to and received from other
         # replicas, and replicas this one saw lost.
         self.peer_bytes_total = Counter("jitserve_peer_bytes", "bytes moved between replicas",
                                         ["direction"], registry=r)
         self.replicas_lost = Counter("jitserve_replicas_lost", "replicas noticed lost",
                                      registry=r)
         # Memory and connections: requests and connections cut short, and the scratch
-        # memory of running programs (service/bodies.py, connections.py, executor.py).
+        # memory of running programs (service/api/bodies.py, connections.py, executor.py).
         self.bodies_aborted = Counter("jitserve_request_bodies_aborted",
                                       "request bodies that did not arrive whole, by reason",
                                       ["reason"], registry=r)
@@ -132,7 +132,7 @@ class Metrics:
         self.execution_temp_bytes = Gauge("jitserve_execution_temp_bytes",
                                           "device bytes of intermediates of running executions",
                                           registry=r)
-        # Dynamic batching (service/batching.py): the calls and rows of each batched run.
+        # Dynamic batching (service/calls/batching.py): the calls and rows of each batched run.
         self.batch_calls = Histogram("jitserve_batch_calls", "calls per batched run",
                                      buckets=_BATCH, registry=r)
         self.batch_rows = Histogram("jitserve_batch_rows", "rows per batched run, unpadded",

@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     # Admin keys: those of api_keys that may also use the admin routes
     # (DELETE /v1/executables/{id}); with keys on and none of them admin, nobody may.
     admin_keys: Annotated[tuple[str, ...], NoDecode] = ()
-    # A manifest of programs x signatures compiled at start (service/warm.py);
+    # A manifest of programs x signatures compiled at start (service/calls/warming.py);
     # /readyz answers 503 "warming" until it is done.
     warm: Path | None = None
 
@@ -140,7 +140,7 @@ class Settings(BaseSettings):
     runtime_device_memory_fraction: float | None = Field(None, gt=0, le=1)
 
     # Tenants: scoping and quotas
-    # Per API key, with keys on (service/quotas.py, docs/service.md "Tenants"). Unset:
+    # Per API key, with keys on (service/calls/quotas.py, docs/service.md "Tenants"). Unset:
     # live futures and device bytes get a fair share of the totals above (divided by
     # the number of keys), executables l1_max_entries, program bytes programs_max_bytes.
     tenant_max_live_futures: int | None = Field(None, gt=0)
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
     # Open connections plus running requests; past it new requests get 503. Unset: no limit.
     max_connections: int | None = Field(None, gt=0)
 
-    # Replicas (with REDIS_URL; service/cluster.py, docs/deploy.md "Many replicas").
+    # Replicas (with REDIS_URL; service/cluster/_cluster.py, docs/deploy.md "Many replicas").
     # The address peers reach this replica at; unset: http://<host>:<port>, with the
     # host's own address when it binds every interface (the pod IP in Kubernetes).
     peer_url: str | None = None

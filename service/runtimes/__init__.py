@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from jitserve.service.runtimes.pool import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
+from .pool import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
 
 if TYPE_CHECKING:
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
 __all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
            "platform_kind"]

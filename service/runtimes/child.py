@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from jitserve import wire
-from jitserve.service.runtimes import frames, landlock
+
+from . import frames, landlock
 
 log = logging.getLogger("jitserve.runtime")
 
@@ -78,7 +79,8 @@ class RuntimeServer:
         import jax
 
         from jitserve.compiler import Compiler
-        from jitserve.service.settings import Settings
+
+        from ..settings import Settings
 
         # A run blocks its thread until it is done anyway: running it on that thread
         # spares the hand-off to XLA's dispatch thread and back, three quarters of

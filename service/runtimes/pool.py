@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from jitserve.service.runtimes import frames
+from . import frames
 
 __all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jitserve.service.v2.infer import Inference, Model
-from jitserve.service.v2.models import NAME_PATTERN, ModelRegistry, get_models
-from jitserve.service.v2.rest import router
+from .infer import Inference, Model
+from .models import NAME_PATTERN, ModelRegistry, get_models
+from .rest import router
 
 if TYPE_CHECKING:
     import grpc
     from fastapi import FastAPI
 
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
 __all__ = ["Inference", "Model", "ModelRegistry", "NAME_PATTERN", "get_models", "router", "start_grpc"]
 
@@ -32,7 +32,7 @@ async def start_grpc(app: FastAPI, settings: Settings) -> grpc.aio.Server | None
     if settings.grpc_port is None:
         return None
     try:
-        from jitserve.service.v2 import grpc_server
+        from . import grpc_server
     except ImportError as e:
         raise RuntimeError(f"JITSERVE_GRPC_PORT is set, but gRPC cannot load ({e}); install "
                            "the server extra: pip install 'jitserve[server]'") from e

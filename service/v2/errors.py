@@ -16,8 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from jitserve.compiler.errors import CompilerError
-from jitserve.service.errors import ServiceError
 from jitserve.wire import ErrorCode, WireError
+
+from ..errors import ServiceError
 
 __all__ = ["CallFailed", "GRPC_STATUS", "Refusal", "refusal_of"]
 

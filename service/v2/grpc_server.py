@@ -28,15 +28,15 @@ from typing import Any, TypeVar
 import grpc
 from fastapi import FastAPI
 
-from jitserve.service.auth import authenticate
-from jitserve.service.errors import BadRequest
-from jitserve.service.settings import Settings
-from jitserve.service.v2 import grpc_service_pb2 as pb
-from jitserve.service.v2 import grpc_service_pb2_grpc as pb_grpc
-from jitserve.service.v2.errors import refusal_of
-from jitserve.service.v2.infer import Inference, InputTensor, Model, RequestedOutput
-from jitserve.service.v2.rest import server_info
-from jitserve.service.v2.tensors import raw_bytes
+from ..api.auth import authenticate
+from ..errors import BadRequest
+from ..settings import Settings
+from . import grpc_service_pb2 as pb
+from . import grpc_service_pb2_grpc as pb_grpc
+from .errors import refusal_of
+from .infer import Inference, InputTensor, Model, RequestedOutput
+from .rest import server_info
+from .tensors import raw_bytes
 
 __all__ = ["start"]
 

@@ -27,18 +27,19 @@ from typing import Any
 import numpy as np
 
 from jitserve.compiler.programs import Program
-from jitserve.service.calls import Calls
-from jitserve.service.drain import Drain
-from jitserve.service.errors import BadRequest, FutureCancelled
-from jitserve.service.futures import Future, FutureStore
-from jitserve.service.metrics import Metrics
-from jitserve.service.programs import ProgramStore
-from jitserve.service.runtimes import RemoteError, RuntimePool
-from jitserve.service.settings import Settings
-from jitserve.service.v2.errors import CallFailed
-from jitserve.service.v2.models import ModelRegistry
-from jitserve.service.v2.tensors import datatype_of, dtype_of, from_data, from_raw, shape_of
 from jitserve.wire import Aval, ErrorCode, FutureStatus
+
+from ..calls.calls import Calls
+from ..calls.drain import Drain
+from ..calls.futures import Future, FutureStore
+from ..calls.programs import ProgramStore
+from ..errors import BadRequest, FutureCancelled
+from ..metrics import Metrics
+from ..runtimes import RemoteError, RuntimePool
+from ..settings import Settings
+from .errors import CallFailed
+from .models import ModelRegistry
+from .tensors import datatype_of, dtype_of, from_data, from_raw, shape_of
 
 __all__ = ["Inference", "InputTensor", "Model", "OutputTensor", "RequestedOutput", "TensorSpec",
            "leaf_names"]
@@ -194,7 +195,7 @@ class Inference:
         if model.outputs:
             _check_requested(model.outputs, requested)
         if self._drain is not None:
-            self._drain.check_accepting()  # a 503 once this replica drains (service/drain.py)
+            self._drain.check_accepting()  # a 503 once this replica drains (service/calls/drain.py)
         call = await self._calls.execute(model.program, arrays, "", owner)
         del arrays  # the executor holds them until they are sent
         fut = call.future

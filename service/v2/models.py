@@ -27,8 +27,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from jitserve.service.errors import BadRequest, NotFound
-from jitserve.service.tenants import Tenants
+from ..calls.tenants import Tenants
+from ..errors import BadRequest, NotFound
 
 __all__ = ["ModelRegistry", "ModelsDep", "NAME_PATTERN", "get_models"]
 

@@ -40,17 +40,17 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
-from jitserve.service.deps import Body, Owner, SettingsDep
-from jitserve.service.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-from jitserve.service.v2.errors import refusal_of
-from jitserve.service.v2.infer import (
+from ..api.deps import Body, Owner, SettingsDep
+from ..errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from .errors import refusal_of
+from .infer import (
     Inference,
     InputTensor,
     Model,
     OutputTensor,
     RequestedOutput,
 )
-from jitserve.service.v2.tensors import json_data, raw_bytes
+from .tensors import json_data, raw_bytes
 
 __all__ = ["router"]
 

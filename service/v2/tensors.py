@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from jitserve import wire
-from jitserve.service.errors import BadRequest
+
+from ..errors import BadRequest
 
 __all__ = ["DATATYPES", "datatype_of", "dtype_of", "from_data", "from_raw", "json_data",
            "raw_bytes", "shape_of"]

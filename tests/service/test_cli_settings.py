@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from jitserve.service import cli
 from jitserve.service import settings as settings_module
+from jitserve.service.calls.warming import ManifestError, load_manifest
+from jitserve.service.cli import main as cli
 from jitserve.service.settings import Settings
-from jitserve.service.warm import ManifestError, load_manifest
 
 pytestmark = pytest.mark.timeout(60)
 

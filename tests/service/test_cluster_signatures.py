@@ -1,4 +1,4 @@
-"""Replica ids in future ids, and the signatures of forwarded requests (service/cluster.py).
+"""Replica ids in future ids, and the signatures of forwarded requests (service/cluster/_cluster.py).
 
 The replicas themselves, with Redis and haproxy, are in tests/e2e/test_replicas_e2e.py.
 """
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from jitserve.compiler import RedisSettings
-from jitserve.service.cluster import Cluster, replica_of
+from jitserve.service.cluster._cluster import Cluster, replica_of
 from jitserve.service.errors import Unauthorized
 from jitserve.service.metrics import Metrics
 

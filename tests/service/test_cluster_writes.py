@@ -1,4 +1,4 @@
-"""The mirror of futures' metadata in Redis (service/cluster.py), against a real Redis.
+"""The mirror of futures' metadata in Redis (service/cluster/_cluster.py), against a real Redis.
 
 Writes of one future never overlap, so Redis ends with each future's last state;
 a held future is written once, as it is when its execute answers; a future
@@ -18,8 +18,8 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from jitserve.compiler import RedisSettings
-from jitserve.service.cluster import Cluster
-from jitserve.service.futures import Future, FutureStore
+from jitserve.service.calls.futures import Future, FutureStore
+from jitserve.service.cluster._cluster import Cluster
 from jitserve.service.metrics import Metrics
 from jitserve.wire import Aval
 

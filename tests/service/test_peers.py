@@ -1,4 +1,4 @@
-"""The client of the forwarding hop (service/peers.py), over real loopback connections.
+"""The client of the forwarding hop (service/cluster/peers.py), over real loopback connections.
 
 The replicas themselves use it in tests/e2e/test_replicas_e2e.py. Here a real
 uvicorn server checks what a peer normally does (keep-alive, big bodies both
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from jitserve.service.peers import _HIGH_BYTES, PeerClient, PeerError
+from jitserve.service.cluster.peers import _HIGH_BYTES, PeerClient, PeerError
 
 pytestmark = pytest.mark.timeout(120)
 

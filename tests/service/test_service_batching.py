@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from jitserve.compiler.programs import Program
-from jitserve.service.batching import Batcher, BatchingConfig, NotBatchable, batch_dimension
-from jitserve.service.executables import CallOptions, Lookup, RemoteExecutable
-from jitserve.service.executor import SplitPiece
-from jitserve.service.futures import FutureStore
+from jitserve.service.calls.batching import Batcher, BatchingConfig, NotBatchable, batch_dimension
+from jitserve.service.calls.executables import CallOptions, Lookup, RemoteExecutable
+from jitserve.service.calls.executor import SplitPiece
+from jitserve.service.calls.futures import FutureStore
 from jitserve.service.metrics import Metrics
 from jitserve.service.runtimes import RemoteError
 from jitserve.wire import Aval, FutureStatus, ProgramFormat

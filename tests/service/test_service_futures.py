@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jitserve import wire
-from jitserve.service.futures import FutureStore
+from jitserve.service.calls.futures import FutureStore
 from jitserve.wire import FutureStatus
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
 """Memory in the app: bodies grow with what arrives, stall and disconnect cleanly, and a run's
-intermediates count against the device-memory limits (service/bodies.py, executor.py, memory.py).
+intermediates count against the device-memory limits (service/api/bodies.py, executor.py, memory.py).
 
 The same behaviour against real server processes, with RSS and sockets, is in
 tests/e2e/test_memory_e2e.py.
@@ -21,11 +21,11 @@ from jax import export, lax
 from starlette.requests import ClientDisconnect, Request
 
 from jitserve import wire
+from jitserve.service.api.bodies import BodyReader, BodyTimeout
 from jitserve.service.app import make_compiler
-from jitserve.service.bodies import BodyReader, BodyTimeout
+from jitserve.service.calls.executor import TempBudget
+from jitserve.service.calls.futures import FutureStore
 from jitserve.service.errors import BadRequest, PayloadTooLarge
-from jitserve.service.executor import TempBudget
-from jitserve.service.futures import FutureStore
 from jitserve.service.memory import HeapTrimmer
 from jitserve.service.metrics import Metrics
 from jitserve.service.settings import Settings

@@ -68,7 +68,7 @@ def test_no_access_line_is_made_below_its_level() -> None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.server import ServerState
 
-    from jitserve.service.connections import HeadLimits, guarded_protocol
+    from jitserve.service.api.connections import HeadLimits, guarded_protocol
 
     async def app(scope: object, receive: object, send: object) -> None: ...
 

@@ -12,8 +12,8 @@ import redis
 
 from jitserve.compiler.redis import LAYOUT_VERSION
 from jitserve.service.app import start_pool
+from jitserve.service.calls.programs import ProgramStore
 from jitserve.service.errors import NotFound
-from jitserve.service.programs import ProgramStore
 from jitserve.service.runtimes import RuntimePool
 from jitserve.service.settings import Settings
 

@@ -14,8 +14,8 @@ import pytest
 from starlette.requests import Request
 
 from jitserve import wire
-from jitserve.service.executor import TempBudget
-from jitserve.service.futures import FutureStore
+from jitserve.service.calls.executor import TempBudget
+from jitserve.service.calls.futures import FutureStore
 from jitserve.service.metrics import Metrics
 
 ROUTE = "/v1/programs/{program_id}/execute"
@@ -168,7 +168,7 @@ async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(a
 
 def test_the_lane_reads_headers_as_starlette_does() -> None:
     """The lane's dict of headers: any case, the first of a repeated name, absent ones."""
-    from jitserve.service.routes.execute import _LaneRequest
+    from jitserve.service.api.routes.execute import _LaneRequest
 
     raw = [(b"authorization", b"Bearer one"), (b"content-type", b"application/msgpack"),
            (b"authorization", b"Bearer two")]

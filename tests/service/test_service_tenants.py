@@ -16,11 +16,11 @@ import pytest
 from jax import export
 
 from jitserve.compiler.errors import LimitExceeded
-from jitserve.service.futures import FutureStore
-from jitserve.service.quotas import CompileBudget, QuotaExceeded, Quotas
-from jitserve.service.scheduler import FairScheduler
+from jitserve.service.calls.futures import FutureStore
+from jitserve.service.calls.quotas import CompileBudget, QuotaExceeded, Quotas
+from jitserve.service.calls.scheduler import FairScheduler
+from jitserve.service.calls.tenants import Tenants
 from jitserve.service.settings import Settings
-from jitserve.service.tenants import Tenants
 from jitserve.wire import Aval
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jitserve.service.errors import BadRequest
-from jitserve.service.futures import Future
 from jitserve.wire import FutureStatus
+
+from ..calls.futures import Future
+from ..errors import BadRequest
 
 __all__ = [
     "ArrayJSON",

@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from jitserve.service.errors import TooManyRequests
+from ..errors import TooManyRequests
 
 if TYPE_CHECKING:
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
 __all__ = ["CompileBudget", "QuotaExceeded", "Quotas"]
 

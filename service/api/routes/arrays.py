@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from jitserve.service.deps import Body, CallsDep, Owner, get_owner
-from jitserve.service.errors import BadRequest
-from jitserve.service.openapi import errors, message_body
-from jitserve.service.schemas import (
+from jitserve.wire import ErrorCode
+
+from ...errors import BadRequest
+from ..deps import Body, CallsDep, Owner, get_owner
+from ..openapi import errors, message_body
+from ..schemas import (
     ArraysJSON,
     ArraysMsgpack,
     ArraysRequest,
     ExecuteAccepted,
     parse,
 )
-from jitserve.wire import ErrorCode
 
 __all__ = ["router"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from jitserve.service.errors import Unauthorized
-from jitserve.service.settings import Settings
+from ..errors import Unauthorized
+from ..settings import Settings
 
 __all__ = ["authenticate", "owner_of"]
 

@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 from jitserve.wire import Aval, WireError
 
 if TYPE_CHECKING:
-    from jitserve.service.calls import Calls
-    from jitserve.service.programs import ProgramStore
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
+    from .calls import Calls
+    from .programs import ProgramStore
 
 __all__ = ["ManifestError", "WarmItem", "WarmResult", "Warming", "load_manifest", "run_cli",
            "start_warming"]
@@ -233,7 +233,7 @@ class Warming:
 
     async def _one(self, item: WarmItem, programs: ProgramStore, calls: Calls,
                    decoded: dict[tuple[Path, str | None], asyncio.Task[Any]]) -> WarmResult:
-        from jitserve.service.executables import CallOptions
+        from .executables import CallOptions
 
         try:
             key = (item.file, item.format)
@@ -278,7 +278,7 @@ def run_cli(settings: Settings, manifest: Path) -> int:
     except ManifestError as e:
         print(f"jitserve warm: {e}", file=sys.stderr)
         return 2
-    from jitserve.service import logs
+    from .. import logs
 
     logs.configure(settings.log_level, settings.log_format)
     warming = asyncio.run(_warm(settings.model_copy(update={"warm": manifest}), len(items)))
@@ -296,7 +296,7 @@ async def _warm(settings: Settings, total: int) -> Warming:
     """The server's lifespan (runtimes, stores, warming), until the warming is done."""
     from tqdm import tqdm
 
-    from jitserve.service.app import create_app
+    from ..app import create_app
 
     app = create_app(settings)
     with tqdm(total=total, unit="exe", desc="warming", disable=not sys.stderr.isatty(),

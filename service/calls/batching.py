@@ -47,13 +47,14 @@ from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.errors import CompilerError
 from jitserve.compiler.programs import Program
-from jitserve.service.errors import ServiceError
-from jitserve.service.executables import CallOptions, Lookup
-from jitserve.service.executor import Executor, run_error
-from jitserve.service.futures import Future, FutureStore
-from jitserve.service.metrics import Metrics
-from jitserve.service.runtimes import RemoteError, Runtime, RuntimePool
 from jitserve.wire import Aval, ErrorCode
+
+from ..errors import ServiceError
+from ..metrics import Metrics
+from ..runtimes import RemoteError, Runtime, RuntimePool
+from .executables import CallOptions, Lookup
+from .executor import Executor, run_error
+from .futures import Future, FutureStore
 
 __all__ = ["Batcher", "BatchingConfig", "NotBatchable", "SharedConfigs", "batch_dimension"]
 

@@ -47,10 +47,10 @@ from starlette.concurrency import run_in_threadpool
 from jitserve.compiler.compile import MemoryStats
 from jitserve.compiler.errors import LimitExceeded
 from jitserve.compiler.programs import Program
-from jitserve.service.executables import CallOptions, RemoteExecutable
-from jitserve.service.futures import Future, FutureStore
-from jitserve.service.metrics import Metrics
-from jitserve.service.runtimes import (
+from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
+
+from ..metrics import Metrics
+from ..runtimes import (
     Buffer,
     RemoteError,
     Runtime,
@@ -58,7 +58,8 @@ from jitserve.service.runtimes import (
     RuntimePool,
     frames,
 )
-from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
+from .executables import CallOptions, RemoteExecutable
+from .futures import Future, FutureStore
 
 __all__ = ["ExecutionJob", "Executor", "FutureRef"]
 

@@ -26,11 +26,12 @@ from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler import Catalog, EntryPage
 from jitserve.compiler.catalog import parse_cursor
-from jitserve.service.deps import CallsDep, CatalogDep, Owner, SettingsDep, TenantsDep, get_owner
-from jitserve.service.errors import BadRequest, Forbidden, NotFound
-from jitserve.service.openapi import errors
-from jitserve.service.schemas import ExecutableDeleted, ExecutableInfo, ExecutablePage
 from jitserve.wire import ErrorCode
+
+from ...errors import BadRequest, Forbidden, NotFound
+from ..deps import CallsDep, CatalogDep, Owner, SettingsDep, TenantsDep, get_owner
+from ..openapi import errors
+from ..schemas import ExecutableDeleted, ExecutableInfo, ExecutablePage
 
 __all__ = ["router"]
 

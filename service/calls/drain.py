@@ -28,9 +28,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from jitserve.service.cluster import Cluster
-from jitserve.service.errors import Unavailable
-from jitserve.service.futures import FutureStore
+from ..cluster._cluster import Cluster
+from ..errors import Unavailable
+from .futures import FutureStore
 
 __all__ = ["Drain", "Draining", "run_server"]
 

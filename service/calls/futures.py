@@ -34,9 +34,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jitserve.compiler.errors import LimitExceeded
-from jitserve.service.errors import NotFound, TooManyRequests
-from jitserve.service.quotas import QuotaExceeded
 from jitserve.wire import Aval, FutureStatus
+
+from ..errors import NotFound, TooManyRequests
+from .quotas import QuotaExceeded
 
 __all__ = ["Future", "FutureStore", "Job", "Timings"]
 

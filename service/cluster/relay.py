@@ -19,9 +19,10 @@ from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jitserve import wire
-from jitserve.service.cluster import Cluster, ReplicaLost, replica_of, scope_path
-from jitserve.service.errors import ServiceError
 from jitserve.wire import ErrorCode
+
+from ..errors import ServiceError
+from ._cluster import Cluster, ReplicaLost, replica_of, scope_path
 
 __all__ = ["AnnounceReplica", "PeerError", "pull", "relay", "remote_replica"]
 

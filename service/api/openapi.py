@@ -25,7 +25,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 
 from jitserve import wire
-from jitserve.service.schemas import (
+from jitserve.wire import ErrorCode
+
+from .schemas import (
     ArraysJSON,
     ArraysMsgpack,
     CompileRequest,
@@ -34,7 +36,6 @@ from jitserve.service.schemas import (
     ExecuteMsgpack,
     OutputsJSON,
 )
-from jitserve.wire import ErrorCode
 
 __all__ = ["STATIC_DIR", "errors", "install_docs", "message_body", "outputs_content"]
 

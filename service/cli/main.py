@@ -35,13 +35,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jitserve.service import cache_cli
+from . import cache as cache_cli
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from jitserve.service.metrics import Metrics
-    from jitserve.service.settings import Settings
+    from ..metrics import Metrics
+    from ..settings import Settings
 
 __all__ = ["load_settings", "main", "read_config"]
 
@@ -85,7 +85,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
             _add_settings_flags(sub, skip)
         else:  # parsed again once the extra is there; here only to say it is missing
             sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    from jitserve.service import bench_cli
+    from . import bench as bench_cli
 
     bench_cli.add_command(commands)
     cache_cli.add_commands(commands)
@@ -99,7 +99,7 @@ def _flag_fields(skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The settings that get a flag: every field but secrets (and ``skip``)."""
     from pydantic import SecretStr
 
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
     out = {}
     for name, field in Settings.model_fields.items():
@@ -118,7 +118,7 @@ def _types(annotation: Any) -> tuple[Any, ...]:
 
 def _field_comments() -> dict[str, str]:
     """Each setting's comment in ``service/settings.py`` (the lines right above it): help text."""
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
     out: dict[str, str] = {}
     comment: list[str] = []
@@ -173,7 +173,7 @@ def read_config(path: Path) -> dict[str, Any]:
     ``"10G"``; relative paths are taken from the file's directory. ``ValueError``
     names an unknown key and the closest known one.
     """
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
     with path.open("rb") as f:
         doc = tomllib.load(f)
@@ -197,7 +197,7 @@ def read_config(path: Path) -> dict[str, Any]:
 def load_settings(args: argparse.Namespace) -> Settings:
     """The settings of a ``serve`` or ``warm`` command line: its flags over its
     ``--config`` file over the environment (``ValidationError`` or ``ValueError``)."""
-    from jitserve.service.settings import Settings
+    from ..settings import Settings
 
     values = read_config(args.config) if getattr(args, "config", None) else {}
     values.update({name: getattr(args, name) for name in _flag_fields()
@@ -241,16 +241,16 @@ def serve(args: argparse.Namespace) -> int:
     if isinstance(settings, int):
         return settings
     if settings.warm is not None:
-        from jitserve.service.warm import ManifestError, load_manifest
+        from ..calls.warming import ManifestError, load_manifest
 
         try:
             load_manifest(settings.warm)  # a bad manifest stops the start, not a later task
         except ManifestError as e:
             print(f"jitserve serve: {e}", file=sys.stderr)
             return 2
-    from jitserve.service import logs
-    from jitserve.service.app import create_app
-    from jitserve.service.drain import run_server
+    from .. import logs
+    from ..app import create_app
+    from ..calls.drain import run_server
 
     logs.configure(settings.log_level, settings.log_format)
     if settings.retain_freed_memory:
@@ -272,21 +272,21 @@ def warm(args: argparse.Namespace) -> int:
               or (args.config is not None and "log_level" in read_config(args.config)))
     if not chosen:  # compile lines would break the progress bar
         settings = settings.model_copy(update={"log_level": "warning"})
-    from jitserve.service import warm as warming
+    from ..calls import warming
 
     return warming.run_cli(settings, args.manifest)
 
 
 def _retain_freed_memory(max_bytes: int) -> None:
-    from jitserve.service.memory import HeapTrimmer, retain_freed_memory
+    from ..memory import HeapTrimmer, retain_freed_memory
 
     if retain_freed_memory(max_bytes):
         HeapTrimmer(max_bytes).start()  # a daemon thread: it ends with the process
 
 
 def _connection_options(settings: Settings, metrics: Metrics) -> dict[str, Any]:
-    """uvicorn's options for slow, idle and big-headed connections (service/connections.py)."""
-    from jitserve.service.connections import HeadLimits, guarded_protocol
+    """uvicorn's options for slow, idle and big-headed connections (service/api/connections.py)."""
+    from ..api.connections import HeadLimits, guarded_protocol
 
     limits = HeadLimits(settings.header_timeout_s, settings.max_head_bytes,
                         metrics.connection_closed)
@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "warm":
         return warm(args)
     if args.command == "bench":
-        from jitserve.service import bench_cli
+        from . import bench as bench_cli
 
         return bench_cli.run(args)
     if args.command == "cache":

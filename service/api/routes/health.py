@@ -10,7 +10,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from jitserve.service.deps import (
+from jitserve.wire import ErrorCode
+
+from ...errors import error_body
+from ...metrics import CONTENT_TYPE_LATEST
+from ..deps import (
     CatalogDep,
     FutureStoreDep,
     MetricsDep,
@@ -18,11 +22,8 @@ from jitserve.service.deps import (
     SettingsDep,
     get_owner,
 )
-from jitserve.service.errors import error_body
-from jitserve.service.metrics import CONTENT_TYPE_LATEST
-from jitserve.service.openapi import errors
-from jitserve.service.schemas import ErrorBody
-from jitserve.wire import ErrorCode
+from ..openapi import errors
+from ..schemas import ErrorBody
 
 __all__ = ["router"]
 
@@ -54,7 +55,7 @@ async def readyz(request: Request, settings: SettingsDep) -> Response:
     With several replicas (Redis), ``cluster`` is ``ok`` or ``degraded`` (Redis
     unreachable: this replica serves its own futures, not the others'), and
     ``replica`` is this one's id. On SIGTERM the ``draining`` check fails first
-    (service/drain.py), so the load balancer stops sending new calls. With
+    (service/calls/drain.py), so the load balancer stops sending new calls. With
     ``--warm``, the ``warming`` check fails until the manifest is compiled, and
     ``warming`` says how far it is (``done``, ``total``, ``failed``).
     """

@@ -40,15 +40,19 @@ import numpy as np
 from jitserve import wire
 from jitserve.compiler.errors import CompilerError, SignatureMismatch
 from jitserve.compiler.programs import Program
-from jitserve.service.batching import Batcher
-from jitserve.service.errors import (
+from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
+
+from ..errors import (
     BadRequest,
     FutureCancelled,
     FutureFailed,
     ServiceError,
     Unavailable,
 )
-from jitserve.service.executables import (
+from ..metrics import Metrics
+from ..runtimes import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
+from .batching import Batcher
+from .executables import (
     CallKey,
     CallOptions,
     ExecutableIndex,
@@ -56,13 +60,10 @@ from jitserve.service.executables import (
     RemoteExecutable,
     call_key,
 )
-from jitserve.service.executor import Arg, Executor, FutureRef
-from jitserve.service.futures import Future, FutureStore
-from jitserve.service.metrics import Metrics
-from jitserve.service.runtimes import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
-from jitserve.service.scheduler import FairScheduler
-from jitserve.service.tenants import Tenants
-from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
+from .executor import Arg, Executor, FutureRef
+from .futures import Future, FutureStore
+from .scheduler import FairScheduler
+from .tenants import Tenants
 
 __all__ = ["Call", "Calls", "RuntimeRefusal", "ask", "refusal"]
 
@@ -158,7 +159,7 @@ class Calls:
         self._tenants = tenants or Tenants()
         self._scheduler = scheduler
         self._tasks: set[asyncio.Task[None]] = set()
-        # Dynamic batching of the programs callers opted in (service/batching.py).
+        # Dynamic batching of the programs callers opted in (service/calls/batching.py).
         self.batcher: Batcher | None = None
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,

@@ -11,17 +11,18 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from jitserve.service.batching import (
+from jitserve.wire import ErrorCode
+
+from ...calls.batching import (
     MAX_BATCH_SIZE,
     MAX_DELAY_MS,
     Batcher,
     BatchingConfig,
     batch_dimension,
 )
-from jitserve.service.deps import CallsDep, Owner, ProgramStoreDep, get_owner
-from jitserve.service.errors import Unavailable
-from jitserve.service.openapi import errors
-from jitserve.wire import ErrorCode
+from ...errors import Unavailable
+from ..deps import CallsDep, Owner, ProgramStoreDep, get_owner
+from ..openapi import errors
 
 __all__ = ["router"]
 

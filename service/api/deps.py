@@ -15,17 +15,18 @@ from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from jitserve.compiler import Catalog
-from jitserve.service.auth import authenticate
-from jitserve.service.bodies import BodyReader, wants_json
-from jitserve.service.calls import Calls
-from jitserve.service.cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
-from jitserve.service.errors import Unauthorized
-from jitserve.service.futures import FutureStore
-from jitserve.service.metrics import Metrics
-from jitserve.service.programs import ProgramStore
-from jitserve.service.runtimes import RuntimePool
-from jitserve.service.settings import Settings
-from jitserve.service.tenants import Tenants
+
+from ..calls.calls import Calls
+from ..calls.futures import FutureStore
+from ..calls.programs import ProgramStore
+from ..calls.tenants import Tenants
+from ..cluster._cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
+from ..errors import Unauthorized
+from ..metrics import Metrics
+from ..runtimes import RuntimePool
+from ..settings import Settings
+from .auth import authenticate
+from .bodies import BodyReader, wants_json
 
 __all__ = [
     "AsJSON",

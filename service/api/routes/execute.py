@@ -33,14 +33,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from jitserve import wire
-from jitserve.service.bodies import BodyReader, outputs_response, wants_json
-from jitserve.service.cluster import Cluster, ReplicaLost
-from jitserve.service.deps import request_cluster, request_owner
-from jitserve.service.errors import BadRequest
-from jitserve.service.openapi import errors, message_body, outputs_content
-from jitserve.service.routes.replicas import pull, relay, remote_replica, replica_header
-from jitserve.service.schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
 from jitserve.wire import ErrorCode
+
+from ...cluster._cluster import Cluster, ReplicaLost
+from ...cluster.relay import pull, relay, remote_replica, replica_header
+from ...errors import BadRequest
+from ..bodies import BodyReader, outputs_response, wants_json
+from ..deps import request_cluster, request_owner
+from ..openapi import errors, message_body, outputs_content
+from ..schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
 
 __all__ = ["ExecuteLane", "router"]
 

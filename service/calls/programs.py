@@ -22,11 +22,12 @@ from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.programs import Program
-from jitserve.service.calls import refusal
-from jitserve.service.cluster import Cluster
-from jitserve.service.errors import NotFound
-from jitserve.service.runtimes import RemoteError, RuntimePool
-from jitserve.service.tenants import Tenants
+
+from ..cluster._cluster import Cluster
+from ..errors import NotFound
+from ..runtimes import RemoteError, RuntimePool
+from .calls import refusal
+from .tenants import Tenants
 
 __all__ = ["ProgramStore"]
 
@@ -52,7 +53,7 @@ class ProgramStore:
         self._memory: MemoryCache[Program] = MemoryCache(max_entries, max_bytes)
         self._timeout_s = timeout_s
         self._lock = asyncio.Lock()
-        # The replicas (service/cluster.py): which programs each API key uploaded
+        # The replicas (service/cluster/_cluster.py): which programs each API key uploaded
         # through any of them.
         self.cluster: Cluster | None = None
 

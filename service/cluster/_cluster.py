@@ -54,11 +54,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from jitserve.compiler import RedisSettings
-from jitserve.service.errors import FutureFailed, NotFound, Unauthorized, Unavailable
-from jitserve.service.futures import Future
-from jitserve.service.metrics import Metrics
-from jitserve.service.peers import PeerClient, PeerError, PeerResponse
 from jitserve.wire import REPLICA_ID_HEX, ErrorCode, FutureStatus, replica_of
+
+from ..calls.futures import Future
+from ..errors import FutureFailed, NotFound, Unauthorized, Unavailable
+from ..metrics import Metrics
+from .peers import PeerClient, PeerError, PeerResponse
 
 __all__ = ["PEER_HEADER", "OWNER_HEADER", "Cluster", "Peer", "ReplicaLost", "replica_of",
            "scope_path"]
@@ -579,7 +580,7 @@ class Cluster:
     async def set_batching(self, owner: str | None, program_id: str,
                            config: dict[str, Any] | None) -> None:
         """Keep ``owner``'s batching of ``program_id`` (``None``: off) for the other
-        replicas (service/batching.py); ``Unavailable`` when Redis cannot take it."""
+        replicas (service/calls/batching.py); ``Unavailable`` when Redis cannot take it."""
         key = self._key("batching", owner or "")
         try:
             if config is None:
@@ -737,7 +738,7 @@ def _lost(rid: str) -> ReplicaLost:
 
 
 def _metadata(fut: Future, replica_id: str, lost: bool) -> dict[str, Any]:
-    from jitserve.service.schemas import FutureView  # schemas imports futures: no cycle
+    from ..api.schemas import FutureView  # schemas imports futures: no cycle
 
     doc = FutureView.of(fut).model_dump(mode="json")
     if lost and not (fut.status.is_final and fut.status is not FutureStatus.DONE):

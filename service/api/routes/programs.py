@@ -12,7 +12,11 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from jitserve import wire
 from jitserve.compiler.programs import ProgramFormat
-from jitserve.service.deps import (
+from jitserve.wire import Aval, ErrorCode
+
+from ...calls.executables import CallOptions
+from ...v2.models import NAME_PATTERN, ModelsDep
+from ..deps import (
     Body,
     CallsDep,
     Owner,
@@ -20,17 +24,14 @@ from jitserve.service.deps import (
     ProgramStoreDep,
     get_owner,
 )
-from jitserve.service.executables import CallOptions
-from jitserve.service.openapi import errors, message_body
-from jitserve.service.schemas import (
+from ..openapi import errors, message_body
+from ..schemas import (
     CompileRequest,
     CompileResult,
     ProgramDeleted,
     ProgramInfo,
     parse,
 )
-from jitserve.service.v2.models import NAME_PATTERN, ModelsDep
-from jitserve.wire import Aval, ErrorCode
 
 __all__ = ["router"]
 

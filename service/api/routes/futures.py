@@ -8,9 +8,20 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from jitserve.service.bodies import outputs_response
-from jitserve.service.cluster import Cluster, ReplicaLost
-from jitserve.service.deps import (
+from jitserve.wire import ErrorCode, FutureStatus
+
+from ...calls.futures import Future
+from ...cluster._cluster import Cluster, ReplicaLost
+from ...cluster.relay import relay, remote_replica
+from ...errors import (
+    BadRequest,
+    FutureCancelled,
+    FutureFailed,
+    FuturePending,
+    NotFound,
+)
+from ..bodies import outputs_response
+from ..deps import (
     AsJSON,
     Body,
     ClusterDep,
@@ -21,24 +32,14 @@ from jitserve.service.deps import (
     WaitSeconds,
     get_owner,
 )
-from jitserve.service.errors import (
-    BadRequest,
-    FutureCancelled,
-    FutureFailed,
-    FuturePending,
-    NotFound,
-)
-from jitserve.service.futures import Future
-from jitserve.service.openapi import errors, message_body, outputs_content
-from jitserve.service.routes.replicas import relay, remote_replica
-from jitserve.service.schemas import (
+from ..openapi import errors, message_body, outputs_content
+from ..schemas import (
     DeleteResult,
     FutureView,
     ReleaseRequest,
     ReleaseResult,
     parse,
 )
-from jitserve.wire import ErrorCode, FutureStatus
 
 __all__ = ["router"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jitserve.service.quotas import CompileBudget, QuotaExceeded, Quotas
+from .quotas import CompileBudget, QuotaExceeded, Quotas
 
 __all__ = ["Tenants"]
 

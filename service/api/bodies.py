@@ -37,8 +37,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from jitserve import wire
-from jitserve.service import jsonwire
-from jitserve.service.errors import (
+
+from ..calls.futures import Future
+from ..errors import (
     BadRequest,
     FutureFailed,
     NotFound,
@@ -46,9 +47,9 @@ from jitserve.service.errors import (
     ServiceError,
     UnsupportedMediaType,
 )
-from jitserve.service.futures import Future
-from jitserve.service.metrics import Metrics
-from jitserve.service.runtimes import RemoteError, RuntimePool
+from ..metrics import Metrics
+from ..runtimes import RemoteError, RuntimePool
+from . import jsonwire
 
 __all__ = ["BodyReader", "BodyTimeout", "array_response", "outputs_response", "wants_json"]
 
