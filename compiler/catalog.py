@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from jitserve.wire import TierName
 
 if TYPE_CHECKING:
+    from jitserve.compiler.cache import CacheSecret
     from jitserve.compiler.compile import Executable
+    from jitserve.compiler.redis.settings import RedisSettings
     from jitserve.compiler.redis.tiers import RedisTiers
 
 __all__ = ["Catalog", "CacheState", "EntryPage", "parse_cursor"]
@@ -62,6 +64,24 @@ class Catalog:
     def __init__(self, loaded: Callable[[], list[Executable]],
                  shared: RedisTiers | None = None) -> None:
         self._loaded, self._shared = loaded, shared
+
+    @classmethod
+    def open(cls, loaded: Callable[[], list[Executable]], redis: RedisSettings | None,
+             secret: CacheSecret | None) -> Catalog:
+        """A catalog of ``loaded`` and, when ``redis`` and ``secret`` are given, of the shared
+        Redis tiers it connects to (``close`` it). Blocks while it connects: call it from a
+        thread. The Redis code loads only here, so a process without Redis never imports it.
+        """
+        if redis is None or secret is None:
+            return cls(loaded)
+        from jitserve.compiler.redis.tiers import RedisTiers
+
+        return cls(loaded, RedisTiers(redis, secret))
+
+    def close(self) -> None:
+        """Close the connection to the shared tiers, if any."""
+        if self._shared is not None:
+            self._shared.close()
 
     @property
     def state(self) -> CacheState:

@@ -1,14 +1,14 @@
-"""The FastAPI application.
+"""The FastAPI application, and the one place where the server's parts are put together.
 
     from jitserve.service.app import create_app
     app = create_app()              # settings from the JITSERVE_* environment
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
 The lifespan starts the runtime processes (``service.runtimes``: they decode,
-compile and run programs; this process never does) and builds the shared
-objects (program store, future store, executor, catalog, with Redis when
-``REDIS_URL`` is set) on ``app.state``; route handlers reach them through
-``service.deps``.
+compile and run programs; this process never does), then ``serving`` builds the
+rest in dependency order, each part handed what it needs through its
+constructor, and the app holds them as one ``Services`` (``service.api.deps``)
+that every route receives.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
@@ -26,6 +26,9 @@ from starlette.types import Receive, Scope, Send
 from jitserve.compiler import Catalog, Compiler
 
 from . import v2
+from .api.announce import AnnounceReplica
+from .api.deps import Services
+from .api.lane import ExecuteLane
 from .api.openapi import install_docs
 from .api.routes import arrays as arrays_routes
 from .api.routes import batching as batching_routes
@@ -34,28 +37,24 @@ from .api.routes import execute as execute_routes
 from .api.routes import futures as futures_routes
 from .api.routes import health as health_routes
 from .api.routes import programs as programs_routes
-from .calls.batching import Batcher
 from .calls.calls import Calls
 from .calls.drain import Drain
 from .calls.executables import ExecutableIndex
 from .calls.executor import Executor
 from .calls.futures import FutureStore
+from .calls.models import ModelRegistry
 from .calls.programs import ProgramStore
 from .calls.quotas import Quotas
 from .calls.scheduler import FairScheduler
 from .calls.tenants import Tenants
-from .calls.warming import start_warming
-from .cluster._cluster import Cluster
-from .cluster.relay import AnnounceReplica
+from .calls.warming import WarmResult, start_warming
+from .cluster import Cluster
 from .errors import install_error_handlers
 from .metrics import Metrics, RequestMetricsMiddleware
 from .runtimes import RuntimePool, make_pool
 from .settings import Settings
 
-if TYPE_CHECKING:
-    from jitserve.compiler.redis.tiers import RedisTiers
-
-__all__ = ["create_app", "make_compiler", "start_pool"]
+__all__ = ["JitserveApp", "create_app", "make_compiler", "serving", "start_pool"]
 
 log = logging.getLogger("jitserve")
 
@@ -81,13 +80,33 @@ async def start_pool(settings: Settings, *, own_loop: bool = False) -> RuntimePo
     return pool
 
 
-class _App(FastAPI):
-    """FastAPI, with the execute route's lane in front of the middleware stack
-    (``routes.execute.ExecuteLane``): every call goes through it."""
+class JitserveApp(FastAPI):
+    """FastAPI, with the server's ``Services`` while its lifespan runs, and the execute
+    route's lane in front of the middleware stack (``api.lane``): every call goes
+    through it.
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.lane = execute_routes.ExecuteLane(self)
+    Args:
+      settings: configuration.
+      metrics: this process's counters (the middleware counts every request in them).
+      runtimes: started runtimes to share (tests reuse them); the lifespan starts and
+        stops its own when omitted.
+    """
+
+    def __init__(self, settings: Settings, metrics: Metrics, *,
+                 runtimes: RuntimePool | None = None, **kwargs: Any) -> None:
+        super().__init__(lifespan=self._lifespan, **kwargs)
+        self.settings = settings
+        self.metrics = metrics
+        self._shared_runtimes = runtimes
+        self._services: Services | None = None
+        self.lane = ExecuteLane(self, execute_routes.ROUTE, execute_routes.execute)
+
+    @property
+    def services(self) -> Services:
+        """What the routes use; only while the lifespan runs."""
+        if self._services is None:
+            raise RuntimeError("the app's services exist only while its lifespan runs")
+        return self._services
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self.lane.take(scope)
@@ -96,8 +115,26 @@ class _App(FastAPI):
         else:
             await self.lane.serve(scope, receive, send, call)
 
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        shared = self._shared_runtimes
+        pool = shared or await start_pool(self.settings, own_loop=True)
+        try:
+            async with serving(self.settings, self.metrics, pool) as services:
+                grpc_server = await v2.start_grpc(services, self.version)  # JITSERVE_GRPC_PORT
+                self._services = services
+                try:
+                    yield
+                finally:
+                    self._services = None
+                    if grpc_server is not None:
+                        await grpc_server.stop(5)
+        finally:
+            if shared is None:
+                await asyncio.to_thread(pool.close)
 
-def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None = None) -> FastAPI:
+
+def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None = None) -> JitserveApp:
     """The jitserve app.
 
     Args:
@@ -107,15 +144,13 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     """
     settings = settings or Settings()
     metrics = Metrics()
-    app = _App(title="jitserve", version="0.1.0", lifespan=_lifespan_for(runtimes),
-                  docs_url=None, redoc_url=None,  # served by install_docs, without a CDN
-                  description="JIT-as-a-service for JAX and XLA: send programs, get array "
-                              "futures back. See docs/api.md.")
-    app.state.settings = settings
-    app.state.metrics = metrics
+    app = JitserveApp(settings, metrics, runtimes=runtimes, title="jitserve", version="0.1.0",
+                      docs_url=None, redoc_url=None,  # served by install_docs, without a CDN
+                      description="JIT-as-a-service for JAX and XLA: send programs, get array "
+                                  "futures back. See docs/api.md.")
     app.add_middleware(AnnounceReplica)  # with replicas: answers name theirs
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    install_error_handlers(app)
+    install_error_handlers(app, metrics)
     install_docs(app)
     app.include_router(execute_routes.router)  # first: every call matches it
     app.include_router(health_routes.router)
@@ -129,123 +164,82 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     return app
 
 
-def _lifespan_for(shared: RuntimePool | None):  # noqa: ANN202 - FastAPI's lifespan type
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings: Settings = app.state.settings
-        pool = shared or await start_pool(settings, own_loop=True)
-        try:
-            async with _serving(app, settings, pool):
-                yield
-        finally:
-            if shared is None:
-                await asyncio.to_thread(pool.close)
-
-    return lifespan
-
-
-def _open_shared(settings: Settings) -> RedisTiers | None:
-    """The shared Redis, for the catalog's listing (the runtimes open their own)."""
-    redis = settings.redis_settings()
-    secret = settings.compiler_cache_secret()
-    if redis is None or secret is None:
-        return None
-    from jitserve.compiler.redis.tiers import RedisTiers
-
-    return RedisTiers(redis, secret)
-
-
 @contextlib.asynccontextmanager
-async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> AsyncIterator[None]:
-    """Everything that lives as long as the server, on ``app.state``."""
-    metrics: Metrics = app.state.metrics
+async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
+                  on_warm: Callable[[WarmResult], None] | None = None) -> AsyncIterator[Services]:
+    """The server's parts on started runtimes, built in dependency order, for as long as
+    the context lasts (the app's lifespan; ``jitserve warm``).
+
+    ``on_warm``: called with each result of the ``--warm`` manifest's compiles.
+    """
     loop = asyncio.get_running_loop()
-    # Tenants: scoping and quotas
     workers = settings.compile_workers
     quotas = Quotas.from_settings(settings, workers)
     tenants = Tenants(quotas, scoped=settings.auth_enabled)
     scheduler = FairScheduler(workers, quotas.compile_slots) if tenants.scoped else None
-    futures = FutureStore(ttl_s=settings.future_ttl_s, max_live=settings.max_live_futures,
-                          max_device_bytes=settings.max_device_bytes,
-                          owner_max_live=quotas.live_futures if tenants.scoped else None,
-                          owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None)
-    futures.on_final = lambda fut: metrics.execution_finished(fut.status.value)
-    futures.on_release = pool.release
+    cluster = _cluster(settings, metrics)
+    futures = FutureStore(
+        ttl_s=settings.future_ttl_s, max_live=settings.max_live_futures,
+        max_device_bytes=settings.max_device_bytes,
+        owner_max_live=quotas.live_futures if tenants.scoped else None,
+        owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None,
+        on_final=lambda fut: metrics.execution_finished(fut.status.value),
+        on_release=pool.release,
+        on_change=cluster.changed if cluster is not None else None,
+        id_prefix=f"{cluster.replica_id}." if cluster is not None else "")
 
     def lost(runtime: object, generation: int, why: str) -> None:  # a supervisor thread
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody left to tell
             loop.call_soon_threadsafe(futures.fail_lost, runtime, generation, why)
 
-    pool.add_lost_listener(lost)
     executor = Executor(pool, futures, metrics, timeout_s=settings.execution_timeout_s,
                         max_run_bytes=settings.execution_bytes_limit)
     index = ExecutableIndex(settings.l1_max_entries)
-    shared = await asyncio.to_thread(_open_shared, settings)
-    cluster = _join_cluster(settings, futures, metrics)
-    state = app.state
-    state.cluster = cluster
-    state.drain = Drain(futures, cluster, settings.drain_timeout_s)
-    state.runtimes = pool
-    state.catalog = Catalog(index.values, shared)
-    state.tenants = tenants
-    state.models = v2.ModelRegistry(tenants)  # v2 model names -> programs
-    state.programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
-                                  max_bytes=settings.programs_max_bytes,
-                                  timeout_s=settings.decode_timeout_s)
-    state.programs.cluster = cluster
-    state.futures = futures
-    state.executor = executor
-    state.calls = Calls(pool, futures, executor, metrics, index,
-                        lookup_timeout_s=2 * settings.compile_timeout_s + 60,
-                        tenants=tenants, scheduler=scheduler)
-    state.calls.batcher = Batcher(state.calls.compile, pool, futures, executor, metrics)
-    state.calls.batcher.shared = cluster  # the replicas share their callers' batching
-    sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
-    if cluster is not None:
-        await cluster.start(futures.live)
-    _log_startup(settings, pool, state.catalog)
-    # --warm: compile a manifest; /readyz says "warming" until it is done (service/calls/warming.py)
-    state.warming = start_warming(settings, state.programs, state.calls, len(pool.runtimes))
-    grpc_server = None
+    calls = Calls(pool, futures, executor, metrics, index,
+                  lookup_timeout_s=settings.lookup_timeout_s, tenants=tenants,
+                  scheduler=scheduler, shared_batching=cluster)
+    programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
+                            max_bytes=settings.programs_max_bytes,
+                            timeout_s=settings.decode_timeout_s, claims=cluster)
+    catalog = await asyncio.to_thread(Catalog.open, index.values, settings.redis_settings(),
+                                      settings.compiler_cache_secret())
+    # --warm: compile a manifest; /readyz says "warming" until it is done (calls/warming.py)
+    warming = start_warming(settings, programs, calls, len(pool.runtimes), on_progress=on_warm)
+    services = Services(settings=settings, metrics=metrics, runtimes=pool, tenants=tenants,
+                        futures=futures, executor=executor, programs=programs, calls=calls,
+                        models=ModelRegistry(tenants), catalog=catalog,
+                        drain=Drain(futures, cluster, settings.drain_timeout_s),
+                        cluster=cluster, warming=warming)
+    pool.add_lost_listener(lost)
+    sweeper = loop.create_task(futures.sweep_forever(settings.sweep_interval_s))
     try:
-        grpc_server = await v2.start_grpc(app, settings)  # JITSERVE_GRPC_PORT, else None
-        yield
+        if cluster is not None:
+            await cluster.start(futures.live, on_self_lost=futures.replica_lost)
+        _log_startup(settings, pool, catalog)
+        yield services
     finally:
-        if grpc_server is not None:
-            await grpc_server.stop(5)
         sweeper.cancel()
-        if state.warming is not None:
-            await state.warming.stop()
+        if warming is not None:
+            await warming.stop()
         if cluster is not None:
             await cluster.leave(futures.live())  # drained already, or stopped at once
             await cluster.close()
         pool.remove_lost_listener(lost)
-        await state.calls.close()
+        await calls.close()
         await executor.close()
         futures.clear()
-        if shared is not None:
-            await asyncio.to_thread(shared.close)
+        await asyncio.to_thread(catalog.close)
 
 
-def _join_cluster(settings: Settings, futures: FutureStore, metrics: Metrics) -> Cluster | None:
+def _cluster(settings: Settings, metrics: Metrics) -> Cluster | None:
     """This process as a replica of the service on the shared Redis (``None`` without one)."""
     redis = settings.redis_settings()
     if redis is None:
         return None
-    cluster = Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
-                      secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
-                      future_ttl_s=settings.future_ttl_s, metrics=metrics,
-                      peer_idle_s=settings.keepalive_timeout_s / 2)
-    futures.id_prefix = f"{cluster.replica_id}."
-    futures.on_change = cluster.changed
-
-    def lost(old: str, new: str) -> None:  # the others gave up on this replica
-        futures.fail_all("replica_lost", f"replica {old}, which held this future, was "
-                                         "declared lost (Redis did not hear from it)")
-        futures.id_prefix = f"{new}."
-
-    cluster.on_self_lost = lost
-    return cluster
+    return Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
+                   secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
+                   future_ttl_s=settings.future_ttl_s, metrics=metrics,
+                   peer_idle_s=settings.keepalive_timeout_s / 2)
 
 
 def _own_url(settings: Settings) -> str:

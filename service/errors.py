@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +42,9 @@ from starlette.requests import ClientDisconnect
 from jitserve.compiler import CacheUnavailable
 from jitserve.compiler.errors import CompilerError
 from jitserve.wire import ErrorCode, WireError
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 __all__ = [
     "BadRequest",
@@ -215,15 +219,16 @@ _CLIENT_CLOSED = 499
 log = logging.getLogger("jitserve.requests")
 
 
-async def _client_disconnect(request: Request, exc: Exception) -> Response:
-    where = f" {exc}" if str(exc) else ""
-    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-    log.info("%s disconnected before its request body ended%s: %s %s", client, where,
-             request.method, request.url.path)
-    metrics = getattr(request.app.state, "metrics", None)
-    if metrics is not None:
+def _client_disconnect(metrics: Metrics) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(request: Request, exc: Exception) -> Response:
+        where = f" {exc}" if str(exc) else ""
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s disconnected before its request body ended%s: %s %s", client, where,
+                 request.method, request.url.path)
         metrics.body_aborted("disconnect")
-    return Response(status_code=_CLIENT_CLOSED)  # never delivered; the metrics count it
+        return Response(status_code=_CLIENT_CLOSED)  # never delivered; the metrics count it
+
+    return handle
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -232,13 +237,14 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _response(ErrorCode.INTERNAL, "internal server error")
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers that map every exception to an error document."""
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Register the handlers that map every exception to an error document (``metrics``
+    counts the bodies that clients broke off)."""
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(CompilerError, _compiler_error)
     app.add_exception_handler(CacheUnavailable, _cache_unavailable)
     app.add_exception_handler(WireError, _wire_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ClientDisconnect, _client_disconnect)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect(metrics))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

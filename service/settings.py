@@ -184,6 +184,19 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @property
+    def lookup_timeout_s(self) -> float:
+        """The longest a lookup (lowering, compile, load) may take in a runtime: a compile
+        waits at most ``compile_timeout_s`` for a worker and ``compile_timeout_s`` to
+        compile, and a minute covers the lowering and the load."""
+        return 2 * self.compile_timeout_s + 60
+
+    @property
+    def call_timeout_s(self) -> float:
+        """The longest a call may take from its request to its outputs: its lookup, then
+        its run under ``execution_timeout_s``."""
+        return self.lookup_timeout_s + self.execution_timeout_s
+
+    @property
     def execution_bytes_limit(self) -> int:
         """``max_execution_bytes``, or ``max_device_bytes`` when it is unset."""
         return self.max_execution_bytes or self.max_device_bytes

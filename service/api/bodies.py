@@ -38,17 +38,15 @@ from starlette.requests import ClientDisconnect
 
 from jitserve import wire
 
+from ..calls.calls import Calls
 from ..calls.futures import Future
 from ..errors import (
     BadRequest,
-    FutureFailed,
-    NotFound,
     PayloadTooLarge,
     ServiceError,
     UnsupportedMediaType,
 )
 from ..metrics import Metrics
-from ..runtimes import RemoteError, RuntimePool
 from . import jsonwire
 
 __all__ = ["BodyReader", "BodyTimeout", "array_response", "outputs_response", "wants_json"]
@@ -318,28 +316,11 @@ def array_response(doc: Mapping[str, Any], as_json: bool, status_code: int = 200
                              headers={"Content-Length": str(body.nbytes)})
 
 
-async def outputs_response(fut: Future, metrics: Metrics, as_json: bool,
-                           runtimes: RuntimePool, which: list[int] | None = None) -> Response:
-    """The outputs of a done future (``which``: those only) as an answer; they stay
-    on their runtime as well.
-
-    Small outputs came with the run's answer; big ones arrive in a shared-memory
-    segment and are answered from it in place.
-    """
-    if fut.outputs is None:
-        raise NotFound(f"future {fut.future_id}'s outputs were released")
-    which = list(range(len(fut.outputs))) if which is None else which
-    outputs = [fut.outputs[k] for k in which]
-    released = [k for k, buf in zip(which, outputs) if buf is None]
-    if released:
-        raise NotFound(f"output {released[0]} of future {fut.future_id} was released")
-    try:
-        host = ([fut.host[k] for k in which] if fut.host is not None
-                else await runtimes.fetch(outputs))
-    except RemoteError as e:
-        raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
-                           cause={"code": e.code, "message": str(e)}) from None
+async def outputs_response(fut: Future, calls: Calls, as_json: bool,
+                           which: list[int] | None = None) -> Response:
+    """The outputs of a done future (``which``: those only) as an answer
+    (``Calls.outputs``); they stay on their runtime as well."""
+    host = await calls.outputs(fut, which)
     nbytes = sum(a.nbytes for a in host)
-    metrics.transferred("out", nbytes)
     return array_response({"future_id": fut.future_id, "outputs": host, "out_tree": fut.out_tree},
                           as_json, nbytes=nbytes)

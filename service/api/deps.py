@@ -1,15 +1,21 @@
-"""Dependencies of the route handlers, as ``Annotated`` aliases.
+"""What route handlers receive: the app's ``Services``, and values read off the request.
 
-Everything shared lives on ``app.state`` (made by the lifespan in ``app.py``);
-handlers receive it through these aliases, never through module globals::
+The lifespan in ``service.app`` builds the collaborators once, in dependency
+order, and hands them to the app as one frozen ``Services``; a handler takes it
+through ``ServicesDep``, never through module globals or ``app.state``::
 
     @router.get("/v1/futures/{future_id}")
-    async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner): ...
+    async def get_future(future_id: str, services: ServicesDep, owner: Owner): ...
+
+The other aliases are values of the request itself: the caller (``Owner``), its
+body under the limits (``Body``, ``ProgramBody``), ``?wait`` (``WaitSeconds``) and
+whether it asked for JSON (``AsJSON``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import dataclasses
+from typing import Annotated
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -17,10 +23,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from jitserve.compiler import Catalog
 
 from ..calls.calls import Calls
+from ..calls.drain import Drain
+from ..calls.executor import Executor
 from ..calls.futures import FutureStore
+from ..calls.models import ModelRegistry
 from ..calls.programs import ProgramStore
 from ..calls.tenants import Tenants
-from ..cluster._cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
+from ..calls.warming import Warming
+from ..cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
 from ..errors import Unauthorized
 from ..metrics import Metrics
 from ..runtimes import RuntimePool
@@ -31,70 +41,68 @@ from .bodies import BodyReader, wants_json
 __all__ = [
     "AsJSON",
     "Body",
-    "CallsDep",
-    "CatalogDep",
-    "ClusterDep",
-    "FutureStoreDep",
-    "MetricsDep",
     "Owner",
     "ProgramBody",
-    "ProgramStoreDep",
-    "RuntimesDep",
-    "SettingsDep",
-    "TenantsDep",
+    "Services",
+    "ServicesDep",
     "WaitSeconds",
     "bearer_token",
+    "get_owner",
+    "get_services",
     "request_cluster",
     "request_owner",
+    "services_of",
 ]
 
 
-def _state(request: Request) -> Any:
-    return request.app.state
+@dataclasses.dataclass(frozen=True, eq=False)
+class Services:
+    """Everything a request may use, built once per server by its lifespan.
+
+    Attributes:
+      settings: the server's configuration.
+      metrics: what ``/metrics`` shows.
+      runtimes: the supervised processes that decode, compile and run programs.
+      tenants: who owns which program and executable, and their quotas.
+      futures: this process's futures.
+      executor: sends runs to the runtimes and settles their futures.
+      programs: decoded programs, per tenant.
+      calls: the domain's entry: compile, execute, put.
+      models: model names of programs (``/v2``, and ``?name=`` on upload).
+      catalog: what the executable caches hold, for listings.
+      drain: refuses new work once SIGTERM came.
+      cluster: the other replicas (``None`` without Redis).
+      warming: the ``--warm`` manifest's compiles (``None`` without one).
+    """
+
+    settings: Settings
+    metrics: Metrics
+    runtimes: RuntimePool
+    tenants: Tenants
+    futures: FutureStore
+    executor: Executor
+    programs: ProgramStore
+    calls: Calls
+    models: ModelRegistry
+    catalog: Catalog
+    drain: Drain
+    cluster: Cluster | None
+    warming: Warming | None
 
 
-async def get_settings(request: Request) -> Settings:
-    return _state(request).settings
+def services_of(request: Request) -> Services:
+    """The running app's ``Services`` (``service.app``: its lifespan made them)."""
+    services: Services = request.app.services
+    return services
 
 
-async def get_runtimes(request: Request) -> RuntimePool:
-    return _state(request).runtimes
+async def get_services(request: Request) -> Services:
+    """``services_of``, as a dependency (``async``: FastAPI runs a plain function's in a
+    thread, a hop per request)."""
+    return services_of(request)
 
 
-async def get_programs(request: Request) -> ProgramStore:
-    return _state(request).programs
-
-
-async def get_catalog(request: Request) -> Catalog:
-    """What the executable caches hold, and whether the shared one is up."""
-    return _state(request).catalog
-
-
-async def get_futures(request: Request) -> FutureStore:
-    return _state(request).futures
-
-
-async def get_calls(request: Request) -> Calls:
-    return _state(request).calls
-
-
-async def get_metrics(request: Request) -> Metrics:
-    return _state(request).metrics
-
-
-async def get_tenants(request: Request) -> Tenants:
-    """Who owns which programs and executables (``service.tenants``)."""
-    return _state(request).tenants
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-RuntimesDep = Annotated[RuntimePool, Depends(get_runtimes)]
-ProgramStoreDep = Annotated[ProgramStore, Depends(get_programs)]
-FutureStoreDep = Annotated[FutureStore, Depends(get_futures)]
-CallsDep = Annotated[Calls, Depends(get_calls)]
-CatalogDep = Annotated[Catalog, Depends(get_catalog)]
-MetricsDep = Annotated[Metrics, Depends(get_metrics)]
-TenantsDep = Annotated[Tenants, Depends(get_tenants)]
+ServicesDep = Annotated[Services, Depends(get_services)]
 
 
 # The OpenAPI's bearer scheme (Swagger's Authorize button); ``auth.authenticate``
@@ -115,11 +123,11 @@ def request_owner(request: Request) -> str | None:
     A request another replica forwarded (``service.cluster``) is signed by it, and
     names the owner it authenticated; it is served here, never forwarded again.
     """
-    state = _state(request)
+    services = services_of(request)
     signature = request.headers.get(PEER_HEADER)
     if signature is None:
-        return authenticate(bearer_token(request), state.settings)
-    cluster: Cluster | None = getattr(state, "cluster", None)
+        return authenticate(bearer_token(request), services.settings)
+    cluster = services.cluster
     if cluster is None:
         raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
     owner = request.headers.get(OWNER_HEADER) or None
@@ -134,38 +142,35 @@ def bearer_token(request: Request) -> str | None:
     return token if token and scheme.lower() == "bearer" else None
 
 
-def request_cluster(request: Request) -> Cluster | None:
-    """``get_cluster`` for a handler that takes no dependencies (after ``request_owner``)."""
+def request_cluster(request: Request, services: Services) -> Cluster | None:
+    """The replicas, for a request this replica may forward; ``None`` without Redis,
+    and for a request that was forwarded here (served here, whatever it names).
+    Read after ``request_owner``, which marks a forwarded request."""
     # request_owner's mark, read from the dict behind ``request.state``: an absent
     # attribute of a ``State`` costs a raised and caught ``AttributeError``
     if request.scope.get("state", {}).get("forwarded", False):
         return None
-    return getattr(_state(request), "cluster", None)
+    return services.cluster
 
 
-async def get_cluster(request: Request) -> Cluster | None:
-    """The replicas, for a request this replica may forward; ``None`` without Redis,
-    and for a request that was forwarded here (served here, whatever it names)."""
-    return request_cluster(request)
-
-
-async def get_body(request: Request, settings: SettingsDep, metrics: MetricsDep) -> BodyReader:
+async def get_body(request: Request, services: ServicesDep) -> BodyReader:
     """A reader for the request body, bounded by ``max_body_bytes``.
 
     A reader rather than the bytes, so a handler can drop a big body as soon
     as it is decoded (FastAPI would hold a dependency's value until the end).
     """
+    settings = services.settings
     return BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                      metrics=metrics)
+                      metrics=services.metrics)
 
 
-async def get_program_body(request: Request, settings: SettingsDep,
-                           metrics: MetricsDep) -> BodyReader:
+async def get_program_body(request: Request, services: ServicesDep) -> BodyReader:
     """A body reader for program uploads, bounded by ``max_program_bytes`` too."""
+    settings = services.settings
     if settings.max_program_bytes < settings.max_body_bytes:
         return BodyReader(request, settings.max_program_bytes, "JITSERVE_MAX_PROGRAM_BYTES",
-                          timeout_s=settings.body_timeout_s, metrics=metrics)
-    return await get_body(request, settings, metrics)
+                          timeout_s=settings.body_timeout_s, metrics=services.metrics)
+    return await get_body(request, services)
 
 
 async def get_as_json(request: Request) -> bool:
@@ -173,17 +178,15 @@ async def get_as_json(request: Request) -> bool:
 
 
 async def get_wait_s(
-    settings: SettingsDep,
+    services: ServicesDep,
     wait: Annotated[int | None, Query(ge=0, description="milliseconds to wait for the result")]
     = None,
 ) -> float:
     """The ``?wait=<ms>`` of a request in seconds, capped at ``max_wait_ms``."""
-    return min(wait or 0, settings.max_wait_ms) / 1000
+    return min(wait or 0, services.settings.max_wait_ms) / 1000
 
 
 Owner = Annotated[str | None, Depends(get_owner)]
-# Declared after Owner in a handler, so the request's signature is checked first.
-ClusterDep = Annotated[Cluster | None, Depends(get_cluster)]
 Body = Annotated[BodyReader, Depends(get_body)]
 ProgramBody = Annotated[BodyReader, Depends(get_program_body)]
 AsJSON = Annotated[bool, Depends(get_as_json)]

@@ -178,10 +178,13 @@ class Batcher:
     Args:
       compile: ``Calls.compile`` (the lookup of a bucket's executable).
       runtimes, futures, executor, metrics: the server's.
+      shared: the replicas' shared configurations (``service.cluster``), when Redis is
+        configured; omitted, the configurations are this process's alone.
     """
 
     def __init__(self, compile: Compile, runtimes: RuntimePool, futures: FutureStore,
-                 executor: Executor, metrics: Metrics) -> None:
+                 executor: Executor, metrics: Metrics, *,
+                 shared: SharedConfigs | None = None) -> None:
         self._compile = compile
         self._runtimes = runtimes
         self._futures = futures
@@ -190,8 +193,7 @@ class Batcher:
         self._configs: dict[tuple[str | None, str], BatchingConfig] = {}
         self._queues: dict[tuple[Any, ...], _Queue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # The replicas' shared configurations (service.cluster), when Redis is configured.
-        self.shared: SharedConfigs | None = None
+        self._shared = shared
         self._checked: dict[tuple[str | None, str], float] = {}
 
     # -- configuration -----------------------------------------------------------
@@ -216,8 +218,8 @@ class Batcher:
         replicas, for all of them (each picks it up within ``REFRESH_S``)."""
         if config is not None:
             self.configure(owner, program, config)
-        if self.shared is not None:
-            await self.shared.set_batching(owner, program.program_id,
+        if self._shared is not None:
+            await self._shared.set_batching(owner, program.program_id,
                                            None if config is None else config.to_json())
         if config is None:
             self.unconfigure(owner, program.program_id)
@@ -226,7 +228,7 @@ class Batcher:
     async def refresh(self, owner: str | None, program_id: str, *, force: bool = False) -> None:
         """Bring ``owner``'s batching of ``program_id`` up to what the replicas share, at
         most every ``REFRESH_S`` (a call's extra cost: one Redis read now and then)."""
-        if self.shared is None:
+        if self._shared is None:
             return
         key = (owner, program_id)
         now = time.monotonic()
@@ -234,7 +236,7 @@ class Batcher:
             return
         self._checked[key] = now
         try:
-            doc = await self.shared.batching(owner, program_id)
+            doc = await self._shared.batching(owner, program_id)
         except Exception as e:  # noqa: BLE001 - Redis down: keep what this replica knows
             log.warning("reading the shared batching of %s failed: %s", program_id[:12], e)
             return

@@ -46,12 +46,13 @@ from ..errors import (
     BadRequest,
     FutureCancelled,
     FutureFailed,
+    NotFound,
     ServiceError,
     Unavailable,
 )
 from ..metrics import Metrics
 from ..runtimes import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
-from .batching import Batcher
+from .batching import Batcher, SharedConfigs
 from .executables import (
     CallKey,
     CallOptions,
@@ -145,11 +146,14 @@ class Calls:
       tenants: who owns which executable, and the compile quota; omitted, one tenant.
       scheduler: turns at the compilers for the tenants' lookups; omitted, every
         lookup goes straight to its runtime (one tenant: nobody to be fair to).
+      shared_batching: where the replicas keep their callers' batching configurations
+        (``service.cluster``); omitted, this process keeps its own.
     """
 
     def __init__(self, runtimes: RuntimePool, futures: FutureStore, executor: Executor,
                  metrics: Metrics, index: ExecutableIndex, *, lookup_timeout_s: float,
-                 tenants: Tenants | None = None, scheduler: FairScheduler | None = None) -> None:
+                 tenants: Tenants | None = None, scheduler: FairScheduler | None = None,
+                 shared_batching: SharedConfigs | None = None) -> None:
         self._runtimes = runtimes
         self._futures = futures
         self._executor = executor
@@ -160,7 +164,8 @@ class Calls:
         self._scheduler = scheduler
         self._tasks: set[asyncio.Task[None]] = set()
         # Dynamic batching of the programs callers opted in (service/calls/batching.py).
-        self.batcher: Batcher | None = None
+        self.batcher = Batcher(self.compile, runtimes, futures, executor, metrics,
+                               shared=shared_batching)
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions = _NO_OPTIONS, owner: str | None = None,
@@ -232,7 +237,7 @@ class Calls:
         flat arguments); the outputs they name are released for the caller.
         """
         options = CallOptions(static_key, _check_donate(donate, len(args)))
-        if self.batcher is not None and not options.donate:  # opted in (service.batching)
+        if not options.donate:  # opted in (service.calls.batching)
             await self.batcher.refresh(owner, program.program_id)
             batched = self.batcher.offer(program, args, static_key, owner, timeout_s)
             if batched is not None:
@@ -333,14 +338,37 @@ class Calls:
                                                 f"{e}") from None
         return fut
 
+    async def outputs(self, fut: Future, which: Sequence[int] | None = None) -> list[np.ndarray]:
+        """The outputs of a done future on the host (``which``: those only, in that
+        order), counted as sent out; they stay on their runtime as well.
+
+        Small outputs came with the run's answer; big ones are fetched from their
+        runtime. ``NotFound`` for a released output, ``FutureFailed`` (its cause
+        naming the runtime's code) when they are gone with their runtime.
+        """
+        if fut.outputs is None:
+            raise NotFound(f"future {fut.future_id}'s outputs were released")
+        which = range(len(fut.outputs)) if which is None else which
+        buffers = [fut.outputs[k] for k in which]
+        released = [k for k, buf in zip(which, buffers) if buf is None]
+        if released:
+            raise NotFound(f"output {released[0]} of future {fut.future_id} was released")
+        try:
+            host = ([fut.host[k] for k in which] if fut.host is not None
+                    else await self._runtimes.fetch(buffers))
+        except RemoteError as e:
+            raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
+                               cause={"code": e.code, "message": str(e)}) from None
+        self._metrics.transferred("out", sum(a.nbytes for a in host))
+        return host
+
     def _transferred(self, inputs: Sequence[Arg]) -> None:
         self._metrics.transferred("in", sum(a.nbytes for a in inputs
                                             if isinstance(a, np.ndarray)))
 
     async def close(self) -> None:
         """Stop the compiles in progress (shutdown)."""
-        if self.batcher is not None:
-            await self.batcher.close()
+        await self.batcher.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from ..cluster._cluster import Cluster
 from ..errors import Unavailable
-from .futures import FutureStore
+from .futures import Future, FutureStore
 
-__all__ = ["Drain", "Draining", "run_server"]
+__all__ = ["Drain", "Draining", "Replica"]
 
 log = logging.getLogger("jitserve.drain")
 
@@ -51,8 +48,18 @@ class Draining(Unavailable):
         return {"Retry-After": str(max(1, round(self.retry_after_s)))}
 
 
+class Replica(Protocol):
+    """What a drain tells the other replicas (``service.cluster.Cluster``)."""
+
+    draining: bool
+
+    async def beat_now(self) -> None: ...
+
+    async def leave(self, futures: Sequence[Future]) -> None: ...
+
+
 class Drain:
-    """The drain of one server process (``app.state.drain``).
+    """The drain of one server process (``Services.drain``).
 
     Args:
       futures: this process's futures.
@@ -60,7 +67,7 @@ class Drain:
       timeout_s: how long finished results stay fetchable after the signal.
     """
 
-    def __init__(self, futures: FutureStore, cluster: Cluster | None, timeout_s: float) -> None:
+    def __init__(self, futures: FutureStore, cluster: Replica | None, timeout_s: float) -> None:
         self.futures = futures
         self.cluster = cluster
         self.timeout_s = timeout_s
@@ -106,27 +113,3 @@ class Drain:
         finally:
             done()
 
-
-def run_server(app: Any, **options: Any) -> None:
-    """``uvicorn.run(app, **options)``, where a first SIGTERM drains (``app.state.drain``)
-    before the server stops."""
-    import uvicorn
-
-    class _DrainingServer(uvicorn.Server):
-        draining = False
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            drain: Drain | None = getattr(app.state, "drain", None)
-            if sig != signal.SIGTERM or drain is None or self.draining or self.should_exit:
-                super().handle_exit(sig, frame)
-                return
-            self.draining = True
-            try:
-                loop = asyncio.get_running_loop()  # the handler runs on the loop's thread
-            except RuntimeError:
-                super().handle_exit(sig, frame)
-                return
-            loop.call_soon_threadsafe(drain.begin, lambda: super(_DrainingServer, self)
-                                      .handle_exit(sig, None))
-
-    _DrainingServer(uvicorn.Config(app, **options)).run()

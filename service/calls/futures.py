@@ -179,12 +179,22 @@ class FutureStore:
       owner_max_live, owner_max_device_bytes: the same for the futures of one owner
         (an API key); ``None`` for no such limit. A future without an owner (no
         auth) has only the store's limits.
+      on_final: called with each future that reaches a final status (metrics).
+      on_release: called with a future's outputs when it lets go of them (buffers on
+        a runtime: ``RuntimePool.release``).
+      on_change: called on every change of a future's state (the replicas' mirror,
+        ``service.cluster``).
+      id_prefix: starts every new id: the replica that holds the future
+        (``service.cluster``), or "".
       clock: wall-clock seconds (injectable for tests).
     """
 
     def __init__(self, *, ttl_s: float, max_live: int, max_device_bytes: int,
                  owner_max_live: int | None = None, owner_max_device_bytes: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 on_final: Callable[[Future], None] | None = None,
+                 on_release: Callable[[list[Any]], None] | None = None,
+                 on_change: Callable[[Future], None] | None = None,
+                 id_prefix: str = "", clock: Callable[[], float] = time.time) -> None:
         self.ttl_s = ttl_s
         self.max_live = max_live
         self.max_device_bytes = max_device_bytes
@@ -197,13 +207,10 @@ class FutureStore:
         # running future holds until it ends).
         self._live_of: collections.Counter[str | None] = collections.Counter()
         self._bytes_of: collections.Counter[str | None] = collections.Counter()
-        self.on_final: Callable[[Future], None] | None = None
-        # Called with a future's outputs when it lets go of them (buffers on a runtime).
-        self.on_release: Callable[[list[Any]], None] | None = None
-        # Called on every change of a future's state (the replicas' mirror, cluster.py).
-        self.on_change: Callable[[Future], None] | None = None
-        # Starts every new id: the replica that holds the future (cluster.py), or "".
-        self.id_prefix = ""
+        self.on_final = on_final
+        self.on_release = on_release
+        self.on_change = on_change
+        self.id_prefix = id_prefix
         # When futures expire, soonest first (``_Expiry``): all of them, and each
         # owner's, so that neither a sweep nor a 429's Retry-After walks the store.
         self._expiry = _Expiry(self._futures, self.__len__)
@@ -394,6 +401,14 @@ class FutureStore:
             fut._notify()
             self._changed(fut)
         return len(lost)
+
+    def replica_lost(self, old: str, new: str) -> None:
+        """The other replicas declared this one, ``old``, lost while it ran (Redis did not
+        hear from it): its futures fail with ``replica_lost`` here as they do there, and
+        new ones are named after ``new``, the id it rejoins under."""
+        self.fail_all("replica_lost", f"replica {old}, which held this future, was "
+                                      "declared lost (Redis did not hear from it)")
+        self.id_prefix = f"{new}."
 
     def fail_all(self, code: str, message: str) -> int:
         """Fail every live future with ``code`` (its outputs freed); returns how many."""

@@ -17,22 +17,32 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.programs import Program
 
-from ..cluster._cluster import Cluster
 from ..errors import NotFound
 from ..runtimes import RemoteError, RuntimePool
 from .calls import refusal
 from .tenants import Tenants
 
-__all__ = ["ProgramStore"]
+__all__ = ["ProgramClaims", "ProgramStore"]
 
 # Hashing this much or more goes to a thread (about a millisecond per MiB).
 _HASH_IN_THREAD_BYTES = 1 << 20
+
+
+class ProgramClaims(Protocol):
+    """Which programs each API key uploaded through any replica (``service.cluster``)."""
+
+    async def claim_program(self, owner: str, program_id: str) -> None: ...
+
+    async def owns_program(self, owner: str, program_id: str) -> bool: ...
+
+    async def drop_program(self, owner: str, program_id: str) -> None: ...
 
 
 class ProgramStore:
@@ -43,19 +53,18 @@ class ProgramStore:
       tenants: who owns which program; omitted, nothing is scoped (one tenant).
       max_entries, max_bytes: bounds of the programs kept here.
       timeout_s: the longest a runtime may take to decode one.
+      claims: the uploads of every replica, with Redis; omitted, this process's only.
     """
 
     def __init__(self, runtimes: RuntimePool, tenants: Tenants | None = None, *,
                  max_entries: int = 256, max_bytes: int = 1 << 30,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, claims: ProgramClaims | None = None) -> None:
         self._runtimes = runtimes
         self._tenants = tenants or Tenants()
         self._memory: MemoryCache[Program] = MemoryCache(max_entries, max_bytes)
         self._timeout_s = timeout_s
         self._lock = asyncio.Lock()
-        # The replicas (service/cluster/_cluster.py): which programs each API key uploaded
-        # through any of them.
-        self.cluster: Cluster | None = None
+        self._claims = claims
 
     async def put(self, data: bytes, format: str | None = None,
                   owner: str | None = None) -> tuple[Program, bool]:
@@ -82,8 +91,8 @@ class ProgramStore:
         if program is None:
             program = Program.from_json(reply["program"], data)
             self._memory.put(program_id, program, len(data))
-        if self.cluster is not None and owner is not None:
-            await self.cluster.claim_program(owner, program.program_id)
+        if self._claims is not None and owner is not None:
+            await self._claims.claim_program(owner, program.program_id)
         created = self._tenants.claim_program(owner, program.program_id, len(data),
                                               stored_before=not stored_now)
         return program, created
@@ -97,8 +106,8 @@ class ProgramStore:
         """
         seen = self._tenants.sees_program(owner, program_id)
         if not seen and not vouched and (
-                self.cluster is None or owner is None
-                or not await self.cluster.owns_program(owner, program_id)):
+                self._claims is None or owner is None
+                or not await self._claims.owns_program(owner, program_id)):
             raise _not_found(program_id)
         program = self._memory.get(program_id)
         if program is None:
@@ -134,8 +143,8 @@ class ProgramStore:
         """
         if not self._tenants.scoped or owner is None:
             await self.get(program_id, owner)  # unscoped: it must exist to be deleted
-        if self.cluster is not None and owner is not None:
-            await self.cluster.drop_program(owner, program_id)
+        if self._claims is not None and owner is not None:
+            await self._claims.drop_program(owner, program_id)
         if not self._tenants.drop_program(owner, program_id):
             raise _not_found(program_id)
 

@@ -1,11 +1,12 @@
 """Warming: compile a manifest's programs x signatures before the first caller needs them.
 
-``jitserve warm MANIFEST`` compiles into the shared tiers (the disk and/or Redis)
-and exits; ``jitserve serve --warm MANIFEST`` (``JITSERVE_WARM``) does the same in
-the server, and ``/readyz`` answers 503 ``warming`` until it is done. Both go
-through the server's own objects (``ProgramStore.put`` to decode, ``Calls.compile``
-to look up), so the programs are decoded and compiled by runtimes, never in this
-process, and the keys are the ones the server's calls will ask for.
+``jitserve warm MANIFEST`` (``service.cli.warm``) compiles into the shared tiers
+(the disk and/or Redis) and exits; ``jitserve serve --warm MANIFEST``
+(``JITSERVE_WARM``) does the same in the server, and ``/readyz`` answers 503
+``warming`` until it is done. Both go through the server's own objects
+(``ProgramStore.put`` to decode, ``Calls.compile`` to look up), so the programs
+are decoded and compiled by runtimes, never in this process, and the keys are
+the ones the server's calls will ask for.
 
 A manifest is TOML or JSON; paths are relative to it::
 
@@ -31,7 +32,6 @@ import dataclasses
 import json
 import logging
 import re
-import sys
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -45,8 +45,7 @@ if TYPE_CHECKING:
     from .calls import Calls
     from .programs import ProgramStore
 
-__all__ = ["ManifestError", "WarmItem", "WarmResult", "Warming", "load_manifest", "run_cli",
-           "start_warming"]
+__all__ = ["ManifestError", "WarmItem", "WarmResult", "Warming", "load_manifest", "start_warming"]
 
 log = logging.getLogger("jitserve.warm")
 
@@ -254,62 +253,16 @@ class Warming:
         return program
 
 
-def start_warming(settings: Settings, programs: ProgramStore, calls: Calls,
-                  concurrency: int) -> Warming | None:
+def start_warming(settings: Settings, programs: ProgramStore, calls: Calls, concurrency: int,
+                  on_progress: Callable[[WarmResult], None] | None = None) -> Warming | None:
     """The server's warming (``settings.warm``), started; ``None`` without a manifest.
 
     ``ManifestError`` when the manifest is bad: the server does not start.
+    ``on_progress``: called with each item's result (``jitserve warm``'s progress bar).
     """
     if settings.warm is None:
         return None
-    warming = Warming(load_manifest(settings.warm))
+    warming = Warming(load_manifest(settings.warm), on_progress)
     warming.start(programs, calls, concurrency=concurrency)
     return warming
 
-
-def run_cli(settings: Settings, manifest: Path) -> int:
-    """``jitserve warm MANIFEST``: compile into the shared tiers, print a table; the status."""
-    if not settings.disk_cache and settings.redis_settings() is None:
-        print("jitserve warm: nothing to warm into: the disk tier is off and no Redis is set "
-              "(use --cache-dir, or --redis-url)", file=sys.stderr)
-        return 2
-    try:
-        items = load_manifest(manifest)
-    except ManifestError as e:
-        print(f"jitserve warm: {e}", file=sys.stderr)
-        return 2
-    from .. import logs
-
-    logs.configure(settings.log_level, settings.log_format)
-    warming = asyncio.run(_warm(settings.model_copy(update={"warm": manifest}), len(items)))
-    for r in warming.results:
-        outcome = r.error or f"{r.tier:<9} {r.executable_id}"
-        print(f"{'FAILED' if r.error else 'ok':<6}  {r.item}  {outcome}")
-    tiers = ", ".join(filter(None, [f"disk {settings.cache_dir}" if settings.disk_cache else "",
-                                    "redis" if settings.redis_url else ""]))
-    print(f"warmed {len(warming.results) - len(warming.failed)} of {len(items)} executables "
-          f"into {tiers} in {warming.seconds or 0:.1f} s")
-    return 1 if warming.failed else 0
-
-
-async def _warm(settings: Settings, total: int) -> Warming:
-    """The server's lifespan (runtimes, stores, warming), until the warming is done."""
-    from tqdm import tqdm
-
-    from ..app import create_app
-
-    app = create_app(settings)
-    with tqdm(total=total, unit="exe", desc="warming", disable=not sys.stderr.isatty(),
-              file=sys.stderr) as bar:
-        async with app.router.lifespan_context(app):
-            warming: Warming = app.state.warming
-
-            def progress(result: WarmResult) -> None:
-                bar.set_postfix_str(f"{result.item.file.name}: {result.tier or 'failed'}")
-                bar.update(1)
-
-            warming.on_progress = progress
-            for result in warming.results:  # those done before the bar was attached
-                progress(result)
-            await warming.wait()
-    return warming

@@ -11,6 +11,6 @@ needs it, so ``jitserve --version`` answers on a client-only install.
 
 from __future__ import annotations
 
-from .main import main
+from .commands import main
 
 __all__ = ["main"]

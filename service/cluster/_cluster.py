@@ -119,7 +119,7 @@ class Cluster:
         self.heartbeat_s = heartbeat_s
         self.draining = False
         self.state = "starting"  # "ok" once Redis answered, "degraded" while it does not
-        self.on_self_lost: Callable[[str, str], None] | None = None  # (old id, new id)
+        self._on_self_lost: Callable[[str, str], None] | None = None  # (old id, new id)
         self._secret = secret
         self._metrics = metrics
         self._peer_in = metrics.peer_bytes_total.labels("in")
@@ -157,12 +157,16 @@ class Cluster:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    async def start(self, live: Callable[[], list[Future]]) -> None:
+    async def start(self, live: Callable[[], list[Future]], *,
+                    on_self_lost: Callable[[str, str], None] | None = None) -> None:
         """Join: first heartbeat (if Redis answers), then the background tasks.
 
         ``live``: this replica's live futures, written again after Redis was down.
+        ``on_self_lost``: called with this replica's old and new ids when the others
+        declared it lost while it ran, and it rejoins under a new id.
         """
         self._resync = live
+        self._on_self_lost = on_self_lost
         with contextlib.suppress(RedisError, OSError):
             await self._beat()
         loop = asyncio.get_running_loop()
@@ -275,8 +279,8 @@ class Cluster:
         log.error("replica %s was declared lost while it ran (Redis did not hear from it); "
                   "its futures fail with replica_lost, and it rejoins as %s", old,
                   self.replica_id)
-        if self.on_self_lost is not None:
-            self.on_self_lost(old, self.replica_id)
+        if self._on_self_lost is not None:
+            self._on_self_lost(old, self.replica_id)
         await self._beat()
 
     async def beat_now(self) -> None:

@@ -1,7 +1,8 @@
 """What the routes do for another replica's futures (``service.cluster``).
 
-``AnnounceReplica`` names the replica in every answer (``wire.REPLICA_HEADER``),
-so that a balancer can learn which server holds which replica's futures.
+``replica_header`` names the replica in every answer (``wire.REPLICA_HEADER``,
+``api.announce``), so that a balancer can learn which server holds which
+replica's futures.
 
 ``relay`` sends the request on to the replica that holds the future and answers
 with what it answers, streamed; ``pull`` fetches one output of another replica's
@@ -16,7 +17,6 @@ from typing import Any
 import numpy as np
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jitserve import wire
 from jitserve.wire import ErrorCode
@@ -24,41 +24,13 @@ from jitserve.wire import ErrorCode
 from ..errors import ServiceError
 from ._cluster import Cluster, ReplicaLost, replica_of, scope_path
 
-__all__ = ["AnnounceReplica", "PeerError", "pull", "relay", "remote_replica"]
+__all__ = ["PeerError", "pull", "relay", "remote_replica", "replica_header"]
 
 # Answers up to this size are read whole; bigger ones stream through.
 _WHOLE_BYTES = 1 << 20
 _PASSED_HEADERS = ("content-type", "content-length", "retry-after", "www-authenticate")
 _REPLICA_HEADER = wire.REPLICA_HEADER.encode()
 _RELAYED = (b"accept", b"content-type")
-
-
-class AnnounceReplica:
-    """ASGI middleware: with replicas, every answer names the one that gave it.
-
-    A balancer that keeps the name it saw from each server (haproxy's
-    ``stick store-response``, docs/deploy.md) can then send a request that names
-    the replica holding its futures (the SDK's do) straight there, and no replica
-    has to forward it. Without Redis it adds nothing. ``ExecuteLane``, in front of
-    the stack, names the replica in the answers it gives itself.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cluster = getattr(scope["app"].state, "cluster", None) if scope["type"] == "http" else None
-        if cluster is None:
-            await self.app(scope, receive, send)
-            return
-        header = replica_header(cluster)
-
-        async def announce(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), header]}
-            await send(message)
-
-        await self.app(scope, receive, announce)
 
 
 def replica_header(cluster: Cluster) -> tuple[bytes, bytes]:

@@ -13,7 +13,7 @@ NOT_FOUND, UNAUTHENTICATED, ...) and the message ``/v2`` would give. Each call i
 counted in ``jitserve_requests_total`` with ``route="grpc:<Method>"`` and the
 status code's name as ``status``.
 
-    server = await start(app.state, settings)    # app.state as the lifespan made it
+    server = await start(services, version)    # the app's Services, once its lifespan made them
     ...
     await server.stop(5)
 """
@@ -26,11 +26,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from fastapi import FastAPI
 
 from ..api.auth import authenticate
+from ..api.deps import Services
 from ..errors import BadRequest
-from ..settings import Settings
 from . import grpc_service_pb2 as pb
 from . import grpc_service_pb2_grpc as pb_grpc
 from .errors import refusal_of
@@ -53,15 +52,16 @@ R = TypeVar("R")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
 
 
-async def start(app: FastAPI, settings: Settings) -> grpc.aio.Server:
-    """A started gRPC server on ``settings.host``:``settings.grpc_port`` for ``app``, whose
-    lifespan has set up its state (``service.app``)."""
+async def start(services: Services, version: str) -> grpc.aio.Server:
+    """A started gRPC server on ``settings.host``:``settings.grpc_port`` for a running app's
+    ``services``; ``version`` is the server's, as its metadata names it."""
+    settings = services.settings
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", min(settings.max_body_bytes, 2**31 - 1)),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a second server on the same port is an error, not a split
     ])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(app, settings), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(services, version), server)
     address = f"{settings.host}:{settings.grpc_port}"
     port = server.add_insecure_port(address)
     if port == 0:
@@ -99,11 +99,11 @@ def _rpc(method: Handler[R]) -> Handler[R]:
 
 
 class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, app: FastAPI, settings: Settings) -> None:
-        self._inference = Inference.from_state(app.state)
-        self._settings = settings
-        self._metrics = app.state.metrics
-        self._version = app.version
+    def __init__(self, services: Services, version: str) -> None:
+        self._inference = Inference.of(services)
+        self._settings = services.settings
+        self._metrics = services.metrics
+        self._version = version
 
     def count(self, route: str, status: str) -> None:
         self._metrics.requests.labels(route, status).inc()

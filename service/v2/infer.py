@@ -1,6 +1,6 @@
 """Models and inferences of the Open Inference Protocol, below REST and gRPC.
 
-A model is a named program (``service.v2.models``); its metadata is the
+A model is a named program (``service.calls.models``); its metadata is the
 program's signature. Input and output names come from the program's pytrees
 where they hold dict keys (``f({"x": ..., "y": ...})`` takes ``x`` and ``y``;
 nested dicts join keys with dots: ``params.w``); every other leaf is
@@ -13,7 +13,7 @@ program's by name and checked against its datatypes and shapes, go through
 waits for the future, fetches its outputs as ``GET /v1/futures/{id}/result``
 does, and deletes the future, so nothing outlives the request.
 
-    inference = Inference.from_state(app.state)
+    inference = Inference.of(services)        # the app's Services (service.api.deps)
     model = await inference.model(owner, "double", None)     # the latest version
     outputs = await inference.infer(owner, model, [InputTensor("x", "FP32", [2], data=[1, 2])])
 """
@@ -29,16 +29,15 @@ import numpy as np
 from jitserve.compiler.programs import Program
 from jitserve.wire import Aval, ErrorCode, FutureStatus
 
+from ..api.deps import Services
 from ..calls.calls import Calls
 from ..calls.drain import Drain
 from ..calls.futures import Future, FutureStore
+from ..calls.models import ModelRegistry
 from ..calls.programs import ProgramStore
-from ..errors import BadRequest, FutureCancelled
-from ..metrics import Metrics
-from ..runtimes import RemoteError, RuntimePool
-from ..settings import Settings
+from ..errors import BadRequest, FutureCancelled, FutureFailed
+from ..runtimes import RuntimePool
 from .errors import CallFailed
-from .models import ModelRegistry
 from .tensors import datatype_of, dtype_of, from_data, from_raw, shape_of
 
 __all__ = ["Inference", "InputTensor", "Model", "OutputTensor", "RequestedOutput", "TensorSpec",
@@ -145,14 +144,14 @@ class Inference:
     """Finds models and runs inferences for the REST and gRPC front ends.
 
     Args:
-      models, programs, calls, futures, runtimes, metrics: the app's (``app.state``).
+      models, programs, calls, futures, runtimes: the app's (``Services``).
       wait_s: the longest an inference waits for its future (compile and run); the
         compile and execution time limits end it sooner.
       drain: the server's drain, which refuses new calls after SIGTERM; none if omitted.
     """
 
     def __init__(self, models: ModelRegistry, programs: ProgramStore, calls: Calls,
-                 futures: FutureStore, runtimes: RuntimePool, metrics: Metrics, *,
+                 futures: FutureStore, runtimes: RuntimePool, *,
                  wait_s: float, drain: Drain | None = None) -> None:
         self._drain = drain
         self._models = models
@@ -160,16 +159,14 @@ class Inference:
         self._calls = calls
         self._futures = futures
         self._runtimes = runtimes
-        self._metrics = metrics
         self._wait_s = wait_s
 
     @classmethod
-    def from_state(cls, state: Any) -> Inference:
-        """The inference of an app whose lifespan has set up ``state`` (``service.app``)."""
-        settings: Settings = state.settings
-        wait_s = 2 * settings.compile_timeout_s + 60 + settings.execution_timeout_s
-        return cls(state.models, state.programs, state.calls, state.futures, state.runtimes,
-                   state.metrics, wait_s=wait_s, drain=state.drain)
+    def of(cls, services: Services) -> Inference:
+        """The inferences of a running app (``service.api.deps.Services``)."""
+        return cls(services.models, services.programs, services.calls, services.futures,
+                   services.runtimes, wait_s=services.settings.call_timeout_s,
+                   drain=services.drain)
 
     def ready(self) -> bool:
         """Whether every runtime is up (the server's readiness for inferences)."""
@@ -217,12 +214,11 @@ class Inference:
         if fut.status is not FutureStatus.DONE or fut.outputs is None:
             raise FutureCancelled("the inference was cancelled before it finished")
         try:
-            host = (list(fut.host) if fut.host is not None
-                    else await self._runtimes.fetch(fut.outputs))
-        except RemoteError as e:
-            raise CallFailed(e.code, f"the inference's outputs were lost: {e}") from None
-        self._metrics.transferred("out", sum(a.nbytes for a in host))
-        return host
+            return await self._calls.outputs(fut)
+        except FutureFailed as e:
+            cause = e.extra.get("cause") or {}
+            raise CallFailed(str(cause.get("code", "internal")),
+                             f"the inference's outputs were lost: {cause.get('message', e)}") from None
 
 
 def leaf_names(tree: Any, count: int, prefix: str) -> list[str]:

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
-from ..api.deps import Body, Owner, SettingsDep
+from ..api.deps import Body, Owner, ServicesDep
 from ..errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from .errors import refusal_of
 from .infer import (
@@ -92,8 +92,8 @@ def _refused(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": refusal.message}, refusal.status, headers=refusal.headers)
 
 
-async def get_inference(request: Request) -> Inference:
-    return Inference.from_state(request.app.state)
+async def get_inference(services: ServicesDep) -> Inference:
+    return Inference.of(services)
 
 
 InferenceDep = Annotated[Inference, Depends(get_inference)]
@@ -149,12 +149,12 @@ async def model_ready(name: str, inference: InferenceDep, owner: Owner,
 @router.post(_MODEL + "/infer")
 @router.post(_VERSION + "/infer")
 async def infer(name: str, request: Request, inference: InferenceDep, owner: Owner, body: Body,
-                settings: SettingsDep, version: str | None = None) -> Response:
+                services: ServicesDep, version: str | None = None) -> Response:
     """Run the model: JSON tensors, or the binary tensor extension."""
     model = await inference.model(owner, name, version)
     model.check()
     raw = _decoded(await body.read(), request.headers.get("content-encoding"),
-                   settings.max_body_bytes)
+                   services.settings.max_body_bytes)
     doc, inputs, requested, binary = _parse(raw, request.headers.get(HEADER_LENGTH))
     del raw  # the inputs are views of it, and go once sent
     outputs = await inference.infer(owner, model, inputs, requested, binary)

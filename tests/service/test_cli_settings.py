@@ -12,7 +12,7 @@ from pydantic import Field
 
 from jitserve.service import settings as settings_module
 from jitserve.service.calls.warming import ManifestError, load_manifest
-from jitserve.service.cli import main as cli
+from jitserve.service.cli import commands as cli
 from jitserve.service.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)

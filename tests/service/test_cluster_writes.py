@@ -28,10 +28,9 @@ async def _replica(redis_url: str, prefix: str) -> tuple[Cluster, FutureStore]:
     settings = RedisSettings.from_url(redis_url, prefix=prefix)
     cluster = Cluster(settings, peer_url="http://127.0.0.1:1", secret=b"k" * 32,
                       heartbeat_s=1.0, future_ttl_s=60.0, metrics=Metrics())
-    store = FutureStore(ttl_s=60.0, max_live=10_000, max_device_bytes=1 << 30)
-    store.id_prefix = f"{cluster.replica_id}."
-    store.on_change = cluster.changed
-    await cluster.start(store.live)
+    store = FutureStore(ttl_s=60.0, max_live=10_000, max_device_bytes=1 << 30,
+                        on_change=cluster.changed, id_prefix=f"{cluster.replica_id}.")
+    await cluster.start(store.live, on_self_lost=store.replica_lost)
     return cluster, store
 
 

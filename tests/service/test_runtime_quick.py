@@ -15,7 +15,7 @@ from jitserve import wire
 
 
 async def _stats(api) -> dict:
-    runtime = api.app.state.runtimes.runtimes[0]
+    runtime = api.app.services.runtimes.runtimes[0]
     return await runtime.request("stats", {}, timeout_s=60)
 
 

@@ -64,7 +64,7 @@ async def test_the_api_answers_while_its_runtime_reads_nothing(make_api) -> None
         plus1 = await api.upload("plus1")
         v = np.arange(1 << 14, dtype=np.float32)
         assert (await api.execute(plus1, [v], wait=60_000)).status_code == 200
-        pid = api.app.state.runtimes.runtimes[0].pid
+        pid = api.app.services.runtimes.runtimes[0].pid
         resumed = threading.Event()
 
         def resume() -> None:

@@ -152,7 +152,7 @@ async def test_unexpected_errors_are_500_json(api, monkeypatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(api.app.state.futures, "counts", broken)
+    monkeypatch.setattr(api.app.services.futures, "counts", broken)
     r = await api.http.get("/metrics")
     assert r.status_code == 500
     assert r.json() == {"error": {"code": "internal", "message": "internal server error"}}

@@ -222,14 +222,15 @@ class _Shared:
         return self.docs.get((owner, program_id))
 
 
-async def test_replicas_share_the_configuration(parts: Any) -> None:
-    here, _, _, _ = parts
+async def test_replicas_share_the_configuration() -> None:
     async def no_compile(*args: Any) -> Lookup:
         raise AssertionError("nothing runs here")
 
-    store = FutureStore(ttl_s=60, max_live=10, max_device_bytes=1 << 20)
-    there = Batcher(no_compile, _Pool(), store, _Executor(), Metrics())  # type: ignore[arg-type]
-    here.shared = there.shared = shared = _Shared()
+    shared = _Shared()
+    here, there = (Batcher(no_compile, _Pool(), FutureStore(ttl_s=60, max_live=10,  # type: ignore[arg-type]
+                                                            max_device_bytes=1 << 20),
+                           _Executor(), Metrics(), shared=shared)
+                   for _ in range(2))
     await here.store("k", PROGRAM, BatchingConfig(16, 3))
     assert shared.docs[("k", PROGRAM.program_id)] == {"max_batch_size": 16, "max_delay_ms": 3.0}
     await there.refresh("k", PROGRAM.program_id)

@@ -123,7 +123,7 @@ async def test_result_of_a_future_without_wait_may_be_pending(api, x) -> None:
         assert r.json()["error"]["code"] == "future_pending"
 
 
-# -- the execute lane (service/api/routes/execute.py: ExecuteLane) ---------------------
+# -- the execute lane (service/api/lane.py: ExecuteLane) ---------------------
 
 
 @pytest.mark.parametrize(("query", "parsed"), [
@@ -133,7 +133,7 @@ async def test_result_of_a_future_without_wait_may_be_pending(api, x) -> None:
     (b"keep=no", None), (b"wait=1e3", None), (b"wait=\xd9\xa3", None),
 ])
 def test_lane_reads_plain_queries_and_leaves_the_rest_to_fastapi(query, parsed) -> None:
-    from jitserve.service.api.routes.execute import _query
+    from jitserve.service.api.lane import _query
 
     assert _query(query) == parsed
 

@@ -25,7 +25,7 @@ def executor_blocked(api) -> Iterator[asyncio.Event]:
     Runs that would be sent at once (``Executor._send_now``) take the queued path too.
     """
     gate = asyncio.Event()
-    executor = api.app.state.executor
+    executor = api.app.services.executor
     marshal = executor._marshal
     executor._send_now = lambda *args: False
 
@@ -129,7 +129,7 @@ async def test_futures_expire_after_their_ttl(make_api, x) -> None:
         fid = wire.unpackb(r.content)["future_id"]
         assert await api.metric("jitserve_device_bytes_in_use") == 48
         await asyncio.sleep(0.6)
-        assert len(api.app.state.futures) == 0  # the sweeper took it
+        assert len(api.app.services.futures) == 0  # the sweeper took it
         assert (await api.http.get(f"/v1/futures/{fid}")).status_code == 404
         assert await api.metric("jitserve_device_bytes_in_use") == 0
 

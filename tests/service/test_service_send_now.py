@@ -24,7 +24,7 @@ ROUTE = "/v1/programs/{program_id}/execute"
 @pytest.fixture
 def sends(api):
     """Whether each run ``submit`` saw was sent at once (``True``) or left to a task."""
-    executor = api.app.state.executor
+    executor = api.app.services.executor
     send_now = executor._send_now
     seen: list[bool] = []
 
@@ -46,8 +46,8 @@ async def test_a_cached_call_is_sent_from_submit_without_a_task(api, x, sends) -
         np.testing.assert_array_equal(out[0], x + x)
         np.testing.assert_array_equal(out[1], x * 2)
     assert sends == [True, True, True]
-    assert not api.app.state.executor._tasks
-    assert api.app.state.executor._budget.in_flight == 0
+    assert not api.app.services.executor._tasks
+    assert api.app.services.executor._budget.in_flight == 0
     assert await api.metric("jitserve_execution_temp_bytes") == 0
 
 
@@ -103,7 +103,7 @@ async def test_the_lane_answers_an_unexpected_error_as_the_stack_would(api, x) -
     async def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    api.app.state.calls.execute = broken
+    api.app.services.calls.execute = broken
     r = await api.execute(pid, [x, x], wait=1000)
     assert r.status_code == 500
     assert r.json()["error"] == {"code": "internal", "message": "internal server error"}
@@ -152,7 +152,7 @@ async def test_waits_given_up_leave_nothing_behind_and_a_change_wakes_the_rest()
 async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(api, x) -> None:
     pid = await api.upload("add_mul")
     await api.execute(pid, [x, x], wait=30_000)
-    executor = api.app.state.executor
+    executor = api.app.services.executor
 
     def broken(*args):
         raise TypeError("a bug")
@@ -168,7 +168,7 @@ async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(a
 
 def test_the_lane_reads_headers_as_starlette_does() -> None:
     """The lane's dict of headers: any case, the first of a repeated name, absent ones."""
-    from jitserve.service.api.routes.execute import _LaneRequest
+    from jitserve.service.api.lane import _LaneRequest
 
     raw = [(b"authorization", b"Bearer one"), (b"content-type", b"application/msgpack"),
            (b"authorization", b"Bearer two")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from jitserve.service.cli import main as cli
+from jitserve.service.cli import commands as cli
 from jitserve.service.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)

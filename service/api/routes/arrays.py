@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from jitserve.wire import ErrorCode
 
 from ...errors import BadRequest
-from ..deps import Body, CallsDep, Owner, get_owner
+from ..deps import Body, Owner, ServicesDep, get_owner
 from ..openapi import errors, message_body
 from ..schemas import (
     ArraysJSON,
@@ -29,21 +29,19 @@ router = APIRouter(prefix="/v1/arrays", tags=["arrays"], dependencies=[Depends(g
                               ErrorCode.UNSUPPORTED_MEDIA_TYPE, ErrorCode.LIMIT_EXCEEDED,
                               ErrorCode.TOO_MANY_REQUESTS, ErrorCode.OUT_OF_MEMORY,
                               ErrorCode.UNAVAILABLE))
-async def put_arrays(request: Request, calls: CallsDep, body: Body,
-                     owner: Owner) -> ExecuteAccepted:
+async def put_arrays(services: ServicesDep, body: Body, owner: Owner) -> ExecuteAccepted:
     """Upload arrays once and keep them on the device (``jax.device_put``).
 
     The answer is a ``done`` future whose outputs are the arrays, in order: pass
     ``{"future": id, "output": k}`` to executes instead of sending them again,
     release them with ``POST /v1/futures/release`` like any output.
     """
-    state = request.app.state
-    state.drain.check_accepting()
+    services.drain.check_accepting()
     message = await body.message()
     if message is None:
         raise BadRequest("put needs a body {'arrays': [...]}")
     req = parse(ArraysRequest, message, "arrays request")
-    fut = await calls.put(req.arrays, owner)
-    if state.cluster is not None:
-        await state.cluster.written(fut)  # any replica can answer for it from now on
+    fut = await services.calls.put(req.arrays, owner)
+    if services.cluster is not None:
+        await services.cluster.written(fut)  # any replica can answer for it from now on
     return ExecuteAccepted.of(fut, "put")

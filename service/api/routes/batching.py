@@ -6,22 +6,13 @@ The configuration is the caller's (per API key), for one of its programs;
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from jitserve.wire import ErrorCode
 
-from ...calls.batching import (
-    MAX_BATCH_SIZE,
-    MAX_DELAY_MS,
-    Batcher,
-    BatchingConfig,
-    batch_dimension,
-)
-from ...errors import Unavailable
-from ..deps import CallsDep, Owner, ProgramStoreDep, get_owner
+from ...calls.batching import MAX_BATCH_SIZE, MAX_DELAY_MS, BatchingConfig, batch_dimension
+from ..deps import Owner, ServicesDep, get_owner
 from ..openapi import errors
 
 __all__ = ["router"]
@@ -52,13 +43,6 @@ class BatchingInfo(BaseModel):
         "the symbolic leading dimension of the program's inputs and outputs"))
 
 
-def _batcher(calls: Any) -> Batcher:
-    batcher = calls.batcher
-    if batcher is None:
-        raise Unavailable("dynamic batching is not running on this server")
-    return batcher
-
-
 def _info(program_id: str, config: BatchingConfig | None, dim: str | None) -> BatchingInfo:
     if config is None:
         return BatchingInfo(program_id=program_id, enabled=False)
@@ -69,34 +53,32 @@ def _info(program_id: str, config: BatchingConfig | None, dim: str | None) -> Ba
 @router.put("/{program_id}/batching", response_model=BatchingInfo,
             responses=errors(ErrorCode.BAD_REQUEST, ErrorCode.NOT_BATCHABLE,
                              ErrorCode.UNAVAILABLE))
-async def set_batching(program_id: str, body: BatchingRequest, programs: ProgramStoreDep,
-                       calls: CallsDep, owner: Owner) -> BatchingInfo:
+async def set_batching(program_id: str, body: BatchingRequest, services: ServicesDep,
+                       owner: Owner) -> BatchingInfo:
     """Batch the caller's concurrent calls of this program (docs/batching.md).
 
     Refused with ``422 not_batchable`` unless every input and output of the program
     leads with one symbolic dimension (``jax.export`` with ``symbolic_shape("b, ...")``).
     """
-    program = await programs.get(program_id, owner)
+    program = await services.programs.get(program_id, owner)
     config = BatchingConfig(body.max_batch_size, float(body.max_delay_ms))
-    await _batcher(calls).store(owner, program, config)
+    await services.calls.batcher.store(owner, program, config)
     return _info(program_id, config, batch_dimension(program))
 
 
 @router.get("/{program_id}/batching", response_model=BatchingInfo)
-async def get_batching(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
-                       owner: Owner) -> BatchingInfo:
+async def get_batching(program_id: str, services: ServicesDep, owner: Owner) -> BatchingInfo:
     """The caller's batching of this program."""
-    program = await programs.get(program_id, owner)
-    batcher = _batcher(calls)
+    program = await services.programs.get(program_id, owner)
+    batcher = services.calls.batcher
     await batcher.refresh(owner, program_id, force=True)
     config = batcher.config(owner, program_id)
     return _info(program_id, config, batch_dimension(program) if config else None)
 
 
 @router.delete("/{program_id}/batching", response_model=BatchingInfo)
-async def delete_batching(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
-                          owner: Owner) -> BatchingInfo:
+async def delete_batching(program_id: str, services: ServicesDep, owner: Owner) -> BatchingInfo:
     """Stop batching the caller's calls of this program (queued ones still run)."""
-    program = await programs.get(program_id, owner)
-    await _batcher(calls).store(owner, program, None)
+    program = await services.programs.get(program_id, owner)
+    await services.calls.batcher.store(owner, program, None)
     return _info(program_id, None, None)

@@ -29,7 +29,7 @@ from jitserve.compiler.catalog import parse_cursor
 from jitserve.wire import ErrorCode
 
 from ...errors import BadRequest, Forbidden, NotFound
-from ..deps import CallsDep, CatalogDep, Owner, SettingsDep, TenantsDep, get_owner
+from ..deps import Owner, ServicesDep, get_owner
 from ..openapi import errors
 from ..schemas import ExecutableDeleted, ExecutableInfo, ExecutablePage
 
@@ -44,9 +44,10 @@ Limit = Annotated[int, Query(ge=1, le=1000, description="about this many records
 
 
 @router.get("", response_model=ExecutablePage, responses=errors(ErrorCode.BAD_REQUEST))
-async def list_executables(catalog: CatalogDep, tenants: TenantsDep, owner: Owner,
+async def list_executables(services: ServicesDep, owner: Owner,
                            cursor: Cursor = None, limit: Limit = 100) -> ExecutablePage:
     """A page of cached executables; follow ``next_cursor`` until it is null."""
+    catalog, tenants = services.catalog, services.tenants
     try:
         if tenants.sees_everything(owner):
             page = await run_in_threadpool(catalog.page, cursor, limit)
@@ -61,12 +62,12 @@ async def list_executables(catalog: CatalogDep, tenants: TenantsDep, owner: Owne
 
 @router.get("/{executable_id}", response_model=ExecutableInfo,
             responses=errors(ErrorCode.NOT_FOUND))
-async def get_executable(executable_id: str, catalog: CatalogDep, tenants: TenantsDep,
+async def get_executable(executable_id: str, services: ServicesDep,
                          owner: Owner) -> ExecutableInfo:
     """One cached executable's record; 404 when no tier has it (or it is another key's)."""
     record = None
-    if tenants.sees_executable(owner, executable_id):
-        record = await run_in_threadpool(catalog.describe, executable_id)
+    if services.tenants.sees_executable(owner, executable_id):
+        record = await run_in_threadpool(services.catalog.describe, executable_id)
     if record is None:
         raise NotFound(f"no cached executable {executable_id!r:.80}")
     return _info(record)
@@ -74,17 +75,17 @@ async def get_executable(executable_id: str, catalog: CatalogDep, tenants: Tenan
 
 @router.delete("/{executable_id}", response_model=ExecutableDeleted,
                responses=errors(ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND))
-async def delete_executable(executable_id: str, calls: CallsDep, settings: SettingsDep,
+async def delete_executable(executable_id: str, services: ServicesDep,
                             owner: Owner) -> ExecutableDeleted:
     """Drop an executable from every tier (each runtime's memory, disk, Redis); admin only.
 
     The next call that needs it compiles it again. 404 when no tier held it.
     """
-    if not settings.is_admin(owner):
+    if not services.settings.is_admin(owner):
         raise Forbidden("deleting executables needs an admin key (JITSERVE_ADMIN_KEYS)")
     if len(executable_id) != 64 or not all(c in "0123456789abcdef" for c in executable_id):
         raise NotFound(f"no cached executable {executable_id!r:.80}")
-    tiers = await calls.forget(executable_id)
+    tiers = await services.calls.forget(executable_id)
     if not tiers:
         raise NotFound(f"no cached executable {executable_id!r:.80}")
     return ExecutableDeleted(executable_id=executable_id, tiers=tiers)

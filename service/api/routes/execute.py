@@ -1,49 +1,35 @@
 """``POST /v1/programs/{id}/execute``: the hot path of a cached call.
 
 FastAPI declares it (its OpenAPI, and the validation of ``?wait``), but the
-handler takes what other routes receive as dependencies from ``app.state``
-itself: resolving a dozen dependencies cost as much as the rest of a cached
-call (docs/performance.md), and this route is the one every call goes through.
-What it does is the same as theirs: ``deps.request_owner`` authenticates (or
-checks a peer's signature), the body is read by a ``BodyReader`` under the
-same limits.
-
-``ExecuteLane``, at the front of the app, goes one step further: it hands a
-well-formed execute request to the same handler (``execute``) before the
-middleware stack, the router, FastAPI's request wrappers and its parameter
-validation see it; it does itself what the stack's middleware would do for it
-(count it, name the replica, answer its errors through the app's own exception
-handlers). A request it does not recognise (a ``?wait`` that is not a number,
-say) goes down the stack as usual, so it is answered, and refused, exactly as
-before.
+handler takes what other routes receive as dependencies itself (the app's
+``Services``): resolving a dozen dependencies cost as much as the rest of a
+cached call (docs/performance.md), and this route is the one every call goes
+through. What it does is the same as theirs: ``deps.request_owner``
+authenticates (or checks a peer's signature), the body is read by a
+``BodyReader`` under the same limits. ``service.api.lane`` hands a well-formed
+execute request to ``execute`` before the middleware stack sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import re
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from jitserve import wire
 from jitserve.wire import ErrorCode
 
 from ...cluster._cluster import Cluster, ReplicaLost
-from ...cluster.relay import pull, relay, remote_replica, replica_header
+from ...cluster.relay import pull, relay, remote_replica
 from ...errors import BadRequest
 from ..bodies import BodyReader, outputs_response, wants_json
-from ..deps import request_cluster, request_owner
+from ..deps import request_cluster, request_owner, services_of
 from ..openapi import errors, message_body, outputs_content
 from ..schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
 
-__all__ = ["ExecuteLane", "router"]
+__all__ = ["ROUTE", "execute", "router"]
 
 router = APIRouter(prefix="/v1/programs", tags=["programs"])
 
@@ -81,15 +67,15 @@ async def execute_program(
 
 async def execute(request: Request, program_id: str, wait: int | None, keep: bool) -> Response:
     """The route's work, for the route and for ``ExecuteLane``."""
-    state = request.app.state
-    settings = state.settings
+    services = services_of(request)
+    settings = services.settings
     owner = request_owner(request)
-    cluster = request_cluster(request)
-    state.drain.check_accepting()
-    forwarded = cluster is None and state.cluster is not None
-    program = await state.programs.get(program_id, owner, vouched=forwarded)
+    cluster = request_cluster(request, services)
+    services.drain.check_accepting()
+    forwarded = cluster is None and services.cluster is not None
+    program = await services.programs.get(program_id, owner, vouched=forwarded)
     body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                      metrics=state.metrics)
+                      metrics=services.metrics)
     raw, message = await body.raw_message()
     req = parse(ExecuteRequest, _required(message), "execute request")
     wait_s = min(wait or 0, settings.max_wait_ms) / 1000
@@ -98,13 +84,13 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
             return await relay(cluster, holder, request, owner, content=bytes(raw),
                                wait_s=wait_s)
     del raw
-    if state.cluster is not None:  # inputs held by other replicas come here
-        await _pull_inputs(state.cluster, req.args, owner, settings.max_wait_ms / 1000)
-    call = await state.calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
-                                     req.donate)
+    if services.cluster is not None:  # inputs held by other replicas come here
+        await _pull_inputs(services.cluster, req.args, owner, settings.max_wait_ms / 1000)
+    call = await services.calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
+                                        req.donate)
     del req  # the executor holds the input arrays now; do not pin them while we wait
     fut = call.future
-    mirror = state.cluster
+    mirror = services.cluster
     if mirror is not None:
         # Any replica can answer for the future once it is in Redis, and the answer
         # waits for that: until then it is held back, and written once, as it is then
@@ -113,10 +99,9 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
     try:
         done = bool(wait_s) and await fut.wait_final(wait_s) and fut.outputs is not None
         if done:
-            answer = await outputs_response(fut, state.metrics, wants_json(request),
-                                            state.runtimes)
+            answer = await outputs_response(fut, services.calls, wants_json(request))
             if not keep:  # the answer holds the values on the host: the outputs can go
-                state.futures.delete(fut)
+                services.futures.delete(fut)
         else:
             accepted = ExecuteAccepted.of(fut, call.tier)
             answer = JSONResponse(accepted.model_dump(mode="json"), status_code=202)
@@ -154,144 +139,4 @@ async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
             args[i] = await pull(cluster, arg, owner, wait_s)
 
 
-_PATH = re.compile(r"/v1/programs/([^/]+)/execute")
-_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is execute_program)
-_BOOLS = {"true": True, "1": True, "false": False, "0": False}
-
-
-class ExecuteLane:
-    """The front of the app: a well-formed execute request goes straight to ``execute``.
-
-    Ahead of the middleware stack: a cached call's time in the API process went
-    a fifth to the stack's layers and their ``send`` wrappers, and a third more to
-    the router and FastAPI's request handling (docs/performance.md). So the lane
-    does their part for the requests it takes: it counts them under the route's
-    template (``RequestMetricsMiddleware``), names the replica in the answer
-    (``AnnounceReplica``), answers errors through the app's exception handlers,
-    and one without a handler as ``ServerErrorMiddleware`` does: a 500 from the
-    app's handler for ``Exception``, then the error goes up to be logged.
-    """
-
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-
-    @staticmethod
-    def take(scope: Scope) -> tuple[str, int | None, bool] | None:
-        """``(program_id, wait, keep)`` of an execute request the lane serves, else ``None``."""
-        if (scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path")
-                or (match := _PATH.fullmatch(scope["path"])) is None
-                or (query := _query(scope["query_string"])) is None):
-            return None
-        return match.group(1), *query
-
-    async def serve(self, scope: Scope, receive: Receive, send: Send,
-                    call: tuple[str, int | None, bool]) -> None:
-        app = self.app
-        scope["app"] = app
-        scope["route"] = _ROUTE
-        request = _LaneRequest(scope, receive, send)
-        try:
-            response = await execute(request, *call)
-        except Exception as exc:
-            handler = _handler(app, exc)
-            if handler is not None:
-                response = await handler(request, exc)
-            else:
-                await self._answer(scope, receive, send,
-                                   await app.exception_handlers[Exception](request, exc))
-                raise
-        await self._answer(scope, receive, send, response)
-
-    async def _answer(self, scope: Scope, receive: Receive, send: Send,
-                      response: Response) -> None:
-        state = self.app.state
-        cluster = getattr(state, "cluster", None)
-        if cluster is not None:
-            response.raw_headers.append(replica_header(cluster))
-        try:
-            await response(scope, receive, send)
-        finally:
-            state.metrics.request(_ROUTE.path, response.status_code)
-
-
-class _LaneRequest(Request):
-    """A request whose headers are looked up in a dict (``_Headers``)."""
-
-    def __init__(self, scope: Scope, *args: Any) -> None:
-        super().__init__(scope, *args)
-        self._headers = _Headers(scope=scope)  # what starlette's ``headers`` returns
-
-
-class _Headers(Headers):
-    """Starlette's headers, read through a dict of the first value of each name.
-
-    A call reads six headers (authentication, a peer's signature, ``Accept``,
-    ``Content-Type`` twice, ``Content-Length``); starlette's lookup scans the list
-    for each, and raises and catches a ``KeyError`` for each one absent.
-    """
-
-    def __init__(self, *, scope: Scope) -> None:
-        super().__init__(scope=scope)
-        # ASGI names are lowercase already; the first of a repeated name wins, as in
-        # a scan
-        self._first = dict(reversed(self._list))
-
-    def __getitem__(self, key: str) -> str:
-        value = self._first.get(key.lower().encode("latin-1"))
-        if value is None:
-            raise KeyError(key)
-        return value.decode("latin-1")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self._first.get(key.lower().encode("latin-1"))
-        return default if value is None else value.decode("latin-1")
-
-    def __contains__(self, key: Any) -> bool:
-        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
-
-
-def _query(raw: bytes) -> tuple[int | None, bool] | None:
-    """``(wait, keep)`` of a plain query string; ``None`` for anything FastAPI
-    should judge (escapes, a non-numeric ``wait``, an unusual ``keep``)."""
-    return _known_query(raw) if len(raw) <= _KEPT_BYTES else _parse_query(raw)
-
-
-# Clients repeat their queries call after call: short ones are parsed once.
-_KEPT_BYTES = 64
-
-
-@functools.lru_cache(maxsize=256)
-def _known_query(raw: bytes) -> tuple[int | None, bool] | None:
-    return _parse_query(raw)
-
-
-def _parse_query(raw: bytes) -> tuple[int | None, bool] | None:
-    wait, keep = None, True
-    if not raw:
-        return wait, keep
-    if b"%" in raw or b"+" in raw:
-        return None
-    for pair in raw.decode("latin-1").split("&"):
-        name, _, value = pair.partition("=")
-        if name == "wait":
-            if not (value.isascii() and value.isdigit() and len(value) <= 15):
-                return None
-            wait = int(value)
-        elif name == "keep":
-            if (flag := _BOOLS.get(value)) is None:
-                return None
-            keep = flag
-    return wait, keep
-
-
-def _handler(app: FastAPI, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
-    """The handler ``ExceptionMiddleware`` would pick for ``exc``: by class, nearest
-    first. ``Exception``'s own is ``ServerErrorMiddleware``'s, which is left to it."""
-    if isinstance(exc, StarletteHTTPException) and exc.status_code in app.exception_handlers:
-        return app.exception_handlers[exc.status_code]
-    for cls in type(exc).__mro__:
-        if cls is Exception:
-            return None
-        if cls in app.exception_handlers:
-            return app.exception_handlers[cls]
-    return None
+ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is execute_program)

@@ -21,17 +21,7 @@ from ...errors import (
     NotFound,
 )
 from ..bodies import outputs_response
-from ..deps import (
-    AsJSON,
-    Body,
-    ClusterDep,
-    FutureStoreDep,
-    MetricsDep,
-    Owner,
-    RuntimesDep,
-    WaitSeconds,
-    get_owner,
-)
+from ..deps import AsJSON, Body, Owner, ServicesDep, WaitSeconds, get_owner, request_cluster
 from ..openapi import errors, message_body, outputs_content
 from ..schemas import (
     DeleteResult,
@@ -56,8 +46,8 @@ OutputsQuery = Annotated[str | None, Query(
              openapi_extra=message_body(ReleaseRequest, ReleaseRequest, required=True),
              responses=errors(ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                               ErrorCode.PAYLOAD_TOO_LARGE))
-async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner,
-                          cluster: ClusterDep) -> ReleaseResult:
+async def release_outputs(request: Request, services: ServicesDep, body: Body,
+                          owner: Owner) -> ReleaseResult:
     """Let go of outputs, as a client's arrays are garbage-collected.
 
     Each output's device memory is freed once no accepted call still has to read
@@ -65,13 +55,14 @@ async def release_outputs(futures: FutureStoreDep, body: Body, owner: Owner,
     compile or a run (later calls may read its other outputs, or this one).
     References to nothing of the caller's are counted in ``unknown``.
     """
+    cluster = request_cluster(request, services)
     req = parse(ReleaseRequest, await body.message(), "release request")
     here: list[tuple[str, int]] = []
     elsewhere: defaultdict[str, list[tuple[str, int]]] = defaultdict(list)
     for r in req.outputs:
         rid = remote_replica(cluster, r.future)
         (here if rid is None else elsewhere[rid]).append((r.future, r.output))
-    released, unknown = futures.release(here, owner)
+    released, unknown = services.futures.release(here, owner)
     if elsewhere:
         assert cluster is not None
         counts = await asyncio.gather(*(_release_at(cluster, rid, group, owner)
@@ -96,14 +87,15 @@ async def _release_at(cluster: Cluster, rid: str, refs: list[tuple[str, int]],
 
 
 @router.get("/{future_id}", response_model=FutureView, responses=errors(ErrorCode.BAD_REQUEST))
-async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
-                     cluster: ClusterDep, wait: WaitSeconds) -> FutureView:
+async def get_future(future_id: str, request: Request, services: ServicesDep, owner: Owner,
+                     wait: WaitSeconds) -> FutureView:
     """The future's status; ``?wait=<ms>`` long-polls until the status changes."""
+    cluster = request_cluster(request, services)
     if remote_replica(cluster, future_id) is not None:
         assert cluster is not None
         doc = await cluster.wait_change(future_id, owner, None, wait)
         return FutureView.model_validate(doc)
-    fut = futures.get(future_id, owner)
+    fut = services.futures.get(future_id, owner)
     if wait and not fut.status.is_final:
         await fut.wait_change(fut.status, wait)
     return FutureView.of(fut)
@@ -115,14 +107,14 @@ async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
                        **errors(ErrorCode.BAD_REQUEST, ErrorCode.FUTURE_PENDING,
                                 ErrorCode.FUTURE_CANCELLED, ErrorCode.FUTURE_FAILED,
                                 ErrorCode.REPLICA_LOST)})
-async def get_result(future_id: str, request: Request, futures: FutureStoreDep,
-                     metrics: MetricsDep, runtimes: RuntimesDep, owner: Owner,
-                     cluster: ClusterDep, wait: WaitSeconds, as_json: AsJSON,
+async def get_result(future_id: str, request: Request, services: ServicesDep, owner: Owner,
+                     wait: WaitSeconds, as_json: AsJSON,
                      outputs: OutputsQuery = None) -> Response:
     """The outputs of a done future (``?outputs=0,2``: those); ``?wait=<ms>`` waits first."""
+    cluster = request_cluster(request, services)
     if (rid := remote_replica(cluster, future_id)) is not None:
         return await _relay(cluster, rid, request, future_id, owner, wait)
-    fut = futures.get(future_id, owner)
+    fut = services.futures.get(future_id, owner)
     which = None if outputs is None else [int(k) for k in outputs.split(",")]
     for k in which or ():
         if k >= len(fut.out_avals):
@@ -131,22 +123,23 @@ async def get_result(future_id: str, request: Request, futures: FutureStoreDep,
     if wait:
         await fut.wait_final(wait)
     _raise_unless_done(fut)
-    return await outputs_response(fut, metrics, as_json, runtimes, which)
+    return await outputs_response(fut, services.calls, as_json, which)
 
 
 @router.delete("/{future_id}", response_model=DeleteResult, response_model_exclude_none=True)
-async def delete_future(future_id: str, request: Request, futures: FutureStoreDep,
-                        owner: Owner, cluster: ClusterDep) -> Response | DeleteResult:
+async def delete_future(future_id: str, request: Request, services: ServicesDep,
+                        owner: Owner) -> Response | DeleteResult:
     """Cancel the future, and free its outputs.
 
     A running execution is stopped when nothing else runs on its runtime;
     otherwise it runs on (to its end or its deadline), ``detail`` says why, and
     its outputs are dropped when it ends.
     """
+    cluster = request_cluster(request, services)
     if (rid := remote_replica(cluster, future_id)) is not None:
         return await _relay(cluster, rid, request, future_id, owner)
-    fut = futures.get(future_id, owner)
-    status, detail = futures.delete(fut)
+    fut = services.futures.get(future_id, owner)
+    status, detail = services.futures.delete(fut)
     return DeleteResult(future_id=fut.future_id, status=status.value, detail=detail)
 
 

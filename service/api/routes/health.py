@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -14,14 +14,7 @@ from jitserve.wire import ErrorCode
 
 from ...errors import error_body
 from ...metrics import CONTENT_TYPE_LATEST
-from ..deps import (
-    CatalogDep,
-    FutureStoreDep,
-    MetricsDep,
-    RuntimesDep,
-    SettingsDep,
-    get_owner,
-)
+from ..deps import ServicesDep, get_owner
 from ..openapi import errors
 from ..schemas import ErrorBody
 
@@ -40,7 +33,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: {"model": ErrorBody, "description":
                                        "error: not_ready, with the failed checks"}})
-async def readyz(request: Request, settings: SettingsDep) -> Response:
+async def readyz(services: ServicesDep) -> Response:
     """Ready for work: every runtime is up, and the cache directory (if used) is writable.
 
     ``runtimes`` lists each runtime's state (``up``, ``restarting``, ``backoff``
@@ -59,20 +52,18 @@ async def readyz(request: Request, settings: SettingsDep) -> Response:
     ``--warm``, the ``warming`` check fails until the manifest is compiled, and
     ``warming`` says how far it is (``done``, ``total``, ``failed``).
     """
-    state = request.app.state
-    pool = getattr(state, "runtimes", None)
-    runtimes = [] if pool is None else pool.describe()
+    settings, pool = services.settings, services.runtimes
+    runtimes = pool.describe()
     checks = {"runtimes": bool(runtimes) and all(r["state"] == "up" for r in runtimes)}
     if settings.disk_cache:
         checks["cache_dir"] = await run_in_threadpool(_writable, settings.cache_dir)
-    drain = getattr(state, "drain", None)
-    if drain is not None and drain.draining:
+    if services.drain.draining:
         checks["draining"] = False
-    warming = getattr(state, "warming", None)  # --warm: not ready until compiled
+    warming = services.warming  # --warm: not ready until compiled
     if warming is not None:
         checks["warming"] = warming.finished
-    cache = "local" if pool is None else (await pool.report())["cache"]
-    cluster = getattr(state, "cluster", None)
+    cache = (await pool.report())["cache"]
+    cluster = services.cluster
     more = {} if cluster is None else {"cluster": cluster.state, "replica": cluster.replica_id}
     if warming is not None:
         more["warming"] = warming.describe()
@@ -86,12 +77,12 @@ async def readyz(request: Request, settings: SettingsDep) -> Response:
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-async def metrics(metrics: MetricsDep, futures: FutureStoreDep, catalog: CatalogDep,
-                  runtimes: RuntimesDep) -> Response:
+async def metrics(services: ServicesDep) -> Response:
     """Prometheus metrics of this process and its runtimes."""
+    metrics, futures, runtimes = services.metrics, services.futures, services.runtimes
     shared = (await runtimes.report())["redis"]  # the runtimes use Redis; this process lists
     if shared is not None:
-        mine = catalog.shared_stats() or {}
+        mine = services.catalog.shared_stats() or {}
         metrics.redis({k: v + mine.get(k, 0) for k, v in shared.items()})
     metrics.runtimes(runtimes.stats())
     body = metrics.render(futures.counts(), futures.device_bytes)
@@ -99,8 +90,9 @@ async def metrics(metrics: MetricsDep, futures: FutureStoreDep, catalog: Catalog
 
 
 @devices_router.get("/devices")
-async def devices(runtimes: RuntimesDep) -> dict[str, Any]:
+async def devices(services: ServicesDep) -> dict[str, Any]:
     """The backend, and the device programs run on (as the runtimes report them)."""
+    runtimes = services.runtimes
     info = runtimes.backend
     device = info.get("device", {})
     return {

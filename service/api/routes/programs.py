@@ -15,15 +15,8 @@ from jitserve.compiler.programs import ProgramFormat
 from jitserve.wire import Aval, ErrorCode
 
 from ...calls.executables import CallOptions
-from ...v2.models import NAME_PATTERN, ModelsDep
-from ..deps import (
-    Body,
-    CallsDep,
-    Owner,
-    ProgramBody,
-    ProgramStoreDep,
-    get_owner,
-)
+from ...calls.models import NAME_PATTERN
+from ..deps import Body, Owner, ProgramBody, ServicesDep, get_owner
 from ..openapi import errors, message_body
 from ..schemas import (
     CompileRequest,
@@ -54,8 +47,7 @@ _CALL_ERRORS = (*_PROGRAM_ERRORS, ErrorCode.NOT_FOUND, ErrorCode.UNSUPPORTED_MED
              responses={200: {"model": ProgramInfo, "description": "already known"},
                         **errors(*_PROGRAM_ERRORS)})
 async def upload_program(
-    programs: ProgramStoreDep, body: ProgramBody, response: Response, owner: Owner,
-    models: ModelsDep,
+    services: ServicesDep, body: ProgramBody, response: Response, owner: Owner,
     format: Annotated[ProgramFormat | None, Query(description="detected when omitted")] = None,
     name: Annotated[str | None, Query(pattern=NAME_PATTERN, description=(
         "the Open Inference Protocol model this program is a version of (docs/v2.md)"))] = None,
@@ -67,42 +59,42 @@ async def upload_program(
     says which (the same one for a re-upload under the same name).
     """
     fmt = format.value if format else None
-    program, created = await programs.put(bytes(await body.read()), fmt, owner)
+    program, created = await services.programs.put(bytes(await body.read()), fmt, owner)
     response.status_code = 201 if created else 200
     if name is None:
         return program.to_json()
-    return {**program.to_json(), "name": name, "version": models.add(owner, name,
+    return {**program.to_json(), "name": name, "version": services.models.add(owner, name,
                                                                       program.program_id)}
 
 
 @router.get("/{program_id}", response_model=ProgramInfo, responses=errors(ErrorCode.NOT_FOUND))
-async def get_program(program_id: str, programs: ProgramStoreDep, owner: Owner) -> dict[str, Any]:
+async def get_program(program_id: str, services: ServicesDep, owner: Owner) -> dict[str, Any]:
     """The program's signature and metadata."""
-    return (await programs.get(program_id, owner)).to_json()
+    return (await services.programs.get(program_id, owner)).to_json()
 
 
 @router.delete("/{program_id}", response_model=ProgramDeleted,
                responses=errors(ErrorCode.NOT_FOUND))
-async def delete_program(program_id: str, programs: ProgramStoreDep,
+async def delete_program(program_id: str, services: ServicesDep,
                          owner: Owner) -> ProgramDeleted:
     """Forget the caller's program (and its executables, for the caller's listing).
 
     Its bytes may stay stored for other keys that uploaded them too.
     """
-    await programs.delete(program_id, owner)
+    await services.programs.delete(program_id, owner)
     return ProgramDeleted(program_id=program_id)
 
 
 @router.post("/{program_id}/compile", response_model=CompileResult, responses=errors(*_CALL_ERRORS),
              openapi_extra=message_body(CompileRequest, CompileRequest, required=False))
-async def compile_program(program_id: str, programs: ProgramStoreDep, calls: CallsDep,
-                          body: Body, owner: Owner) -> CompileResult:
+async def compile_program(program_id: str, services: ServicesDep, body: Body,
+                          owner: Owner) -> CompileResult:
     """Compile (or find in a cache) the executable for the given input avals."""
-    program = await programs.get(program_id, owner)
+    program = await services.programs.get(program_id, owner)
     req = parse(CompileRequest, await body.message(), "compile request")
     in_avals = None if req.in_avals is None else [Aval.from_json(a.model_dump())
                                                    for a in req.in_avals]
-    lookup = await calls.compile(program, in_avals, CallOptions(req.static_key), owner)
+    lookup = await services.calls.compile(program, in_avals, CallOptions(req.static_key), owner)
     exe = lookup.executable
     return CompileResult(
         executable_id=lookup.executable_id, tier=lookup.tier,

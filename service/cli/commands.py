@@ -40,7 +40,6 @@ from . import cache as cache_cli
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from ..metrics import Metrics
     from ..settings import Settings
 
 __all__ = ["load_settings", "main", "read_config"]
@@ -250,16 +249,16 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     from .. import logs
     from ..app import create_app
-    from ..calls.drain import run_server
+    from .serve import connection_options, retain_freed_memory, run_server
 
     logs.configure(settings.log_level, settings.log_format)
     if settings.retain_freed_memory:
-        _retain_freed_memory(settings.retain_freed_max_bytes)
+        retain_freed_memory(settings.retain_freed_max_bytes)
     app = create_app(settings)
     log_config = logs.uvicorn_log_config(settings.log_format)
     run_server(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                **({"log_config": log_config} if log_config else {}),
-               timeout_graceful_shutdown=10, **_connection_options(settings, app.state.metrics))
+               timeout_graceful_shutdown=10, **connection_options(settings, app.metrics))
     return 0
 
 
@@ -272,29 +271,9 @@ def warm(args: argparse.Namespace) -> int:
               or (args.config is not None and "log_level" in read_config(args.config)))
     if not chosen:  # compile lines would break the progress bar
         settings = settings.model_copy(update={"log_level": "warning"})
-    from ..calls import warming
+    from .warm import run
 
-    return warming.run_cli(settings, args.manifest)
-
-
-def _retain_freed_memory(max_bytes: int) -> None:
-    from ..memory import HeapTrimmer, retain_freed_memory
-
-    if retain_freed_memory(max_bytes):
-        HeapTrimmer(max_bytes).start()  # a daemon thread: it ends with the process
-
-
-def _connection_options(settings: Settings, metrics: Metrics) -> dict[str, Any]:
-    """uvicorn's options for slow, idle and big-headed connections (service/api/connections.py)."""
-    from ..api.connections import HeadLimits, guarded_protocol
-
-    limits = HeadLimits(settings.header_timeout_s, settings.max_head_bytes,
-                        metrics.connection_closed)
-    # ws="none": no route speaks WebSocket, and an upgraded connection would outlive the guard.
-    return {"http": guarded_protocol(limits), "ws": "none",
-            "timeout_keep_alive": settings.keepalive_timeout_s,
-            "h11_max_incomplete_event_size": settings.max_head_bytes,
-            "limit_concurrency": settings.max_connections}
+    return run(settings, args.manifest)
 
 
 def _describe(error: ValidationError) -> str:

@@ -1,4 +1,4 @@
-"""Model names: what the Open Inference Protocol calls a model is a named program.
+"""Model names: a named program, versioned (what the Open Inference Protocol calls a model).
 
 ``POST /v1/programs?name=NAME`` names the uploaded program; the model ``NAME``'s
 versions are the programs uploaded under that name, numbered 1, 2, 3... in upload
@@ -23,14 +23,11 @@ Redis each replica has its own names (as the tenants' ownership index does).
 from __future__ import annotations
 
 import re
-from typing import Annotated
 
-from fastapi import Depends, Request
-
-from ..calls.tenants import Tenants
 from ..errors import BadRequest, NotFound
+from .tenants import Tenants
 
-__all__ = ["ModelRegistry", "ModelsDep", "NAME_PATTERN", "get_models"]
+__all__ = ["ModelRegistry", "NAME_PATTERN"]
 
 #: What a model name may be: it appears in URL paths, metrics and logs as it is.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
@@ -87,10 +84,3 @@ class ModelRegistry:
         raise NotFound(f"model {name!r} has no version {version}; its versions are "
                        f"{[k for k, _ in visible]}")
 
-
-async def get_models(request: Request) -> ModelRegistry:
-    """The app's registry (``app.state.models``), for route dependencies."""
-    return request.app.state.models
-
-
-ModelsDep = Annotated[ModelRegistry, Depends(get_models)]

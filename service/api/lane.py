@@ -1,0 +1,183 @@
+"""The execute lane: a well-formed execute request goes straight to its handler.
+
+Ahead of the middleware stack: a cached call's time in the API process went a
+fifth to the stack's layers and their ``send`` wrappers, and a third more to the
+router and FastAPI's request handling (docs/performance.md). So the lane does
+their part for the requests it takes: it counts them under the route's template
+(``RequestMetricsMiddleware``), names the replica in the answer
+(``AnnounceReplica``), answers errors through the app's exception handlers, and
+one without a handler as ``ServerErrorMiddleware`` does: a 500 from the app's
+handler for ``Exception``, then the error goes up to be logged. A request it does
+not recognise (a ``?wait`` that is not a number, say) goes down the stack as
+usual, so it is answered, and refused, exactly as FastAPI would.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from fastapi import Request, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
+from starlette.types import Receive, Scope, Send
+
+from ..cluster import replica_header
+from .deps import Services
+
+__all__ = ["ExecuteLane", "Handler", "LaneApp"]
+
+#: The execute route's work: ``(request, program_id, wait, keep)`` -> its answer.
+Handler = Callable[[Request, str, "int | None", bool], Awaitable[Response]]
+
+
+class LaneApp(Protocol):
+    """What the lane needs of its app (``service.app.JitserveApp``)."""
+
+    @property
+    def services(self) -> Services: ...
+
+    @property
+    def exception_handlers(self) -> Mapping[Any, Callable[..., Any]]: ...
+
+_PATH = re.compile(r"/v1/programs/([^/]+)/execute")
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
+class ExecuteLane:
+    """The front of the app: a well-formed execute request goes straight to ``handler``.
+
+    Args:
+      app: the app it stands in front of (its services, exception handlers).
+      route: the execute route, under whose template the answers are counted.
+      handler: the route's work (``api.routes.execute.execute``).
+    """
+
+    def __init__(self, app: LaneApp, route: BaseRoute, handler: Handler) -> None:
+        self.app = app
+        self._route = route
+        self._path: str = getattr(route, "path", "")
+        self._handler = handler
+
+    @staticmethod
+    def take(scope: Scope) -> tuple[str, int | None, bool] | None:
+        """``(program_id, wait, keep)`` of an execute request the lane serves, else ``None``."""
+        if (scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path")
+                or (match := _PATH.fullmatch(scope["path"])) is None
+                or (query := _query(scope["query_string"])) is None):
+            return None
+        return match.group(1), *query
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send,
+                    call: tuple[str, int | None, bool]) -> None:
+        app = self.app
+        scope["app"] = app
+        scope["route"] = self._route
+        request = _LaneRequest(scope, receive, send)
+        try:
+            response = await self._handler(request, *call)
+        except Exception as exc:
+            handler = _handler(app, exc)
+            if handler is not None:
+                response = await handler(request, exc)
+            else:
+                await self._answer(scope, receive, send,
+                                   await app.exception_handlers[Exception](request, exc))
+                raise
+        await self._answer(scope, receive, send, response)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send,
+                      response: Response) -> None:
+        services = self.app.services
+        if services.cluster is not None:
+            response.raw_headers.append(replica_header(services.cluster))
+        try:
+            await response(scope, receive, send)
+        finally:
+            services.metrics.request(self._path, response.status_code)
+
+
+class _LaneRequest(Request):
+    """A request whose headers are looked up in a dict (``_Headers``)."""
+
+    def __init__(self, scope: Scope, *args: Any) -> None:
+        super().__init__(scope, *args)
+        self._headers = _Headers(scope=scope)  # what starlette's ``headers`` returns
+
+
+class _Headers(Headers):
+    """Starlette's headers, read through a dict of the first value of each name.
+
+    A call reads six headers (authentication, a peer's signature, ``Accept``,
+    ``Content-Type`` twice, ``Content-Length``); starlette's lookup scans the list
+    for each, and raises and catches a ``KeyError`` for each one absent.
+    """
+
+    def __init__(self, *, scope: Scope) -> None:
+        super().__init__(scope=scope)
+        # ASGI names are lowercase already; the first of a repeated name wins, as in
+        # a scan
+        self._first = dict(reversed(self._list))
+
+    def __getitem__(self, key: str) -> str:
+        value = self._first.get(key.lower().encode("latin-1"))
+        if value is None:
+            raise KeyError(key)
+        return value.decode("latin-1")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._first.get(key.lower().encode("latin-1"))
+        return default if value is None else value.decode("latin-1")
+
+    def __contains__(self, key: Any) -> bool:
+        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
+
+
+def _query(raw: bytes) -> tuple[int | None, bool] | None:
+    """``(wait, keep)`` of a plain query string; ``None`` for anything FastAPI
+    should judge (escapes, a non-numeric ``wait``, an unusual ``keep``)."""
+    return _known_query(raw) if len(raw) <= _KEPT_BYTES else _parse_query(raw)
+
+
+# Clients repeat their queries call after call: short ones are parsed once.
+_KEPT_BYTES = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _known_query(raw: bytes) -> tuple[int | None, bool] | None:
+    return _parse_query(raw)
+
+
+def _parse_query(raw: bytes) -> tuple[int | None, bool] | None:
+    wait, keep = None, True
+    if not raw:
+        return wait, keep
+    if b"%" in raw or b"+" in raw:
+        return None
+    for pair in raw.decode("latin-1").split("&"):
+        name, _, value = pair.partition("=")
+        if name == "wait":
+            if not (value.isascii() and value.isdigit() and len(value) <= 15):
+                return None
+            wait = int(value)
+        elif name == "keep":
+            if (flag := _BOOLS.get(value)) is None:
+                return None
+            keep = flag
+    return wait, keep
+
+
+def _handler(app: LaneApp, exc: Exception) -> Callable[..., Awaitable[Response]] | None:
+    """The handler ``ExceptionMiddleware`` would pick for ``exc``: by class, nearest
+    first. ``Exception``'s own is ``ServerErrorMiddleware``'s, which is left to it."""
+    if isinstance(exc, StarletteHTTPException) and exc.status_code in app.exception_handlers:
+        return app.exception_handlers[exc.status_code]
+    for cls in type(exc).__mro__:
+        if cls is Exception:
+            return None
+        if cls in app.exception_handlers:
+            return app.exception_handlers[cls]
+    return None
