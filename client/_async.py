@@ -129,7 +129,7 @@ class AsyncClient(BaseClient):
                 try:
                     step = drive_step(op, value, exc)
                 except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
+                    return stop.value
                 value, exc = None, None
                 try:
                     if isinstance(step, _Call):

@@ -290,7 +290,7 @@ class BaseClient:
                 or response.headers.get("content-encoding")
                 or (self.max_response_bytes and int(declared) > self.max_response_bytes)):
             return None
-        return memoryview(self._buffers.take(int(declared)))
+        return self._buffers.take(int(declared)).data
 
     def _decode_body(self, response: httpx.Response, data: Any = None) -> Any:
         ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()

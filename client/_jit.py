@@ -138,7 +138,8 @@ class _RemoteFunctionBase:
         self._cache: dict[Hashable, Compiled] = {}
         self._locks: dict[Hashable, Any] = {}  # one per signature: trace and upload it once
         self._holds: dict[str, _Hold | None] = {}  # by program id; None: never asks
-        functools.update_wrapper(self, fn)
+        # The subclasses are the callables (sync and async ``__call__``).
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self._fn, '__qualname__', self._fn)!r}>"
@@ -203,7 +204,8 @@ class _RemoteFunctionBase:
         avals = tuple((tuple(i.spec.shape), i.spec.dtype.name, bool(i.spec.weak_type), i.key)
                       for i in inputs)
         return (split.static_pos, split.static_kw, split.treedef, avals, platforms,
-                bool(jax.config.jax_enable_x64))
+                # jax adds its options to Config as it defines them, unseen by mypy
+                bool(jax.config.jax_enable_x64))  # type: ignore[attr-defined]
 
     def _bound(self, split: _Split) -> Callable[..., Any]:
         """``fn`` of the dynamic arguments alone, the statics put back in their places."""

@@ -289,8 +289,8 @@ class _RemoteBase:
     __xor__, __rxor__ = _binary(operator.xor)
     __lshift__, __rlshift__ = _binary(operator.lshift)
     __rshift__, __rrshift__ = _binary(operator.rshift)
-    __eq__ = _binary(operator.eq)[0]  # type: ignore[assignment]
-    __ne__ = _binary(operator.ne)[0]  # type: ignore[assignment]
+    __eq__ = _binary(operator.eq)[0]
+    __ne__ = _binary(operator.ne)[0]
     __lt__, __le__ = _binary(operator.lt)[0], _binary(operator.le)[0]
     __gt__, __ge__ = _binary(operator.gt)[0], _binary(operator.ge)[0]
     __neg__, __pos__ = _unary(operator.neg), _unary(operator.pos)
@@ -333,7 +333,7 @@ class RemoteArray(_RemoteBase):
 
     @property
     def _client(self) -> Client:
-        return self._future.client  # type: ignore[no-any-return]
+        return self._future.client
 
     def result(self, timeout: float | None = None) -> Any:
         """The array's value (read-only), waiting up to ``timeout`` seconds (``None``: no limit).
@@ -412,7 +412,7 @@ class AsyncRemoteArray(_RemoteBase):
 
     @property
     def _client(self) -> AsyncClient:
-        return self._future.client  # type: ignore[no-any-return]
+        return self._future.client
 
     async def result(self, timeout: float | None = None) -> Any:
         """The array's value, waiting up to ``timeout`` seconds (``None``: no limit)."""

@@ -11,4 +11,4 @@ import sys
 from jitserve.compiler._worker import Pipe, _worker_main
 
 if __name__ == "__main__":
-    _worker_main(Pipe(int(sys.argv[1]), int(sys.argv[2])))  # type: ignore[arg-type]
+    _worker_main(Pipe(int(sys.argv[1]), int(sys.argv[2])))

@@ -87,6 +87,8 @@ def _gesvd(k: str, ops: list[Typ], attrs: dict[str, int]) -> list[Typ]:
     if transposed != (m < n):
         raise ValueError(f"transposed must be {m < n} for a {m} x {n} matrix")
     big, r, e = max(m, n), min(m, n), ELEMENT[k]
+    u: Typ
+    vt: Typ
     if not _flag(attrs, "compute_uv"):
         u = vt = ((), e)
     elif _flag(attrs, "full_matrices"):

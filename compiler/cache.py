@@ -123,7 +123,8 @@ class Entry:
 class Tier(Protocol):
     """An L2 tier: bytes by key. Implementations may raise; callers treat that as a miss."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def get(self, key: str) -> bytes | None: ...
 

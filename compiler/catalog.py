@@ -10,18 +10,18 @@ silently answer another question.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from jitserve.wire import TierName
 
 if TYPE_CHECKING:
     from jitserve.compiler.cache import CacheSecret
-    from jitserve.compiler.compile import Executable
+    from jitserve.compiler.compile import MemoryStats
     from jitserve.compiler.redis.settings import RedisSettings
     from jitserve.compiler.redis.tiers import RedisTiers
 
-__all__ = ["Catalog", "CacheState", "EntryPage", "parse_cursor"]
+__all__ = ["CacheState", "Catalog", "EntryPage", "LoadedExecutable", "parse_cursor"]
 
 CacheState = Literal["local", "ok", "degraded"]
 
@@ -39,6 +39,27 @@ class EntryPage:
     next_cursor: str | None
 
 
+class LoadedExecutable(Protocol):
+    """What a local listing reads of a loaded executable.
+
+    The compiler's ``Executable`` is one; so is the service's record of an
+    executable that one of its runtime processes holds (the catalog never needs
+    the loaded program itself, only its record).
+    """
+
+    @property
+    def executable_id(self) -> str: ...
+
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def memory(self) -> MemoryStats | None: ...
+
+
 def parse_cursor(cursor: str | None) -> int:
     """The position a listing's ``next_cursor`` stands for; ``ValueError`` for any other string."""
     if cursor is None or cursor == "":
@@ -52,7 +73,8 @@ class Catalog:
     """The compiler's catalog of cached executables: ``Compiler.catalog``.
 
     Args:
-      loaded: the executables loaded in this process (``Compiler.loaded``).
+      loaded: the executables loaded in this process (``Compiler.loaded``), or
+        their records (``LoadedExecutable``).
       shared: the Redis tiers, when the compiler has them.
 
     Example::
@@ -61,12 +83,12 @@ class Catalog:
         record = compiler.catalog.describe(executable_id)
     """
 
-    def __init__(self, loaded: Callable[[], list[Executable]],
+    def __init__(self, loaded: Callable[[], Iterable[LoadedExecutable]],
                  shared: RedisTiers | None = None) -> None:
         self._loaded, self._shared = loaded, shared
 
     @classmethod
-    def open(cls, loaded: Callable[[], list[Executable]], redis: RedisSettings | None,
+    def open(cls, loaded: Callable[[], Iterable[LoadedExecutable]], redis: RedisSettings | None,
              secret: CacheSecret | None) -> Catalog:
         """A catalog of ``loaded`` and, when ``redis`` and ``secret`` are given, of the shared
         Redis tiers it connects to (``close`` it). Blocks while it connects: call it from a
@@ -146,7 +168,7 @@ def _shared_record(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "source": TierName.REDIS.value}
 
 
-def _local_record(executable: Executable) -> dict[str, Any]:
+def _local_record(executable: LoadedExecutable) -> dict[str, Any]:
     meta = executable.meta
     memory = executable.memory
     return {"executable_id": executable.executable_id, "program_id": meta.get("program_id"),

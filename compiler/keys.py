@@ -107,10 +107,10 @@ def options_digest(options: Any) -> str:
     return hashlib.sha256(options.SerializeAsString()).hexdigest()
 
 
-def xla_flags(environ: dict[str, str] | None = None) -> str:
+def xla_flags(environ: Mapping[str, str] | None = None) -> str:
     """``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, sorted, without the dump-only flags."""
-    environ = os.environ if environ is None else environ
-    flags = [*environ.get("XLA_FLAGS", "").split(), *environ.get("LIBTPU_INIT_ARGS", "").split()]
+    env = os.environ if environ is None else environ
+    flags = [*env.get("XLA_FLAGS", "").split(), *env.get("LIBTPU_INIT_ARGS", "").split()]
     return " ".join(sorted(f for f in flags if f.split("=")[0] not in _EXCLUDED_FLAGS))
 
 
@@ -170,7 +170,7 @@ def _aval_reasons(old: str, new: str) -> list[str]:
     before, after = (old.split(";") if old else []), (new.split(";") if new else [])
     if len(before) != len(after):
         return [f"shape: {len(before)} -> {len(after)} inputs"]
-    out = []
+    out: list[str] = []
     for i, (a, b) in enumerate(zip(before, after)):
         if a == b:
             continue
@@ -232,9 +232,10 @@ class KeyHistory:
             collections.OrderedDict())
         self._lock = threading.Lock()
 
-    def record(self, program_id: str, key: str, parts: Mapping[str, str],
+    def record(self, program_id: str, key: str,
+               parts: Mapping[str, str] | Iterable[tuple[str, str]],
                at: float | None = None) -> None:
-        """Remember ``key`` (whose parts are ``parts``) of ``program_id``."""
+        """Remember ``key`` (whose parts are ``parts``, a mapping or its pairs) of ``program_id``."""
         with self._lock:
             keys = self._by_program.pop(program_id, None) or collections.OrderedDict()
             keys.pop(key, None)
@@ -248,7 +249,7 @@ class KeyHistory:
     def previous(self, program_id: str, but: str = "") -> dict[str, tuple[float, dict[str, str]]]:
         """``program_id``'s remembered keys other than ``but``: ``{key: (when, parts)}``."""
         with self._lock:
-            keys = self._by_program.get(program_id) or {}
+            keys: Mapping[str, tuple[float, dict[str, str]]] = self._by_program.get(program_id) or {}
             return {k: v for k, v in keys.items() if k != but}
 
     def forget(self, key: str) -> None:

@@ -132,6 +132,7 @@ def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: L
         raise
     except Exception as e:  # jax says why the inputs do not fit (symbolic dims, dtypes)
         raise SignatureMismatch(f"the inputs do not fit the program: {message_of(e)}") from None
+    assert module is not None  # None only for a dialect jax does not know
     return stablehlo.parse_module(stablehlo.to_bytecode(module), ctx, limits)
 
 

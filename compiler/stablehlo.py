@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 from jax._src.interpreters import mlir
 from jax._src.lib import _jax
@@ -58,7 +59,8 @@ def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
     try:
         if data.startswith(MLIR_BYTECODE_MAGIC):
             if b"StableHLO_v" in data[:64]:
-                return _jax.mlir.deserialize_portable_artifact(data, ctx)
+                module: ir.Module = _jax.mlir.deserialize_portable_artifact(data, ctx)
+                return module
             return ir.Module.parse(data, context=ctx)
         text = data.decode("utf-8")
         check_text_nesting(text, limits)
@@ -109,14 +111,15 @@ def to_bytecode(module: ir.Module) -> bytes:
     return mlir.module_to_bytecode(module)
 
 
-def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: list[ir.Type],
+def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: Sequence[ir.Type],
                  donate: Sequence[int]) -> None:
     with ir.InsertionPoint(module.body):
         wrapper = func_d.FuncOp("main", ir.FunctionType.get(new_types, list(ftype.results)))
         wrapper.attributes["sym_visibility"] = ir.StringAttr.get("public")
         if donate:
             wrapper.arg_attrs = _donation_attrs(new_types, list(ftype.results), donate)
-        block = wrapper.add_entry_block()
+        # mypy sees the generated FuncOp; jaxlib's func.py redefines it with this method
+        block = wrapper.add_entry_block()  # type: ignore[attr-defined]
         with ir.InsertionPoint(block):
             args = [a if a.type == t else hlo.convert(t, a)
                     for t, a in zip(ftype.inputs, block.arguments)]
@@ -124,7 +127,7 @@ def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: list[ir.T
             func_d.ReturnOp(call.results)
 
 
-def _donation_attrs(inputs: list[ir.Type], results: list[ir.Type],
+def _donation_attrs(inputs: Sequence[ir.Type], results: list[ir.Type],
                     donate: Sequence[int]) -> ir.ArrayAttr:
     unclaimed = list(range(len(results)))
     attrs = []
@@ -151,8 +154,8 @@ def _refine(module: ir.Module) -> ir.Module:
 
 
 def _main(module: ir.Module) -> ir.Operation:
-    for op in module.body.operations:
-        op = op.operation
+    for view in module.body.operations:
+        op = view.operation
         if op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
             return op
     raise InvalidProgram("the module has no func.func @main")
@@ -178,11 +181,12 @@ def _aval(t: ir.Type, where: str) -> Aval:
     return Aval(shape, dtype)
 
 
-def _ir_type(aval: Aval) -> ir.Type:
-    return ir.RankedTensorType.get(list(aval.shape), mlir.dtype_to_ir_type(DTYPES[aval.dtype]))
+def _ir_type(aval: Aval) -> ir.RankedTensorType:
+    shape = cast("list[int]", list(aval.shape))  # static: specialize's avals are concrete
+    return ir.RankedTensorType.get(shape, mlir.dtype_to_ir_type(DTYPES[aval.dtype]))
 
 
-def _compatible(want: ir.Type, got: ir.Type) -> bool:
+def _compatible(want: ir.Type, got: ir.RankedTensorType) -> bool:
     if not isinstance(want, ir.RankedTensorType) or want.element_type != got.element_type:
         return False
     if want.rank != got.rank:

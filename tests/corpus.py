@@ -318,7 +318,8 @@ def scalars(x, n, flag):
 
 
 def zero_size(x, y, z):
-    return x.sum(axis=0), x * 2, jnp.concatenate([z, z], axis=0), y.T, jnp.zeros((0,), jnp.int32), z.max(initial=0.0)
+    return (x.sum(axis=0), x * 2, jnp.concatenate([z, z], axis=0), y.T, jnp.zeros((0,), jnp.int32),
+            z.max(initial=0.0))
 
 
 def softmax_reductions(x):
@@ -373,7 +374,8 @@ CASES: tuple[Case, ...] = (
     Case("cond_pred_input", cond_branch, lambda r: (np.int32(1), _normal(r, (5,), _f64))),
     Case("while_loop", while_newton_sqrt, lambda r: (r.uniform(0.5, 4.0, (4,)),), rtol=1e-12),
     Case("fori_loop", fori_power_iteration, lambda r: (_sym(r, 5), np.ones(5)), rtol=1e-10, atol=1e-10),
-    Case("conv", conv2d, lambda r: (_normal(r, (2, 8, 8, 3)), _normal(r, (3, 3, 3, 4))), rtol=1e-5, atol=1e-5),
+    Case("conv", conv2d, lambda r: (_normal(r, (2, 8, 8, 3)), _normal(r, (3, 3, 3, 4))),
+         rtol=1e-5, atol=1e-5),
     Case("gather", gather, lambda r: (_normal(r, (6, 4)), np.array([5, 0, 2, 2], np.int32))),
     Case("scatter", scatter,
          lambda r: (_normal(r, (6, 3)), np.array([1, 4, 1], np.int32), _normal(r, (3, 3)))),

@@ -183,3 +183,5 @@ def test_package_exports_are_sorted_and_complete(name: str) -> None:
     exported = getattr(module, "__all__", [])
     assert exported == sorted(exported)
     assert all(hasattr(module, n) for n in exported)
+    # A package that loads its names lazily lists each once more in __all__.
+    assert sorted(getattr(module, "_EXPORTS", exported)) == exported

@@ -66,7 +66,8 @@ MAX_STR_LEN = 16 * 1024 * 1024
 
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 _LITTLE = sys.byteorder == "little"
-_INT4 = {n: ml_dtypes.iinfo(DTYPES[n]) for n in ("int4", "uint4") if n in DTYPES}
+_INT4: dict[str, ml_dtypes.iinfo] = {
+    n: ml_dtypes.iinfo(DTYPES[n]) for n in ("int4", "uint4") if n in DTYPES}
 
 
 # --------------------------------------------------------------------------- arrays
@@ -95,7 +96,7 @@ def encode_array(a: Any) -> dict[str, Any]:
     name = dtype_name(arr.dtype)
     arr = _little_endian(arr)
     # A uint8 view keeps the buffer export simple for ml_dtypes kinds and 0-d arrays.
-    data = memoryview(arr.reshape(-1).view(np.uint8)).toreadonly()
+    data = arr.reshape(-1).view(np.uint8).data.toreadonly()
     return {"dtype": name, "shape": [int(d) for d in arr.shape], "data": data}
 
 
@@ -217,11 +218,12 @@ def packb(obj: Any) -> bytes:
     Tuples pack as lists. Raises ``WireError`` for objects msgpack cannot carry.
     """
     try:
-        return msgpack.packb(obj, default=_pack_default, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, default=_pack_default, use_bin_type=True)
     except WireError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot encode message: {e}") from e
+    return packed
 
 
 # Big buffers go out in slices of this size: HTTP servers and clients copy each

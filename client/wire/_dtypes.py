@@ -55,7 +55,7 @@ def dtype_name(dtype: Any) -> str:
     if dtype is None:  # np.dtype(None) would quietly mean float64
         raise WireError("not a dtype: None")
     try:
-        name = np.dtype(dtype).name
+        name: str = np.dtype(dtype).name
     except (TypeError, ValueError) as e:
         raise WireError(f"not a dtype: {dtype!r:.100}") from e
     if name not in DTYPES:

@@ -60,17 +60,17 @@ def require(obj: Any, kind: type | tuple[type, ...], where: str, what: str) -> A
 
 
 def check_keys(obj: Any, where: str, *, required: frozenset[str],
-               optional: frozenset[str] = frozenset()) -> Mapping:
+               optional: frozenset[str] = frozenset()) -> Mapping[str, Any]:
     """``obj`` as a mapping with exactly the ``required`` keys and some ``optional`` ones."""
-    require(obj, Mapping, where, "this")
-    missing = required - obj.keys()
+    mapping: Mapping[str, Any] = require(obj, Mapping, where, "this")
+    missing = required - mapping.keys()
     if missing:
         raise InvalidProgram(f"{where}: missing {sorted(missing)}")
-    extra = obj.keys() - required - optional
+    extra = mapping.keys() - required - optional
     if extra:
         raise InvalidProgram(f"{where}: unknown field(s) {sorted(map(str, extra))[:5]}; "
                              f"expected {sorted(required | optional)}")
-    return obj
+    return mapping
 
 
 def wire_dtype(name: Any, where: str) -> np.dtype:
@@ -132,11 +132,11 @@ def decode_scalar(value: Any, dtype: np.dtype, where: str) -> Any:
 
 
 def _int_in_range(value: Any, dtype: np.dtype, where: str) -> int:
-    value = require(value, int, where, f"a {dtype.name} value")
+    n: int = require(value, int, where, f"a {dtype.name} value")
     lo, hi = _int_bounds(dtype)
-    if not lo <= value <= hi:
-        raise InvalidProgram(f"{where}: {value} is out of range for {dtype.name}")
-    return value
+    if not lo <= n <= hi:
+        raise InvalidProgram(f"{where}: {n} is out of range for {dtype.name}")
+    return n
 
 
 def _int_bounds(dtype: np.dtype) -> tuple[int, int]:

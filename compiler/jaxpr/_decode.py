@@ -50,6 +50,8 @@ __all__ = ["Decoder", "check_header", "lookup_dtype", "parse", "rebuild"]
 _JAXPR_KEYS = frozenset({"invars", "eqns", "outvars"})
 _EQN_KEYS = frozenset({"primitive", "invars", "outvars"})
 _DROP = "_"  # an output binder that discards its value
+# An output binder: its name, its declared aval (a ShapedArray) or None, where it is.
+_Binder = tuple[str, Any, str]
 _MAX_NAME = 128
 # Rebuilt jaxprs have no Python source to point at; names and paths stay unknown.
 _DEBUG_INFO = DebugInfo("jitserve jaxpr document", "<jaxpr document>", None, None)
@@ -244,7 +246,7 @@ class Decoder:
             raise InvalidProgram(f"{where}: ill-typed: {e}") from None
         return params
 
-    def _abstract_eval(self, spec: PrimSpec, in_avals: list, params: dict[str, Any],
+    def _abstract_eval(self, spec: PrimSpec, in_avals: list[Any], params: dict[str, Any],
                        where: str) -> list[core.AbstractValue]:
         """The output avals JAX computes for the equation; refuses effects."""
         try:
@@ -261,7 +263,7 @@ class Decoder:
             self._check_size(aval, f"{where} output {k}")
         return out_avals
 
-    def _inline(self, scope: _Scope, params: dict[str, Any], invars: list) -> list[Any]:
+    def _inline(self, scope: _Scope, params: dict[str, Any], invars: list[Any]) -> list[Any]:
         """Splices a call's body into ``scope``; returns the atoms of its outputs."""
         body: core.ClosedJaxpr = params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
         # The body was decoded for this equation alone, so its Var objects can
@@ -273,9 +275,9 @@ class Decoder:
             scope.eqns.append(eqn.replace(invars=[_subst(subst, a) for a in eqn.invars]))
         return [_subst(subst, a) for a in body.jaxpr.outvars]
 
-    def _binders(self, doc: Any, where: str) -> list[tuple[str, Any, str]]:
+    def _binders(self, doc: Any, where: str) -> list[_Binder]:
         """The output binders: ``name`` or ``{"var": name, "aval"?: ...}``; ``"_"`` drops."""
-        result = []
+        result: list[_Binder] = []
         for k, item in enumerate(require(doc, list, where, "outvars")):
             at = f"{where} output {k}"
             if isinstance(item, str):
@@ -286,7 +288,7 @@ class Decoder:
             result.append((item["var"], aval, at))
         return result
 
-    def _check_arity(self, binders: list, n: int, where: str) -> None:
+    def _check_arity(self, binders: list[_Binder], n: int, where: str) -> None:
         if len(binders) != n:
             raise InvalidProgram(f"{where}: binds {len(binders)} outputs but the equation has {n}")
 
@@ -295,7 +297,8 @@ class Decoder:
             raise InvalidProgram(f"{where}: declared {declared.str_short()} but the equation "
                                  f"computes {actual.str_short()}")
 
-    def _bind_vars(self, scope: _Scope, binders: list, out_avals: list, where: str) -> list[core.Var]:
+    def _bind_vars(self, scope: _Scope, binders: list[_Binder], out_avals: list[Any],
+                   where: str) -> list[core.Var]:
         self._check_arity(binders, len(out_avals), where)
         outvars: list[core.Var] = []
         for (name, declared, at), aval in zip(binders, out_avals):
@@ -308,7 +311,7 @@ class Decoder:
             outvars.append(var)
         return outvars
 
-    def _bind_atoms(self, scope: _Scope, binders: list, atoms: list, where: str) -> None:
+    def _bind_atoms(self, scope: _Scope, binders: list[_Binder], atoms: list[Any], where: str) -> None:
         self._check_arity(binders, len(atoms), where)
         for (name, declared, at), atom in zip(binders, atoms):
             self._check_declared(declared, atom.aval, at)
@@ -366,7 +369,8 @@ def parse(data: Any, limits: JaxprLimits) -> Mapping[str, Any]:
     """The document tree from bytes (JSON or msgpack) or an already parsed mapping."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = parse_document_bytes(bytes(data), max_bytes=limits.max_document_bytes)
-    return require(data, Mapping, "document", "a jaxpr document")
+    tree: Mapping[str, Any] = require(data, Mapping, "document", "a jaxpr document")
+    return tree
 
 
 def check_header(tree: Mapping[str, Any], name: str, oldest: int, newest: int) -> int:
@@ -374,7 +378,7 @@ def check_header(tree: Mapping[str, Any], name: str, oldest: int, newest: int) -
     check_keys(tree, "document", required=_HEADER_KEYS, optional=frozenset({"producer"}))
     if tree["format"] != name:
         raise InvalidProgram(f"document: format is {tree['format']!r:.60}, expected {name!r}")
-    version = require(tree["version"], int, "document", "version")
+    version: int = require(tree["version"], int, "document", "version")
     if version > newest:
         raise InvalidProgram(f"document: format version {version} is newer than this server "
                              f"reads ({oldest} to {newest}); upgrade the server or write version {newest}")

@@ -8,7 +8,7 @@ when a document arrives, since it needs JAX.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jitserve.compiler.errors import InvalidProgram
@@ -46,7 +46,7 @@ class DecodedJaxpr:
     out_avals: tuple[Aval, ...]
     version: int = JAXPR_FORMAT_VERSION
 
-    def as_function(self) -> Callable[..., list]:
+    def as_function(self) -> Callable[..., list[Any]]:
         """A function of the flat inputs returning the list of flat outputs.
 
         It evaluates the jaxpr by binding its primitives, so ``jax.jit`` traces
@@ -56,7 +56,8 @@ class DecodedJaxpr:
         """
         from jax.extend.core import jaxpr_as_fun
 
-        return jaxpr_as_fun(self.closed_jaxpr)
+        fun: Callable[..., list[Any]] = jaxpr_as_fun(self.closed_jaxpr)
+        return fun
 
 
 def decode_document(data: bytes | bytearray | memoryview | Mapping[str, Any], *,
@@ -92,7 +93,7 @@ def decode_document(data: bytes | bytearray | memoryview | Mapping[str, Any], *,
                         _top_avals(closed.out_avals, "output"), version)
 
 
-def _top_avals(avals: list, what: str) -> tuple[Aval, ...]:
+def _top_avals(avals: Sequence[Any], what: str) -> tuple[Aval, ...]:
     out = []
     for i, aval in enumerate(avals):
         name = str(aval.dtype)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from jitserve.compiler.errors import shorten
 
@@ -44,6 +44,7 @@ class DecodeCtx(Protocol):
 
 
 Codec = Callable[[Any, DecodeCtx], Any]
+_T = TypeVar("_T")
 
 
 class _Required:
@@ -79,10 +80,10 @@ def INT(v: Any, ctx: DecodeCtx) -> int:
 
 
 def NAT(v: Any, ctx: DecodeCtx) -> int:
-    v = INT(v, ctx)
-    if v < 0:
-        raise BadParam(f"expected a non-negative integer, got {v}")
-    return v
+    n = INT(v, ctx)
+    if n < 0:
+        raise BadParam(f"expected a non-negative integer, got {n}")
+    return n
 
 
 def BOOL(v: Any, ctx: DecodeCtx) -> bool:
@@ -150,16 +151,17 @@ def one_of(*codecs: Codec) -> Codec:
     return decode
 
 
-def tuple_of(codec: Codec, *, length: int | None = None, max_length: int = 1 << 16) -> Codec:
+def tuple_of(codec: Callable[[Any, DecodeCtx], _T], *, length: int | None = None,
+             max_length: int = 1 << 16) -> Callable[[Any, DecodeCtx], tuple[_T, ...]]:
     """A list of values, each decoded by ``codec``, as a tuple."""
-    def decode(v: Any, ctx: DecodeCtx) -> tuple:
+    def decode(v: Any, ctx: DecodeCtx) -> tuple[_T, ...]:
         if not isinstance(v, list):
             raise BadParam(f"expected a list, got {shorten(v, 60)}")
         if length is not None and len(v) != length:
             raise BadParam(f"expected a list of {length}, got {len(v)} items")
         if len(v) > max_length:
             raise BadParam(f"a list of {len(v)} items is longer than {max_length}")
-        out = []
+        out: list[_T] = []
         for i, item in enumerate(v):
             try:
                 out.append(codec(item, ctx))
@@ -209,12 +211,12 @@ def SHAPE(v: Any, ctx: DecodeCtx) -> tuple[int, ...]:
     return tuple_of(NAT, max_length=ctx.max_rank)(v, ctx)
 
 
-def PAIRS(v: Any, ctx: DecodeCtx) -> tuple[tuple[int, int], ...]:
+def PAIRS(v: Any, ctx: DecodeCtx) -> tuple[tuple[int, ...], ...]:
     """Low/high padding per axis: ``[[lo, hi], ...]``."""
     return tuple_of(tuple_of(INT, length=2), max_length=ctx.max_rank)(v, ctx)
 
 
-def TRIPLES(v: Any, ctx: DecodeCtx) -> tuple[tuple[int, int, int], ...]:
+def TRIPLES(v: Any, ctx: DecodeCtx) -> tuple[tuple[int, ...], ...]:
     """``lax.pad``'s config: ``[[lo, hi, interior], ...]``."""
     return tuple_of(tuple_of(INT, length=3), max_length=ctx.max_rank)(v, ctx)
 
@@ -235,7 +237,7 @@ def closed_jaxpr(label: str) -> Codec:
 
 def closed_jaxprs(label: str) -> Codec:
     """A list of closed jaxprs (``cond`` branches), labelled ``"<label> <i>"``."""
-    def decode(v: Any, ctx: DecodeCtx) -> tuple:
+    def decode(v: Any, ctx: DecodeCtx) -> tuple[Any, ...]:
         if not isinstance(v, list) or not v:
             raise BadParam(f"expected a non-empty list of jaxprs, got {shorten(v, 60)}")
         return tuple(ctx.jaxpr(item, f"{label} {i}") for i, item in enumerate(v))

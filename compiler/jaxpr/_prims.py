@@ -66,7 +66,8 @@ OMIT: Any = object()
 # rules, which the format does not carry (evaluation only).
 INLINED = frozenset({"custom_jvp_call", "custom_vjp_call", "remat2", "closed_call", "call"})
 
-Avals = Sequence[core.AbstractValue]
+# Every value a jaxpr document can name is an array, so its avals are ShapedArrays.
+Avals = Sequence[core.ShapedArray]
 Finalize = Callable[[dict[str, Any], Avals], dict[str, Any]]
 Check = Callable[[Avals, Mapping[str, Any]], None]
 
@@ -184,10 +185,10 @@ SUBSET = opt(tuple_of(NAT, length=2))
 
 def UNROLL(v: Any, ctx: DecodeCtx) -> int:
     # Unrolling copies the loop body at compile time: a size bomb if unbounded.
-    v = NAT(v, ctx)
-    if v > ctx.max_unroll:
-        raise BadParam(f"unroll {v} exceeds the limit of {ctx.max_unroll}")
-    return v
+    n = NAT(v, ctx)
+    if n > ctx.max_unroll:
+        raise BadParam(f"unroll {n} exceeds the limit of {ctx.max_unroll}")
+    return n
 
 
 def _linear_solve_tuple(codec: Codec) -> Codec:
@@ -355,7 +356,7 @@ def _match(what: str, got: Avals, want: Avals) -> None:
         raise BadParam(f"{what} are {_fmt(got)}, expected {_fmt(want)}")
 
 
-def _scalar(aval: core.AbstractValue) -> core.AbstractValue:
+def _scalar(aval: core.ShapedArray) -> core.ShapedArray:
     return core.ShapedArray((), aval.dtype)
 
 
@@ -398,7 +399,7 @@ def _check_scan(in_avals: Avals, p: Mapping[str, Any]) -> None:
 
 
 def _check_call(in_avals: Avals, p: Mapping[str, Any]) -> None:
-    body = p.get("jaxpr") or p.get("call_jaxpr")
+    body: Any = p.get("jaxpr") or p.get("call_jaxpr")
     _match("body inputs", body.in_avals, in_avals)
 
 
@@ -417,7 +418,7 @@ def _check_reduce(in_avals: Avals, p: Mapping[str, Any]) -> None:
     _match("computation outputs", p["jaxpr"].out_avals, inits)
 
 
-def _check_binary_computation(what: str, jaxpr: Any, operand: core.AbstractValue,
+def _check_binary_computation(what: str, jaxpr: Any, operand: core.ShapedArray,
                               out_dtype: Any = None) -> None:
     x = _scalar(operand)
     _match(f"{what} inputs", jaxpr.in_avals, [x, x])
@@ -433,7 +434,7 @@ def _check_reduce_window(in_avals: Avals, p: Mapping[str, Any]) -> None:
     _check_reduce(in_avals, p)
 
 
-def _window_shape(operand: core.AbstractValue, p: Mapping[str, Any]) -> tuple[int, ...]:
+def _window_shape(operand: core.ShapedArray, p: Mapping[str, Any]) -> tuple[int, ...]:
     """The shape of a windowed reduction of ``operand``, after checking the window params."""
     rank = len(operand.shape)
     for key in ("window_dimensions", "window_strides", "padding", "base_dilation", "window_dilation"):
@@ -441,12 +442,13 @@ def _window_shape(operand: core.AbstractValue, p: Mapping[str, Any]) -> tuple[in
             raise BadParam(f"{key} has {len(p[key])} entries for an operand of rank {rank}")
         if key != "padding" and key in p and not all(d >= 1 for d in p[key]):
             raise BadParam(f"{key} entries must be at least 1, got {list(p[key])}")
-    return windowed_reductions.reduce_window_shape_tuple(
+    shape: tuple[int, ...] = windowed_reductions.reduce_window_shape_tuple(
         operand.shape, p["window_dimensions"], p["window_strides"], p["padding"],
         p.get("base_dilation"), p.get("window_dilation"))
+    return shape
 
 
-def _check_source(source: core.AbstractValue, operand: core.AbstractValue, p: Mapping[str, Any]) -> None:
+def _check_source(source: core.ShapedArray, operand: core.ShapedArray, p: Mapping[str, Any]) -> None:
     # JAX's shape rules for the select-and-scatter family do not look at the
     # source; XLA's verifier would, with a far less helpful message.
     want = _window_shape(operand, p)

@@ -8,7 +8,7 @@ Redis error: while Redis is unreachable, reads miss and writes are skipped.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -68,11 +68,13 @@ class RedisTier:
     def _read(self, r: redis.Redis, key: str) -> bytes | None:
         ttl_ms = self.connection.settings.ttl_ms
         if not ttl_ms:
-            return r.get(self.key(key))
+            # bytes: the client never decodes responses (no decode_responses)
+            return cast("bytes | None", r.get(self.key(key)))
         pipe = r.pipeline(transaction=False)
         pipe.get(self.key(key))
         pipe.pexpire(self.key(key), ttl_ms)
-        return pipe.execute()[0]
+        data: bytes | None = pipe.execute()[0]
+        return data
 
     def _store(self, key: str, data: bytes, also: Callable[[Any], None] = lambda pipe: None) -> None:
         """``SET`` the blob, and whatever ``also`` adds, in one transaction."""

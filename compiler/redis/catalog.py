@@ -6,7 +6,8 @@ local answer, so a Redis failure raises ``RedisUnavailable`` instead of missing.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, cast
 
 import redis
 
@@ -60,8 +61,8 @@ class RedisCatalog:
         match = self.executables.meta_key("*")
         keys: list[bytes] = []
         while True:
-            scan_cursor, batch = self.connection.query("list", lambda r, at=scan_cursor: r.scan(
-                at, match=match, count=max(limit, 10)))
+            scan_cursor, batch = self.connection.query(
+                "list", functools.partial(_scan, scan_cursor, match, max(limit, 10)))
             keys.extend(batch)
             if scan_cursor == 0 or len(keys) >= limit:
                 break
@@ -90,3 +91,9 @@ class RedisCatalog:
         if orphans:
             self.connection.run("list", lambda r: r.delete(*orphans), None)
         return records
+
+
+def _scan(cursor: int, match: str, count: int, r: redis.Redis) -> tuple[int, list[bytes]]:
+    """One ``SCAN`` step: the next cursor and a batch of keys (bytes: the client never
+    decodes responses)."""
+    return cast("tuple[int, list[bytes]]", r.scan(cursor, match=match, count=count))

@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import redis
@@ -90,8 +90,9 @@ class ExecutableTier(RedisTier):
     def history(self, program_id: str) -> dict[str, tuple[float, dict[str, str]]]:
         """``program_id``'s stored keys: ``{executable_id: (created, parts)}``; empty when
         Redis is down (a compile's reasons then come from this process alone)."""
-        raw = self.connection.run("history", lambda r: r.hgetall(self.history_key(program_id)),
-                                  None) or {}
+        # bytes: the client never decodes responses (no decode_responses)
+        raw = self.connection.run("history", lambda r: cast(
+            "dict[bytes, bytes]", r.hgetall(self.history_key(program_id))), None) or {}
         out = {}
         for key, value in raw.items():
             try:
@@ -105,7 +106,7 @@ class ExecutableTier(RedisTier):
     def delete(self, key: str) -> None:
         """Drop the entry, its record and its place in its program's history."""
         def op(r: redis.Redis) -> None:
-            program_id = r.hget(self.meta_key(key), "program_id")
+            program_id = cast("bytes | None", r.hget(self.meta_key(key), "program_id"))
             pipe = r.pipeline(transaction=True)
             pipe.delete(*self.records(key))
             if program_id:
@@ -145,7 +146,7 @@ class ExecutableTier(RedisTier):
     def _read(self, r: redis.Redis, key: str) -> bytes | None:
         """The entry, and a touch of its record (hits, last hit, expiries): one round trip."""
         touch_keys = self.records(key)
-        touch_args = [repr(time.time()), self.connection.settings.ttl_ms]
+        touch_args: list[str | int] = [repr(time.time()), self.connection.settings.ttl_ms]
         # EVALSHA directly, since a pipeline running a Script object first asks
         # SCRIPT EXISTS every time.
         pipe = r.pipeline(transaction=False)
@@ -156,7 +157,7 @@ class ExecutableTier(RedisTier):
             raise data
         if isinstance(touched, redis.exceptions.NoScriptError):  # Redis restarted
             self._touch(keys=touch_keys, args=touch_args)
-        return data
+        return cast("bytes | None", data)
 
 
 def meta_record(key: str, size: int, entry: Entry) -> dict[str, str]:

@@ -90,8 +90,9 @@ class CompileLock:
 
     def renew(self, key: str, token: str) -> int | None:
         """Push the lock's expiry out if ``token`` still holds it: 1, else 0 (``None``: Redis down)."""
-        return self.connection.run("renew", lambda r: self._renew(
+        renewed: int | None = self.connection.run("renew", lambda r: self._renew(
             keys=[self._lock_key(key)], args=[token, self.ttl_ms]), None)
+        return renewed
 
     def release(self, key: str, token: str) -> None:
         """Delete the lock if ``token`` still holds it, and wake the waiters."""

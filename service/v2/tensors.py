@@ -132,7 +132,7 @@ def raw_bytes(array: np.ndarray) -> memoryview:
     flat = np.ascontiguousarray(array).reshape(-1)
     if flat.dtype.byteorder == ">":
         flat = flat.astype(flat.dtype.newbyteorder("<"))
-    return memoryview(flat.view(np.uint8))
+    return flat.view(np.uint8).data
 
 
 def _python_ints(data: Any, flat: np.ndarray, where: str) -> np.ndarray:

@@ -103,7 +103,8 @@ def _build() -> list[Case]:
                 special.betainc(x, x + 1, x / 4), special.zeta(x + 1, x),
                 special.polygamma(1, x)]
 
-    @add("complex_math", _args(lambda r: (r.standard_normal(5) + 1j * r.standard_normal(5)).astype(np.complex64)))
+    @add("complex_math",
+         _args(lambda r: (r.standard_normal(5) + 1j * r.standard_normal(5)).astype(np.complex64)))
     def _(z):
         return [jnp.real(z), jnp.imag(z), jnp.conj(z), jnp.abs(z), lax.complex(jnp.real(z), jnp.imag(z)),
                 jnp.exp(z), z * z]
@@ -225,9 +226,9 @@ def _build() -> list[Case]:
         w, v = jnp.linalg.eigh(a)
         u, s, vt = jnp.linalg.svd(b, full_matrices=False)
         q, r = jnp.linalg.qr(b)
-        p, l, up = jax.scipy.linalg.lu(a)
+        p, lo, up = jax.scipy.linalg.lu(a)
         c = jnp.linalg.cholesky(a)
-        return [w, jnp.abs(v), s, jnp.abs(u @ vt), jnp.abs(q), jnp.abs(r), p, l, up, c,
+        return [w, jnp.abs(v), s, jnp.abs(u @ vt), jnp.abs(q), jnp.abs(r), p, lo, up, c,
                 jax.scipy.linalg.solve_triangular(c, b, lower=True),
                 jnp.linalg.solve(a, b), jnp.linalg.inv(a), jnp.linalg.det(a),
                 jnp.linalg.slogdet(a)[1], jax.scipy.linalg.cho_solve((c, True), b)]
@@ -346,7 +347,10 @@ def _build() -> list[Case]:
     @add("windowed_derivatives", _args(_f32(8), _f32(8), _f32(4)))
     def _(x, t, s):
         from jax._src.lax.windowed_reductions import _select_and_scatter
-        pool = lambda v: lax.reduce_window(v, np.float32(-np.inf), lax.max, (2,), (2,), "VALID")
+
+        def pool(v):
+            return lax.reduce_window(v, np.float32(-np.inf), lax.max, (2,), (2,), "VALID")
+
         return [jax.jvp(pool, (x,), (t,))[1],
                 _select_and_scatter(x, lax.ge, (2,), (2,), ((0, 0),), s, np.float32(0), lax.add)]
 

@@ -89,8 +89,8 @@ UNREADABLE: dict[str, Callable[[], tuple[bytes, str | None]]] = {
         + np.random.default_rng(4).bytes(256), "stablehlo"),
     "no_main": lambda: (b"func.func public @other(%a: tensor<f32>) -> tensor<f32> {\n"
                         b"  return %a : tensor<f32>\n}\n", "stablehlo"),
-    "token_input": lambda: (_main("(%t: !stablehlo.token) -> !stablehlo.token", "return %t : !stablehlo.token"),
-                            "stablehlo"),
+    "token_input": lambda: (_main("(%t: !stablehlo.token) -> !stablehlo.token",
+                                  "return %t : !stablehlo.token"), "stablehlo"),
     "undefined_callee": lambda: (_main("(%a: tensor<f32>) -> tensor<f32>", """
         %0 = func.call @nowhere(%a) : (tensor<f32>) -> tensor<f32>
         return %0 : tensor<f32>"""), "stablehlo"),
@@ -121,33 +121,45 @@ def _debug_print(x: jax.Array) -> jax.Array:
 
 def _custom_call(target: str) -> bytes:
     return _main("(%arg0: tensor<4xf32>) -> tensor<4xf32>", f"""
-        %0 = stablehlo.custom_call @{target}(%arg0) {{api_version = 4 : i32}} : (tensor<4xf32>) -> tensor<4xf32>
+        %0 = stablehlo.custom_call @{target}(%arg0) {{api_version = 4 : i32}}
+            : (tensor<4xf32>) -> tensor<4xf32>
         return %0 : tensor<4xf32>""")
 
 
 OUTFEED = _main("(%arg0: tensor<4xf32>) -> tensor<4xf32>", """
     %t = stablehlo.create_token : !stablehlo.token
-    %0 = "stablehlo.outfeed"(%arg0, %t) {outfeed_config = ""} : (tensor<4xf32>, !stablehlo.token) -> !stablehlo.token
+    %0 = "stablehlo.outfeed"(%arg0, %t) {outfeed_config = ""}
+        : (tensor<4xf32>, !stablehlo.token) -> !stablehlo.token
     return %arg0 : tensor<4xf32>""")
 
 INFEED = _main("(%arg0: tensor<4xf32>) -> tensor<4xf32>", """
     %t = stablehlo.create_token : !stablehlo.token
-    %0:2 = "stablehlo.infeed"(%t) {infeed_config = ""} : (!stablehlo.token) -> (tensor<4xf32>, !stablehlo.token)
+    %0:2 = "stablehlo.infeed"(%t) {infeed_config = ""}
+        : (!stablehlo.token) -> (tensor<4xf32>, !stablehlo.token)
     %1 = stablehlo.add %arg0, %0#0 : tensor<4xf32>
     return %1 : tensor<4xf32>""")
 
 # An allowlisted LAPACK kernel whose pivot buffer is 1 element for a 64x64 matrix:
 # run, getrf writes 64 pivots into it (a heap overflow in the process that runs it).
 MIS_SIZED_LAPACK = _main("(%arg0: tensor<64x64xf32>) -> tensor<1xi32>", """
-    %0:3 = stablehlo.custom_call @lapack_sgetrf_ffi(%arg0) {mhlo.backend_config = {}, api_version = 4 : i32, operand_layouts = [dense<[0, 1]> : tensor<2xindex>], output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 0, operand_tuple_indices = []>], result_layouts = [dense<[0, 1]> : tensor<2xindex>, dense<0> : tensor<1xindex>, dense<> : tensor<0xindex>]} : (tensor<64x64xf32>) -> (tensor<64x64xf32>, tensor<1xi32>, tensor<i32>)
+    %0:3 = stablehlo.custom_call @lapack_sgetrf_ffi(%arg0) {
+        mhlo.backend_config = {}, api_version = 4 : i32,
+        operand_layouts = [dense<[0, 1]> : tensor<2xindex>],
+        output_operand_aliases = [#stablehlo.output_operand_alias<
+            output_tuple_indices = [0], operand_index = 0, operand_tuple_indices = []>],
+        result_layouts = [dense<[0, 1]> : tensor<2xindex>, dense<0> : tensor<1xindex>,
+                          dense<> : tensor<0xindex>]}
+        : (tensor<64x64xf32>) -> (tensor<64x64xf32>, tensor<1xi32>, tensor<i32>)
     return %0#1 : tensor<1xi32>""")
 
 UNSAFE: dict[str, Callable[[], tuple[bytes, tuple[str, ...]]]] = {
     "pure_callback": lambda: (_text(_pure_callback, F32_4), ("xla_ffi_python_cpu_callback",)),
     "debug_print": lambda: (_text(_debug_print, F32_4), ("xla_ffi_python_cpu_callback",)),
     "evil_target": lambda: (_custom_call("evil_target"), ("evil_target",)),
-    "legacy_python_callback": lambda: (_custom_call("xla_python_cpu_callback"), ("xla_python_cpu_callback",)),
-    "gpu_python_callback": lambda: (_custom_call("xla_ffi_python_gpu_callback"), ("xla_ffi_python_gpu_callback",)),
+    "legacy_python_callback": lambda: (_custom_call("xla_python_cpu_callback"),
+                                       ("xla_python_cpu_callback",)),
+    "gpu_python_callback": lambda: (_custom_call("xla_ffi_python_gpu_callback"),
+                                    ("xla_ffi_python_gpu_callback",)),
     "pallas_tpu_kernel": lambda: (_custom_call("tpu_custom_call"), ("tpu_custom_call",)),
     "triton_kernel": lambda: (_custom_call("__gpu$xla.gpu.triton"), ("triton",)),
     "outfeed": lambda: (OUTFEED, ("outfeed",)),
@@ -181,7 +193,8 @@ def test_export_for_other_platforms(compiler: Compiler, platforms: list[str]) ->
 
 TERABYTES = _main("(%arg0: tensor<f32>) -> tensor<f32>", """
     %0 = stablehlo.broadcast_in_dim %arg0, dims = [] : (tensor<f32>) -> tensor<1000000x1000000x1000xf32>
-    %1 = stablehlo.reduce(%0 init: %arg0) applies stablehlo.add across dimensions = [0, 1, 2] : (tensor<1000000x1000000x1000xf32>, tensor<f32>) -> tensor<f32>
+    %1 = stablehlo.reduce(%0 init: %arg0) applies stablehlo.add across dimensions = [0, 1, 2]
+        : (tensor<1000000x1000000x1000xf32>, tensor<f32>) -> tensor<f32>
     return %1 : tensor<f32>""")
 
 TERABYTE_INPUT = _main("(%arg0: tensor<1000000x1000000xf32>) -> tensor<1000000x1000000xf32>",
@@ -193,9 +206,11 @@ DYNAMIC_BLOWUP = _main("(%arg0: tensor<?xf32>) -> tensor<f32>", """
     %0 = stablehlo.get_dimension_size %arg0, dim = 0 : (tensor<?xf32>) -> tensor<i32>
     %1 = stablehlo.reshape %0 : (tensor<i32>) -> tensor<1xi32>
     %2 = stablehlo.concatenate %1, %c, dim = 0 : (tensor<1xi32>, tensor<1xi32>) -> tensor<2xi32>
-    %3 = stablehlo.dynamic_broadcast_in_dim %arg0, %2, dims = [0] : (tensor<?xf32>, tensor<2xi32>) -> tensor<?x1000000000xf32>
+    %3 = stablehlo.dynamic_broadcast_in_dim %arg0, %2, dims = [0]
+        : (tensor<?xf32>, tensor<2xi32>) -> tensor<?x1000000000xf32>
     %z = stablehlo.constant dense<0.0> : tensor<f32>
-    %4 = stablehlo.reduce(%3 init: %z) applies stablehlo.add across dimensions = [0, 1] : (tensor<?x1000000000xf32>, tensor<f32>) -> tensor<f32>
+    %4 = stablehlo.reduce(%3 init: %z) applies stablehlo.add across dimensions = [0, 1]
+        : (tensor<?x1000000000xf32>, tensor<f32>) -> tensor<f32>
     return %4 : tensor<f32>""")
 
 

@@ -75,7 +75,8 @@ func.func public @main(%arg0: tensor<4xi32>) -> tensor<4xi32> {
 # compile worker dies, the caller gets CompileFailed, and the next compile works.
 CRASHES_XLA = b"""
 func.func public @main(%arg0: tensor<4xf32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {
-  %0 = stablehlo.custom_call @Sharding(%arg0, %arg1) {mhlo.sharding = "{replicated}"} : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
+  %0 = stablehlo.custom_call @Sharding(%arg0, %arg1) {mhlo.sharding = "{replicated}"}
+      : (tensor<4xf32>, tensor<4xf32>) -> tensor<4xf32>
   return %0 : tensor<4xf32>
 }
 """

@@ -40,7 +40,7 @@ _CALL = re.compile(r"custom_call @(\w+)\((.*?)\) (\{.*\}) : \((.*?)\) -> \(?(.*?
 
 def _standalone_call(text: str, shrink: bool) -> str:
     """A module that is just the first LAPACK call of ``text``; ``shrink`` undersizes a result."""
-    line = next(l for l in text.splitlines() if "custom_call @lapack_" in l)
+    line = next(ln for ln in text.splitlines() if "custom_call @lapack_" in ln)
     target, _, attrs, operands, results = _CALL.search(line.strip()).groups()
     op_types = re.findall(r"tensor<[^>]*>+", operands)
     res_types = re.findall(r"tensor<[^>]*>+", results)

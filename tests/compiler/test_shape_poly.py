@@ -31,7 +31,8 @@ func.func public @main(%arg0: tensor<?x3xf32>, %arg1: tensor<3xf32>) -> tensor<?
   %2 = stablehlo.reshape %1 : (tensor<i32>) -> tensor<1xi32>
   %3 = stablehlo.constant dense<3> : tensor<1xi32>
   %4 = stablehlo.concatenate %2, %3, dim = 0 : (tensor<1xi32>, tensor<1xi32>) -> tensor<2xi32>
-  %5 = stablehlo.dynamic_broadcast_in_dim %arg1, %4, dims = [1] : (tensor<3xf32>, tensor<2xi32>) -> tensor<?x3xf32>
+  %5 = stablehlo.dynamic_broadcast_in_dim %arg1, %4, dims = [1]
+      : (tensor<3xf32>, tensor<2xi32>) -> tensor<?x3xf32>
   %6 = stablehlo.add %0, %5 : tensor<?x3xf32>
   return %6 : tensor<?x3xf32>
 }
