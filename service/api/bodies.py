@@ -231,6 +231,8 @@ async def _idle_timeout(timeout_s: float) -> AsyncIterator[Callable[[], None]]:
         nonlocal last
         last = loop.time()
 
+    timer: asyncio.TimerHandle
+
     async with asyncio.timeout(None) as deadline:
         def check() -> None:
             nonlocal timer

@@ -113,9 +113,10 @@ class Model:
 
 @dataclasses.dataclass
 class InputTensor:
-    """An input as a request states it (unchecked): JSON/typed ``data``, or ``raw`` bytes."""
+    """An input as a request states it (unchecked, ``name`` too: ``_arrays`` checks it):
+    JSON/typed ``data``, or ``raw`` bytes."""
 
-    name: str
+    name: Any
     datatype: Any
     shape: Any
     data: Any = None

@@ -64,7 +64,8 @@ async def readyz(services: ServicesDep) -> Response:
         checks["warming"] = warming.finished
     cache = (await pool.report())["cache"]
     cluster = services.cluster
-    more = {} if cluster is None else {"cluster": cluster.state, "replica": cluster.replica_id}
+    more: dict[str, Any] = ({} if cluster is None else
+                            {"cluster": cluster.state, "replica": cluster.replica_id})
     if warming is not None:
         more["warming"] = warming.describe()
     if all(checks.values()):
