@@ -67,8 +67,8 @@ from jitserve.wire import Aval, TierName
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
 
-__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", "check_inputs",
-           "cost_of"]
+__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", "check_donate",
+           "check_inputs", "cost_of"]
 
 logger = logging.getLogger("jitserve.compiler")
 
@@ -228,8 +228,11 @@ class Executable:
         return [shards[0] for shards in results.disassemble_into_single_device_arrays()]
 
 
-def _donated(donate: Sequence[int], n: int) -> tuple[int, ...]:
-    """``donate`` as sorted unique input indices; ``SignatureMismatch`` past ``n`` inputs."""
+def check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
+    """``donate`` as sorted unique input indices; ``SignatureMismatch`` past ``n`` inputs.
+
+    The one home of the rule: the compiler keys on it, and the service checks a call's
+    ``donate`` with it before anything is queued."""
     out = tuple(sorted(set(donate)))
     if out and not 0 <= out[0] <= out[-1] < n:
         raise SignatureMismatch(f"donate names inputs {list(out)}; the program takes {n}")
@@ -237,11 +240,14 @@ def _donated(donate: Sequence[int], n: int) -> tuple[int, ...]:
 
 
 def check_inputs(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
-    """Raise ``SignatureMismatch`` naming the first of ``avals`` that does not fit ``expected``."""
+    """Raise ``SignatureMismatch`` naming the first of ``avals`` that does not fit ``expected``:
+    an executable's inputs, or a program's, whose dynamic dimensions fit any size.
+
+    The one home of the rule, for the compiler and the service alike."""
     if len(avals) != len(expected):
         raise SignatureMismatch(f"program takes {len(expected)} inputs, got {len(avals)}")
     for i, (want, got) in enumerate(zip(expected, avals)):
-        if want.shape != got.shape or want.dtype != got.dtype:
+        if not want.matches(got):
             raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
 
 
@@ -341,7 +347,7 @@ class Compiler:
         buffer. A run must pass it a buffer nobody else holds.
         """
         concrete = self._concrete_avals(program, in_avals)
-        donate = _donated(donate, len(concrete))
+        donate = check_donate(donate, len(concrete))
         parts = self._parts(program, concrete, static_key, donate)
         key = cache_key(parts)
         hit = self._executables.cached(key)
@@ -367,7 +373,7 @@ class Compiler:
                       static_key: str = "", donate: Sequence[int] = ()) -> str:
         """The cache key ``lookup`` would use, without looking anything up."""
         concrete = self._concrete_avals(program, in_avals)
-        return self._key(program, concrete, static_key, _donated(donate, len(concrete)))
+        return self._key(program, concrete, static_key, check_donate(donate, len(concrete)))
 
     def cached(self, program: Program, in_avals: Sequence[Aval] | None = None,
                static_key: str = "", donate: Sequence[int] = ()) -> Lookup | None:

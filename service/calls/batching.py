@@ -52,7 +52,7 @@ from jitserve.wire import Aval, ErrorCode
 from ..errors import ServiceError
 from ..metrics import Metrics
 from ..runtimes import RemoteError, Runtime, RuntimePool
-from .executables import CallOptions, Lookup
+from .executables import CallOptions, Resolved
 from .executor import Executor, run_error
 from .futures import Future, FutureStore
 
@@ -68,7 +68,7 @@ REFRESH_S = 5.0
 _STACK_IN_THREAD_BYTES = 1 << 20
 
 Compile = Callable[[Program, Sequence[Aval], CallOptions, "str | None", Runtime],
-                   Awaitable[Lookup]]
+                   Awaitable[Resolved]]
 
 
 class SharedConfigs(Protocol):

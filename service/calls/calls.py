@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from jitserve import wire
-from jitserve.compiler.errors import CompilerError, SignatureMismatch
+from jitserve.compiler.compile import check_donate, check_inputs
+from jitserve.compiler.errors import CompilerError
 from jitserve.compiler.programs import Program
 from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
 
@@ -57,8 +58,8 @@ from .executables import (
     CallKey,
     CallOptions,
     ExecutableIndex,
-    Lookup,
     RemoteExecutable,
+    Resolved,
     call_key,
 )
 from .executor import Arg, Executor, FutureRef
@@ -169,8 +170,8 @@ class Calls:
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions = _NO_OPTIONS, owner: str | None = None,
-                      runtime: Runtime | None = None, key: CallKey | None = None) -> Lookup:
-        """The ``Lookup`` for ``program`` at ``in_avals`` (compiling if needed).
+                      runtime: Runtime | None = None, key: CallKey | None = None) -> Resolved:
+        """The ``Resolved`` for ``program`` at ``in_avals`` (compiling if needed).
 
         ``key``: their ``call_key``, when the caller has it. ``QuotaExceeded`` when
         ``owner`` would pass its executables or compiles quota.
@@ -178,7 +179,7 @@ class Calls:
         key = key or call_key(program.program_id, in_avals, options)
         known = self._index.get(key)
         if known is not None:  # no round trip: the runs name the executable
-            lookup = Lookup(known, known.executable_id, TierName.MEMORY, 0.0)
+            lookup = Resolved(known, known.executable_id, TierName.MEMORY, 0.0)
         else:
             runtime = runtime or self._runtimes.place(owner, program.program_id)
             lookup = await self._lookup(runtime, program, in_avals, options, owner)
@@ -192,7 +193,7 @@ class Calls:
         return lookup
 
     async def _lookup(self, runtime: Runtime, program: Program, in_avals: Sequence[Aval] | None,
-                      options: CallOptions, owner: str | None) -> Lookup:
+                      options: CallOptions, owner: str | None) -> Resolved:
         """A lookup on ``runtime``: straight away, or, for a tenant's compile, in its turn."""
         message = {"program_id": program.program_id, **options.to_json(),
                    "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
@@ -236,7 +237,7 @@ class Calls:
         arguments the run may consume (``jax.jit``'s ``donate_argnums``, on the
         flat arguments); the outputs they name are released for the caller.
         """
-        options = CallOptions(static_key, _check_donate(donate, len(args)))
+        options = CallOptions(static_key, check_donate(donate, len(args)))
         if not options.donate:  # opted in (service.calls.batching)
             await self.batcher.refresh(owner, program.program_id)
             batched = self.batcher.offer(program, args, static_key, owner, timeout_s)
@@ -284,7 +285,7 @@ class Calls:
                    timeout_s: float | None) -> Future:
         """A ``compiling`` future whose lookup, then run, go on in a task."""
         assert program.out_avals is not None
-        check_signature(program.in_avals, avals)
+        check_inputs(program.in_avals, avals)
         fut = self._futures.create(owner=owner, executable_id="", out_avals=program.out_avals,
                                    out_tree=None, compiling=True)
         fut.job = _CompileJob()
@@ -428,24 +429,6 @@ class Calls:
         return sorted(held)
 
 
-def _check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
-    """``donate`` as sorted argument indices; ``BadRequest`` for one past the arguments."""
-    out = tuple(sorted(set(donate)))
-    if out and not 0 <= out[0] <= out[-1] < n:
-        raise BadRequest(f"donate names arguments {list(out)}, but the call has {n}")
-    return out
-
-
-def check_signature(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
-    """``SignatureMismatch`` naming the first of ``avals`` that cannot fit ``expected``
-    (a program's inputs, whose dynamic dimensions fit any size)."""
-    if len(avals) != len(expected):
-        raise SignatureMismatch(f"program takes {len(expected)} inputs, got {len(avals)}")
-    for i, (want, got) in enumerate(zip(expected, avals)):
-        if not want.matches(got):
-            raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
-
-
 def _check_outputs(fut: Future, exe: RemoteExecutable) -> None:
     """The compiled outputs must be those the future announced (the program's)."""
     got = [(a.shape, a.dtype) for a in exe.out_avals]
@@ -472,10 +455,10 @@ def _failure(e: Exception) -> tuple[str, str, dict[str, Any]]:
     return str(ErrorCode.COMPILER_ERROR), f"compiling failed: {type(e).__name__}: {e}", {}
 
 
-def _lookup_of(reply: dict[str, Any]) -> Lookup:
+def _lookup_of(reply: dict[str, Any]) -> Resolved:
     doc = reply["executable"]
     exe = RemoteExecutable.from_json(doc)
-    return Lookup(exe, exe.executable_id, doc["tier"], float(doc["compile_seconds"]))
+    return Resolved(exe, exe.executable_id, doc["tier"], float(doc["compile_seconds"]))
 
 
 def _describe(value: Any) -> str:
@@ -484,7 +467,7 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _log_lookup(program: Program, lookup: Lookup) -> None:
+def _log_lookup(program: Program, lookup: Resolved) -> None:
     """One line per lookup the index could not answer: what compiled (or loaded), how long."""
     exe = lookup.executable
     signature = ", ".join(str(a) for a in exe.in_avals)

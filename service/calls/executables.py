@@ -17,7 +17,7 @@ from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.compile import MemoryStats, check_inputs
 from jitserve.wire import Aval
 
-__all__ = ["CallKey", "CallOptions", "ExecutableIndex", "Lookup", "RemoteExecutable", "call_key"]
+__all__ = ["CallKey", "CallOptions", "ExecutableIndex", "Resolved", "RemoteExecutable", "call_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class RemoteExecutable:
 
 
 @dataclasses.dataclass(frozen=True)
-class Lookup:
+class Resolved:
     """Where a call's executable came from: ``tier`` (``memory``, ``disk``, ``redis``,
     ``compiled``) and the seconds a compile took (0 unless ``compiled``)."""
 

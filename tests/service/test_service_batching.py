@@ -15,7 +15,7 @@ import pytest
 
 from jitserve.compiler.programs import Program
 from jitserve.service.calls.batching import Batcher, BatchingConfig, NotBatchable, batch_dimension
-from jitserve.service.calls.executables import CallOptions, Lookup, RemoteExecutable
+from jitserve.service.calls.executables import CallOptions, RemoteExecutable, Resolved
 from jitserve.service.calls.executor import SplitPiece
 from jitserve.service.calls.futures import FutureStore
 from jitserve.service.metrics import Metrics
@@ -82,11 +82,11 @@ def parts() -> tuple[Batcher, _Executor, FutureStore, list[list[Aval]]]:
     compiled: list[list[Aval]] = []
 
     async def compile(program: Program, avals: Sequence[Aval], options: CallOptions,
-                      owner: str | None, runtime: Any) -> Lookup:
+                      owner: str | None, runtime: Any) -> Resolved:
         compiled.append(list(avals))
         exe = RemoteExecutable("e" * 64, tuple(avals), (Aval((avals[0].shape[0], 3), "float32"),),
                                None, None, {}, 0)
-        return Lookup(exe, exe.executable_id, "memory", 0.0)
+        return Resolved(exe, exe.executable_id, "memory", 0.0)
 
     batcher = Batcher(compile, _Pool(), futures, executor, Metrics())  # type: ignore[arg-type]
     return batcher, executor, futures, compiled
@@ -223,7 +223,7 @@ class _Shared:
 
 
 async def test_replicas_share_the_configuration() -> None:
-    async def no_compile(*args: Any) -> Lookup:
+    async def no_compile(*args: Any) -> Resolved:
         raise AssertionError("nothing runs here")
 
     shared = _Shared()
