@@ -205,7 +205,7 @@ class LookupRequest(TypedDict):
     static_key: str
     donate: list[int]
     avals: list[AvalDoc] | None  # ``None``: the program's own
-    compile: bool  # ``False``: answer ``miss`` rather than compile
+    compile: NotRequired[bool]  # ``False``: answer ``miss`` rather than compile (default ``True``)
 
 
 class LookupAnswer(TypedDict, total=False):
