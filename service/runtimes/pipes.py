@@ -35,7 +35,9 @@ class LoopReader:
     (``None`` from a thread). ``attach`` reads on an event loop; ``read_rest`` in the
     calling thread (a pool without a loop, or the rest after its loop closed). At
     the end of the pipe (or on an error) it stops reading and sets ``ended``; only
-    then may the pipe be closed. ``garbled``: it stopped at a frame that was no message.
+    then may the pipe be closed. ``garbled``: it stopped at a frame that was no
+    message: not msgpack, or not a map (``protocol``; a runtime runs strangers' code,
+    so no frame of its is trusted to be one).
     """
 
     def __init__(self, fd: int, dispatch: Dispatch) -> None:
@@ -95,6 +97,8 @@ class LoopReader:
             try:
                 message = frames.unpack(data[begin:start])
             except ValueError:
+                message = None
+            if not isinstance(message, dict):
                 self.garbled = True
                 return False
             self._dispatch(message, self._loop)

@@ -440,9 +440,15 @@ class Runtime:
 
     def _dispatch(self, message: dict[str, Any],
                   here: asyncio.AbstractEventLoop | None = None) -> None:
+        """Settle the request reply ``message`` answers (or start its deadline, for a
+        ``started``); a reply to no request in flight is dropped."""
         rid, kind = message.get("id", 0), message.get("kind")
         with self._lock:
-            call = (self._pending.get(rid) if kind == _STARTED else self._pending.pop(rid, None))
+            try:
+                call = (self._pending.get(rid) if kind == _STARTED
+                        else self._pending.pop(rid, None))
+            except TypeError:  # an id no request has, not even hashable: dropped like any
+                return
             message["generation"] = self.generation
             if call is not None and kind == _STARTED and call.timeout_s is not None:
                 call.deadline = time.monotonic() + call.timeout_s
