@@ -54,8 +54,9 @@ the exit status (docs/runtimes.md).
 runtime sends replies, and only to requests it was sent (``ready`` and ``started``
 are the unasked ones). A runtime maps only the segments a request names, and the
 API process checks segment names against their pattern before it opens one. A
-runtime runs what strangers upload, so the API process trusts no reply: one that
-is not a map it can settle is *garbled*, and the runtime is killed and restarted.
+runtime runs what strangers upload, so the API process trusts no reply: a frame
+that is not a map is *garbled*, and its runtime is killed and restarted
+(``pipes.LoopReader``); a reply to no request in flight is dropped.
 """
 
 from __future__ import annotations
