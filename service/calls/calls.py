@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,8 @@ from ..errors import (
     Unavailable,
 )
 from ..metrics import Metrics
-from ..runtimes import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
+from ..runtimes import Buffer, Op, RemoteError, Runtime, RuntimeLost, RuntimePool
+from ..runtimes.protocol import DecodeRequest, ForgetRequest, LookupRequest
 from .batching import Batcher, SharedConfigs
 from .executables import (
     CallKey,
@@ -121,7 +122,7 @@ def refusal(e: RemoteError, during: str) -> Exception:
     return RuntimeRefusal(code, str(e))
 
 
-async def ask(runtime: Runtime, op: str, message: dict[str, Any], program: Program, *,
+async def ask(runtime: Runtime, op: Op, message: Mapping[str, Any], program: Program, *,
               timeout_s: float | None = None) -> dict[str, Any]:
     """A request about ``program``; a runtime that does not know it is sent it first."""
     try:
@@ -129,8 +130,8 @@ async def ask(runtime: Runtime, op: str, message: dict[str, Any], program: Progr
     except RemoteError as e:
         if e.code != "unknown_program":
             raise
-    await runtime.request("decode", {"data": program.payload, "format": program.format.value},
-                          timeout_s=timeout_s, retry=True)
+    decode = DecodeRequest(data=program.payload, format=program.format.value)
+    await runtime.request(Op.DECODE, decode, timeout_s=timeout_s, retry=True)
     return await runtime.request(op, message, timeout_s=timeout_s, retry=True)
 
 
@@ -195,8 +196,10 @@ class Calls:
     async def _lookup(self, runtime: Runtime, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions, owner: str | None) -> Resolved:
         """A lookup on ``runtime``: straight away, or, for a tenant's compile, in its turn."""
-        message = {"program_id": program.program_id, **options.to_json(),
-                   "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
+        message: LookupRequest = {
+            "program_id": program.program_id, "static_key": options.static_key,
+            "donate": list(options.donate),
+            "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
         if self._scheduler is None or owner is None or not self._tenants.scoped:
             return _lookup_of(await self._ask(runtime, {**message, "compile": True}, program))
         probe = await self._ask(runtime, {**message, "compile": False}, program)
@@ -218,10 +221,10 @@ class Calls:
             budget.give_back(owner, token)
         return lookup
 
-    async def _ask(self, runtime: Runtime, message: dict[str, Any],
+    async def _ask(self, runtime: Runtime, message: LookupRequest,
                    program: Program) -> dict[str, Any]:
         try:
-            return await ask(runtime, "lookup", message, program,
+            return await ask(runtime, Op.LOOKUP, message, program,
                              timeout_s=self._lookup_timeout_s)
         except RemoteError as e:
             raise refusal(e, "compiling") from None
@@ -421,7 +424,7 @@ class Calls:
         """Drop ``executable_id`` wherever it is kept: every runtime's L1, the disk and
         Redis tiers (each runtime drops it from all), and this process's index, so the
         next call compiles it again. The tiers that held it (``index`` for this process's)."""
-        replies = await self._runtimes.broadcast("forget", {"executable_id": executable_id},
+        replies = await self._runtimes.broadcast(Op.FORGET, ForgetRequest(executable_id=executable_id),
                                                  timeout_s=self._lookup_timeout_s)
         held = {tier for reply in replies for tier in reply.get("tiers", ())}
         if self._index.forget(executable_id):

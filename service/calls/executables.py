@@ -28,9 +28,6 @@ class CallOptions:
     static_key: str = ""
     donate: tuple[int, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
-        return {"static_key": self.static_key, "donate": list(self.donate)}
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RemoteExecutable:

@@ -52,12 +52,14 @@ from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
 from ..metrics import Metrics
 from ..runtimes import (
     Buffer,
+    Op,
     RemoteError,
     Runtime,
     RuntimeLost,
     RuntimePool,
     frames,
 )
+from ..runtimes.protocol import PutRequest, RunRequest
 from .executables import CallOptions, RemoteExecutable
 from .futures import Future, FutureStore
 
@@ -312,7 +314,7 @@ class Executor:
             message = _run_message(program, executable, options, descs)
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 job.start()
-                reply = await runtime.request("run", message, timeout_s=timeout_s, tag=job,
+                reply = await runtime.request(Op.RUN, message, timeout_s=timeout_s, tag=job,
                                               on_started=self._on_started(fut))
             answered = True
         except (asyncio.CancelledError, _Cancelled):
@@ -366,7 +368,7 @@ class Executor:
         if not self._budget.try_take(temp):
             return False
         try:
-            runtime.send_then("run", message,
+            runtime.send_then(Op.RUN, message,
                               lambda reply, error: self._answered(job, temp, reply, error),
                               timeout_s=timeout_s, tag=job,
                               on_started=self._on_started(job.future))
@@ -446,11 +448,11 @@ class Executor:
         descs, segment = await self._pack(host)
         answered = False
         try:
-            message = {**_run_message(program, executable, options, descs),
-                       "split": list(rows)}
+            message: RunRequest = {**_run_message(program, executable, options, descs),
+                                   "split": list(rows)}
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 try:
-                    reply = await runtime.request("run", message, timeout_s=timeout,
+                    reply = await runtime.request(Op.RUN, message, timeout_s=timeout,
                                                   on_started=on_started)
                 except RemoteError:
                     answered = True
@@ -477,7 +479,7 @@ class Executor:
         future.runtime = runtime
         descs, segment = await self._pack(arrays)
         try:
-            reply = await runtime.request("put", {"args": descs}, timeout_s=self.timeout_s)
+            reply = await runtime.request(Op.PUT, PutRequest(args=descs), timeout_s=self.timeout_s)
         finally:
             if segment is not None:
                 self._runtimes.segments.give_back(segment)
@@ -542,11 +544,11 @@ class Executor:
 
 
 def _run_message(program: Program, executable: RemoteExecutable, options: CallOptions,
-                 descs: list[dict[str, Any]]) -> dict[str, Any]:
+                 descs: list[dict[str, Any]]) -> RunRequest:
     """The ``run`` request for ``executable`` on the arguments ``descs`` describe."""
     return {"executable_id": executable.executable_id, "program_id": program.program_id,
-            **options.to_json(), "avals": [a.to_json() for a in executable.in_avals],
-            "args": descs}
+            "static_key": options.static_key, "donate": list(options.donate),
+            "avals": [a.to_json() for a in executable.in_avals], "args": descs}
 
 
 def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:

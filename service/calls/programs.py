@@ -25,7 +25,8 @@ from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.programs import Program
 
 from ..errors import NotFound
-from ..runtimes import RemoteError, RuntimePool
+from ..runtimes import Op, RemoteError, RuntimePool
+from ..runtimes.protocol import DecodeRequest, ProgramRequest
 from .calls import refusal
 from .tenants import Tenants
 
@@ -82,7 +83,7 @@ class ProgramStore:
         # in any tier that lost it (Redis evicted it, or was down at the first upload).
         runtime = self._runtimes.place(owner, program_id)
         try:
-            reply = await runtime.request("decode", {"data": data, "format": format},
+            reply = await runtime.request(Op.DECODE, DecodeRequest(data=data, format=format),
                                           timeout_s=self._timeout_s, retry=True)
         except RemoteError as e:
             raise refusal(e, "decoding") from None
@@ -125,7 +126,7 @@ class ProgramStore:
         """The program from the cache tiers, decoded again by a runtime; ``None`` if none has it."""
         runtime = self._runtimes.place(owner, program_id)
         try:
-            reply = await runtime.request("program", {"program_id": program_id},
+            reply = await runtime.request(Op.PROGRAM, ProgramRequest(program_id=program_id),
                                           timeout_s=self._timeout_s, retry=True)
         except RemoteError as e:
             raise refusal(e, "decoding") from None

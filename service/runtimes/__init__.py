@@ -2,9 +2,10 @@
 
 The API process never touches a program's content. It sends each request to a
 runtime (``service.runtimes.child``) chosen by ``RuntimePool.place``, and the
-runtime's answer (or its death) settles it. See ``pool`` for supervision,
-deadlines and placement, ``frames`` for how arrays cross, and docs/runtimes.md
-for the trade-offs.
+runtime's answer (or its death) settles it. See ``protocol`` for what the two
+say to each other (every request an ``Op``), ``pool`` for supervision,
+deadlines and placement, ``pipes`` and ``frames`` for how messages and arrays
+cross, and docs/runtimes.md for the trade-offs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import SecretStr
 
 from .pool import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
+from .protocol import Config, Op
 
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
+__all__ = ["Buffer", "Op", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
            "platform_kind"]
 
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm6_plugin")
@@ -82,7 +84,7 @@ def make_pool(settings: Settings) -> RuntimePool:
     else:
         limit = memory_limit(settings, count)
     # Without Redis a runtime needs no network at all: it gets none (docs/runtimes.md).
-    config = {"settings": settings_document(settings), "platform": platform,
-              "max_memory_bytes": limit, "log_level": settings.log_level,
-              "isolate_network": settings.redis_settings() is None}
+    config: Config = {"settings": settings_document(settings), "platform": platform,
+                      "max_memory_bytes": limit, "log_level": settings.log_level,
+                      "isolate_network": settings.redis_settings() is None}
     return RuntimePool(count, config, env, segment_cache_bytes=settings.retain_freed_max_bytes)

@@ -12,6 +12,10 @@ imported. Then the runtime answers requests until its pipe closes, or until the
 API process kills it: that is how deadlines and cancels stop a running program,
 so nothing here needs to be interruptible.
 
+What the two processes say to each other is ``protocol``'s: every request (an
+``Op``) has its handler in ``HANDLERS``, and a request whose op has none is
+answered with a protocol error, not a crash.
+
 Requests are served concurrently, by threads that take turns reading the pipe:
 at most ``executor_threads`` runs at once, and four more threads for everything
 else, so a long run never delays a fetch of another future's outputs. A run
@@ -35,13 +39,41 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, NoReturn
 
 from jitserve import wire
 
 from . import frames, landlock
+from .protocol import (
+    Config,
+    DecodeAnswer,
+    DecodeRequest,
+    ExecutableDoc,
+    Failure,
+    FetchAnswer,
+    FetchRequest,
+    ForgetAnswer,
+    ForgetRequest,
+    FreeRequest,
+    Kind,
+    LookupAnswer,
+    LookupRequest,
+    Op,
+    ProgramAnswer,
+    ProgramDoc,
+    ProgramRequest,
+    PutAnswer,
+    PutRequest,
+    Ready,
+    Reply,
+    RunAnswer,
+    RunRequest,
+    SplitAnswer,
+    StatsAnswer,
+    StatsRequest,
+)
 
 log = logging.getLogger("jitserve.runtime")
 
@@ -51,6 +83,9 @@ _RUN_TIMES_KEPT = 4096
 # How often ``_QuickWatch`` looks, and after how many looks without quick runs it sleeps.
 _QUICK_WATCH_S = 0.05
 _QUICK_WATCH_IDLE_LOOKS = 20
+# Bound once: looking a member up on its enum costs 0.1 us in Python 3.11, and the
+# reader compares every request's op.
+_RUN, _FREE, _OK, _ERROR, _STARTED = Op.RUN, Op.FREE, Kind.OK, Kind.ERROR, Kind.STARTED
 
 
 class RemoteFailure(Exception):
@@ -75,7 +110,7 @@ def _limit_memory(max_bytes: int | None) -> None:
 class RuntimeServer:
     """Answers the API process's requests; one per runtime process."""
 
-    def __init__(self, pipe: frames.Pipe, config: dict[str, Any]) -> None:
+    def __init__(self, pipe: frames.Pipe, config: Config) -> None:
         import jax
 
         from jitserve.compiler import Compiler
@@ -126,10 +161,11 @@ class RuntimeServer:
 
     def serve(self) -> None:
         device = self.device
-        self._send({"id": 0, "kind": "ready", "pid": os.getpid(),
-                    "backend": self.compiler.backend_info(),
-                    "device": {"id": device.id, "platform": device.platform,
-                               "device_kind": device.device_kind}})
+        ready: Ready = {"id": 0, "kind": Kind.READY, "pid": os.getpid(),
+                        "backend": self.compiler.backend_info(),
+                        "device": {"id": device.id, "platform": device.platform,
+                                   "device_kind": device.device_kind}}
+        self._send(ready)
         threading.Thread(target=self.compiler.warm, daemon=True).start()
         if self._quick_run_s > 0:
             threading.Thread(target=self._quick_watch.watch, name="jitserve-quick-watch",
@@ -154,10 +190,10 @@ class RuntimeServer:
 
         Threads take turns at the pipe (leader and followers), so a request is
         answered by the thread that read it, with no hand-off to a pool. The
-        reader passes the pipe on before it answers, except for frees and quick
-        runs (``_quick``), which it answers before reading again: then no other
-        thread wakes. It lets go of the pipe before anything that would block
-        (``_send``, when the API process is slow to read). At most
+        reader passes the pipe on before it answers, except for frees (never
+        answered) and quick runs (``_quick``), which it does before reading again:
+        then no other thread wakes. It lets go of the pipe before anything that
+        would block (``_send``, when the API process is slow to read). At most
         ``executor_threads`` runs go at once; a run that finds none free waits in
         a queue that finishing runs drain, while the reader goes on reading.
         """
@@ -167,16 +203,18 @@ class RuntimeServer:
                 frame = self._pipe.recv_bytes()
             except (EOFError, OSError):
                 os._exit(0)  # the API process is gone or closed us: nothing to finish
-            message: dict[str, Any] | None = frames.unpack(frame)
-            assert message is not None
+            message = frames.unpack(frame)
+            if not isinstance(message, dict):
+                self._send(_failure(0, "internal", f"protocol error: a request is a map, not "
+                                                   f"{message!r:.40}"))
+                continue
             for handle in message.pop("free", ()):  # frees riding on a request
                 self.buffers.pop(handle, None)
             op = message.get("op")
-            if op == "free":
-                for handle in message.get("handles", ()):
-                    self.buffers.pop(handle, None)
+            if op == _FREE:  # no answer
+                HANDLERS[_FREE](self, message)
                 continue
-            if op != "run":
+            if op != _RUN:
                 self._let_go()
                 self._answer(message)
                 continue
@@ -185,15 +223,16 @@ class RuntimeServer:
                     self._queued_runs.append(message)
                     continue
                 self._run_slots -= 1
-            if self._quick(message):
+            run: dict[str, Any] | None = message
+            quick = self._quick(message)
+            if quick:
                 self.quick_runs += 1
-                message["quick"] = True  # run by this thread at once: see op_run
             else:
                 self._let_go()
-            while message is not None:
-                self._run(message)
-                message = self._next_run()
-                if message is not None:  # a queued run: not this thread's to read for
+            while run is not None:
+                self._run(run, quick)
+                run, quick = self._next_run(), False
+                if run is not None:  # a queued run: not this thread's to read for
                     self._let_go()
 
     def _hold(self) -> None:
@@ -212,21 +251,22 @@ class RuntimeServer:
     def _quick(self, m: dict[str, Any]) -> bool:
         """Whether run ``m`` is known to be quick: its executable is loaded, and its
         last run here took under ``JITSERVE_RUNTIME_QUICK_RUN_MS``."""
-        exe_id = m.get("executable_id")
-        last = self._run_times.get(exe_id)  # type: ignore[arg-type]
+        exe_id: str = m.get("executable_id", "")
+        last = self._run_times.get(exe_id)
         return (last is not None and last < self._quick_run_s
                 and self.compiler.loaded_executable(exe_id) is not None)
 
-    def _run(self, m: dict[str, Any]) -> None:
+    def _run(self, m: dict[str, Any], quick: bool) -> None:
         """Answer run ``m``, and keep how long that took. Kept before the answer goes:
         the next run of the executable may be read by another thread as soon as the
-        API process has the answer, and must find it known by then."""
+        API process has the answer, and must find it known by then. ``quick``: this
+        thread holds the pipe, and reads on after it (``op_run``)."""
         t0 = time.perf_counter()
-        reply = self._reply(m)
+        reply = self._reply(m, HANDLERS[_RUN], m.get("id", 0), quick)
         self.runs += 1
         if len(self._run_times) >= _RUN_TIMES_KEPT:
             self._run_times.clear()
-        self._run_times[m.get("executable_id")] = time.perf_counter() - t0  # type: ignore[index]
+        self._run_times[m.get("executable_id", "")] = time.perf_counter() - t0
         self._send(reply)
 
     def _next_run(self) -> dict[str, Any] | None:
@@ -238,37 +278,40 @@ class RuntimeServer:
             return None
 
     def _answer(self, message: dict[str, Any]) -> None:
-        self._send(self._reply(message))
+        """Answer a request other than a run or a free, by its op's handler; a request
+        whose op has none is answered with a protocol error."""
+        try:
+            handler = HANDLERS[message["op"]]
+        except (KeyError, TypeError):  # no op, none of ours, or not even a string
+            handler = _unknown_op
+        self._send(self._reply(message, handler))
 
-    def _reply(self, message: dict[str, Any]) -> dict[str, Any]:
-        """The answer to ``message``: its handler's, or the error it raised."""
+    def _reply(self, message: dict[str, Any], handler: Handler, *args: Any) -> Mapping[str, Any]:
+        """The answer to ``message``: ``handler``'s, or the error it raised."""
         from jitserve.compiler.errors import CompilerError
 
         rid = message.get("id", 0)
         try:
-            handler = getattr(self, f"op_{message.get('op')}", None)
-            if handler is None:
-                raise RemoteFailure("internal", f"unknown request {message.get('op')!r:.40}")
-            reply = {"id": rid, "kind": "ok", **handler(message)}
+            return {"id": rid, "kind": _OK, **handler(self, message, *args)}
         except RemoteFailure as e:
-            reply = {"id": rid, "kind": "error", "code": e.code, "message": str(e)}
+            return _failure(rid, e.code, str(e))
         except CompilerError as e:
-            reply = {"id": rid, "kind": "error", "code": str(e.code), "message": str(e)}
+            return _failure(rid, str(e.code), str(e))
         except Exception as e:  # noqa: BLE001 - everything a program does is reported
-            reply = {"id": rid, "kind": "error", **self._classify(e)}
-        return reply
+            return _failure(rid, *self._classify(e))
 
-    def _classify(self, e: Exception) -> dict[str, str]:
+    def _classify(self, e: Exception) -> tuple[str, str]:
+        """The code and message of a failure that is not the runtime's own refusal."""
         from jitserve.compiler.errors import first_line
 
         text = first_line(e)
         if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
             limit = (f" (this runtime's limit is {self.memory_limit:,} bytes, "
                      "JITSERVE_RUNTIME_MAX_MEMORY_BYTES)" if self.memory_limit else "")
-            return {"code": "out_of_memory", "message": f"out of memory{limit}: {text}"}
-        return {"code": "execution_failed", "message": text}
+            return "out_of_memory", f"out of memory{limit}: {text}"
+        return "execution_failed", text
 
-    def _send(self, reply: dict[str, Any]) -> None:
+    def _send(self, reply: Mapping[str, Any]) -> None:
         """Write ``reply`` framed as ``Connection.send_bytes`` frames it.
 
         Never waiting while this thread holds the pipe, for room to write or for
@@ -292,11 +335,11 @@ class RuntimeServer:
 
     # -- programs ----------------------------------------------------------------
 
-    def op_decode(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_decode(self, m: DecodeRequest) -> DecodeAnswer:
         program, created = self.compiler.programs.put(m["data"], m.get("format"))
         return {"program": _program_json(program), "created": created}
 
-    def op_program(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_program(self, m: ProgramRequest) -> ProgramAnswer:
         program = self.compiler.programs.get(m["program_id"])
         if program is None:
             return {"program": None}
@@ -310,11 +353,12 @@ class RuntimeServer:
 
     # -- executables -------------------------------------------------------------
 
-    def op_lookup(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_lookup(self, m: LookupRequest) -> LookupAnswer:
         from jitserve.wire import Aval
 
         program = self._program(m["program_id"])
-        avals = None if m.get("avals") is None else [Aval.from_json(a) for a in m["avals"]]
+        docs = m.get("avals")
+        avals = None if docs is None else [Aval.from_json(a) for a in docs]
         static_key, donate = m.get("static_key", ""), m.get("donate", ())
         if not m.get("compile", True):
             key = self.compiler.executable_id(program, avals, static_key, donate)
@@ -333,7 +377,7 @@ class RuntimeServer:
                 continue
         return False
 
-    def _executable(self, m: dict[str, Any]) -> Any:
+    def _executable(self, m: RunRequest) -> Any:
         exe = self.compiler.loaded_executable(m["executable_id"])
         if exe is None:  # evicted, or this runtime restarted since: the tiers have it,
             found = self.compiler.load(m["executable_id"])  # by id, no program decode
@@ -342,7 +386,8 @@ class RuntimeServer:
             from jitserve.wire import Aval
 
             program = self._program(m["program_id"])
-            avals = None if m.get("avals") is None else [Aval.from_json(a) for a in m["avals"]]
+            docs = m.get("avals")
+            avals = None if docs is None else [Aval.from_json(a) for a in docs]
             exe = self.compiler.lookup(program, avals, m.get("static_key", ""),
                                        m.get("donate", ())).executable
         return exe
@@ -365,7 +410,9 @@ class RuntimeServer:
             aval = self._avals[key] = core.ShapedArray(array.shape, array.dtype)
         return self._put(aval, self._sharding, [array], [self.device], True, enable_x64=True)
 
-    def op_run(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_run(self, m: RunRequest, rid: int = 0, quick: bool = False) -> RunAnswer | SplitAnswer:
+        """Run an executable; ``started`` names request ``rid`` when it begins, unless the
+        run is ``quick`` (this thread holds the pipe: ``_follow``)."""
         exe = self._executable(m)
         args: list[Any] = []
         host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
@@ -386,11 +433,10 @@ class RuntimeServer:
         # A quick run says nothing before its answer, unless it overruns (_QuickWatch):
         # ``started`` and the API process's wake-up for it cost a twentieth of a
         # cached call.
-        quick = m.get("quick", False)
         if quick:
-            self._quick_watch.begin(m["id"])
+            self._quick_watch.begin(rid)
         else:
-            self._send({"id": m["id"], "kind": "started"})
+            self._send({"id": rid, "kind": _STARTED})
         t0 = time.perf_counter()
         try:
             outputs = exe.run(args)
@@ -407,7 +453,7 @@ class RuntimeServer:
             handle = next(self._handles)
             self.buffers[handle] = out
             handles.append(handle)
-        reply: dict[str, Any] = {"handles": handles, "run_s": run_s}
+        reply: RunAnswer = {"handles": handles, "run_s": run_s}
         out_nbytes = exe.out_nbytes
         if out_nbytes is None:
             out_nbytes = sum(out.nbytes for out in outputs)
@@ -418,7 +464,7 @@ class RuntimeServer:
             reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], None)
         return reply
 
-    def _split(self, outputs: list[Any], rows: list[int], run_s: float) -> dict[str, Any]:
+    def _split(self, outputs: list[Any], rows: list[int], run_s: float) -> SplitAnswer:
         """A batched run's answer (``service.batching``): every output cut along its
         leading axis into ``rows`` (one piece per call, in order; the rest is padding,
         dropped), each piece a buffer of its own under a new handle."""
@@ -458,7 +504,7 @@ class RuntimeServer:
                 lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, rows, axis=0))
         return take(out, start)
 
-    def op_put(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_put(self, m: PutRequest) -> PutAnswer:
         """Keep host arrays on the device under new handles (``POST /v1/arrays``)."""
         import numpy as np
 
@@ -475,7 +521,7 @@ class RuntimeServer:
             handles.append(handle)
         return {"handles": handles}
 
-    def op_fetch(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_fetch(self, m: FetchRequest) -> FetchAnswer:
         """Copy outputs to the host: big ones into the segment the API process named
         (``into``), the others inline."""
         import numpy as np
@@ -495,15 +541,22 @@ class RuntimeServer:
         finally:
             mapping.close()
 
-    def op_forget(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_forget(self, m: ForgetRequest) -> ForgetAnswer:
         """Drop an executable from every tier (``DELETE /v1/executables/{id}``)."""
         return {"tiers": self.compiler.forget(str(m["executable_id"]))}
 
-    def op_stats(self, m: dict[str, Any]) -> dict[str, Any]:
+    def op_stats(self, m: StatsRequest) -> StatsAnswer:
         catalog = self.compiler.catalog
-        return {"buffers": len(self.buffers), **self.compiler.stats(), "cache": catalog.state,
-                "redis": catalog.shared_stats(), "runs": self.runs, "quick_runs": self.quick_runs,
-                "quick_runs_overran": self._quick_watch.overran}
+        compiler = self.compiler.stats()
+        return {"buffers": len(self.buffers), "compilations": compiler["compilations"],
+                "l1_entries": compiler["l1_entries"], "l1_bytes": compiler["l1_bytes"],
+                "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
+                "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran}
+
+    def op_free(self, m: FreeRequest) -> None:
+        """Drop outputs. Never answered: the reader does it before it reads on."""
+        for handle in m.get("handles", ()):
+            self.buffers.pop(handle, None)
 
 
 class _QuickWatch:
@@ -516,7 +569,7 @@ class _QuickWatch:
     After a second without quick runs it sleeps until the next one begins.
     """
 
-    def __init__(self, send: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, send: Callable[[Reply], None]) -> None:
         self._send = send
         self._running: int | None = None  # the id of the quick run going on
         self._begun = 0
@@ -549,7 +602,7 @@ class _QuickWatch:
             time.sleep(_QUICK_WATCH_S)
             rid = self._running
             if rid is not None and rid == seen and rid != said:
-                self._send({"id": rid, "kind": "started"})
+                self._send({"id": rid, "kind": _STARTED})
                 said = rid
                 self.overran += 1
             seen = rid
@@ -557,7 +610,37 @@ class _QuickWatch:
             begun = self._begun
 
 
-def _program_json(program: Any) -> dict[str, Any]:
+# How a runtime serves a request: ``handler(server, request, *extra)``, returning its
+# answer (a free has none).
+Handler = Callable[..., Any]
+
+# What serves each request (``protocol.Op``): the runtime answers to these and nothing
+# else. The reader does a free itself, and gives a run a run slot (``_follow``);
+# every other request is answered by ``_answer``.
+HANDLERS: Final[dict[Op, Handler]] = {
+    Op.DECODE: RuntimeServer.op_decode,
+    Op.PROGRAM: RuntimeServer.op_program,
+    Op.LOOKUP: RuntimeServer.op_lookup,
+    Op.RUN: RuntimeServer.op_run,
+    Op.PUT: RuntimeServer.op_put,
+    Op.FETCH: RuntimeServer.op_fetch,
+    Op.FORGET: RuntimeServer.op_forget,
+    Op.STATS: RuntimeServer.op_stats,
+    Op.FREE: RuntimeServer.op_free,
+}
+
+
+def _unknown_op(server: RuntimeServer, m: dict[str, Any]) -> NoReturn:
+    """The handler of a request whose op has none: a protocol error, for its sender."""
+    raise RemoteFailure("internal", f"protocol error: a runtime has no op {m.get('op')!r:.40}; "
+                        f"it answers {', '.join(HANDLERS)}")
+
+
+def _failure(rid: int, code: str, message: str) -> Failure:
+    return {"id": rid, "kind": _ERROR, "code": code, "message": message}
+
+
+def _program_json(program: Any) -> ProgramDoc:
     return {**program.to_json(), "name": program.name}
 
 
@@ -565,7 +648,7 @@ def _program_json(program: Any) -> dict[str, Any]:
 _RECORD_FIELDS = ("key_parts", "recompiled_because", "cost")
 
 
-def _lookup_json(lookup: Any) -> dict[str, Any]:
+def _lookup_json(lookup: Any) -> ExecutableDoc:
     exe = lookup.executable
     meta = {k: v for k, v in exe.meta.items()
             if isinstance(v, (str, int, float, bool, type(None))) or k in _RECORD_FIELDS}
@@ -621,7 +704,7 @@ def _confine_files(settings: dict[str, Any]) -> None:
 
 def main(read_fd: int, write_fd: int) -> None:
     pipe = frames.Pipe(read_fd, write_fd)
-    config = frames.unpack(pipe.recv_bytes())
+    config: Config = frames.unpack(pipe.recv_bytes())
     logging.basicConfig(level=config.get("log_level", "WARNING").upper(), stream=sys.stderr,
                         format=f"runtime {config.get('index')}: %(levelname)s %(name)s: %(message)s")
     if config.get("platform", "cpu") == "cpu":

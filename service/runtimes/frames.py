@@ -28,7 +28,7 @@ import secrets
 import struct
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,13 @@ _NAME = re.compile(r"jitserve-[0-9a-f]{8}-[0-9a-f]{16}")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def pack(message: dict[str, Any]) -> bytes:
+def pack(message: Mapping[str, Any]) -> bytes:
+    """``message`` (a ``protocol`` message: a ``str`` enum packs as its string) as msgpack."""
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(frame: bytes) -> dict[str, Any]:
+def unpack(frame: bytes) -> Any:
+    """What ``frame`` holds: a message is a map, which its reader checks (``protocol``)."""
     return msgpack.unpackb(frame, raw=False, strict_map_key=False)
 
 

@@ -32,18 +32,19 @@ import functools
 import itertools
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import frames
+from .pipes import LoopReader, PipeWriter
+from .protocol import Config, FetchRequest, Kind, Op
 
 __all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
 
@@ -58,6 +59,9 @@ _MAX_BACKOFF_S = 30.0
 _FREE_AFTER_S = 0.02
 _FREE_NOW_BYTES = 1 << 20
 _FREE_MAX_HELD = 1024
+# Bound once: looking a member up on its enum costs 0.1 us in Python 3.11, and every
+# request and reply compares one.
+_RUN, _STARTED, _OK = Op.RUN, Kind.STARTED, Kind.OK
 
 
 class RemoteError(Exception):
@@ -90,7 +94,7 @@ class Buffer:
 
 @dataclasses.dataclass(eq=False)
 class _Call:
-    op: str
+    op: Op
     loop: asyncio.AbstractEventLoop
     settle: Callable[[dict[str, Any] | None, BaseException | None], None]  # on ``loop``
     timeout_s: float | None
@@ -126,149 +130,6 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any,
         loop.call_soon_threadsafe(fn, *args)
 
 
-class _LoopReader:
-    """Reads one runtime's answers, framed as ``multiprocessing`` frames them
-    (``frames.Pipe``), and hands each to ``dispatch`` with the loop that read it
-    (``None`` from a thread). ``attach`` reads on an event loop; ``read_rest`` in the
-    calling thread (a pool without a loop, or the rest after its loop closed). At
-    the end of the pipe (or on an error) it stops reading and sets ``ended``; only
-    then may the pipe be closed. ``garbled``: it stopped at a frame that was no message.
-    """
-
-    def __init__(self, fd: int, dispatch: Callable[..., None]) -> None:
-        self.fd = fd
-        self.ended = threading.Event()
-        self.garbled = False
-        self._dispatch = dispatch
-        self._buffer = bytearray()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start reading on ``loop`` (call it on that loop)."""
-        self._loop = loop
-        os.set_blocking(self.fd, False)
-        loop.add_reader(self.fd, self._readable)
-
-    def read_rest(self) -> None:
-        os.set_blocking(self.fd, True)
-        self._loop = None
-        while not self.ended.is_set():
-            try:
-                data = os.read(self.fd, _READ_BYTES)
-            except OSError:
-                data = b""
-            if not data or not self._feed(data):
-                self.ended.set()
-
-    def _readable(self) -> None:
-        try:
-            data = os.read(self.fd, _READ_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data or not self._feed(data):
-            assert self._loop is not None
-            self._loop.remove_reader(self.fd)
-            self.ended.set()
-
-    def _feed(self, data: bytes) -> bool:
-        """Dispatch the whole frames ``data`` completes; ``False`` on one that is no message."""
-        buffer = self._buffer
-        if buffer:
-            buffer += data
-            size, header = frames.frame_size(buffer, 0)
-            if size is not None and len(buffer) < header + size:
-                return True  # a big frame, not whole yet: copied once it is
-            data = bytes(buffer)
-            buffer.clear()
-        start = 0
-        while True:
-            size, header = frames.frame_size(data, start)
-            if size is None or len(data) < start + header + size:
-                break
-            begin = start + header
-            start = begin + size
-            try:
-                message = frames.unpack(data[begin:start])
-            except ValueError:
-                self.garbled = True
-                return False
-            self._dispatch(message, self._loop)
-        if start < len(data):
-            buffer += memoryview(data)[start:]
-        return True
-
-
-_READ_BYTES = 1 << 20
-
-
-class _PipeWriter:
-    """Writes frames to a runtime's request pipe, never blocking the caller.
-
-    The pipe holds 64 KiB. While all of a runtime's threads are busy (compiles of
-    new programs, say) it reads nothing, and a write that did not fit used to
-    block the event loop that made it: every request of the API process waited
-    for those compiles (docs/runtimes.md). Now what does not fit waits here, in
-    order, and a thread of this writer's own sends it as the pipe takes it; the
-    thread ends when it has sent everything.
-    """
-
-    def __init__(self, fd: int, name: str) -> None:
-        self._fd = fd
-        self._name = name
-        os.set_blocking(fd, False)
-        self._lock = threading.Lock()
-        self._pending = bytearray()
-        self._closed = False
-        self._idle = threading.Event()  # no thread of this writer's runs
-        self._idle.set()
-
-    def write(self, data: bytes) -> None:
-        """Send ``data``, framed, after what waits; ``BrokenPipeError`` once closed."""
-        out: bytes | memoryview = frames.frame(data)
-        with self._lock:
-            if self._closed:
-                raise BrokenPipeError(f"{self._name}: the pipe is closed")
-            if not self._pending:
-                try:
-                    n = os.write(self._fd, out)
-                except BlockingIOError:
-                    n = 0
-                if n == len(out):
-                    return
-                out = memoryview(out)[n:]
-            self._pending += out
-            if self._idle.is_set():
-                self._idle.clear()
-                threading.Thread(target=self._drain, name=self._name, daemon=True).start()
-
-    def _drain(self) -> None:
-        try:
-            while True:
-                with contextlib.suppress(OSError, ValueError):  # closed meanwhile: seen below
-                    select.select([], [self._fd], [], 1.0)
-                with self._lock:
-                    if self._closed or not self._pending:
-                        return
-                    try:
-                        del self._pending[:os.write(self._fd, self._pending)]
-                    except BlockingIOError:
-                        continue
-                    except OSError:  # the process is gone: its supervisor fails its calls
-                        self._pending.clear()
-                        return
-        finally:
-            self._idle.set()
-
-    def close(self) -> None:
-        """Drop what waits; once this returns the descriptor is not written again."""
-        with self._lock:
-            self._closed = True
-            self._pending.clear()
-        self._idle.wait(5.0)
-
-
 class Runtime:
     """One supervised runtime process (restarted whenever it exits).
 
@@ -277,7 +138,7 @@ class Runtime:
       state: ``starting``, ``up``, ``restarting``, ``backoff`` or ``stopped``.
       generation: counts its processes; a ``Buffer`` is valid in one generation only.
       pid: the current process's id (``None`` while none runs).
-      info: the current process's ready message (backend, device).
+      info: the current process's ready message (``protocol.Ready``: backend, device).
     """
 
     def __init__(self, index: int, pool: RuntimePool) -> None:
@@ -299,16 +160,16 @@ class Runtime:
         self._up = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
         self._pipe: frames.Pipe | None = None
-        self._writer: _PipeWriter | None = None  # the current pipe's requests
+        self._writer: PipeWriter | None = None  # the current pipe's requests
         self._kill_reason: str | None = None
         self._kill_at: float | None = None
-        self._late_op = "run"
+        self._late_op = Op.RUN
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name=f"jitserve-runtime-{index}")
 
     # -- requests ----------------------------------------------------------------
 
-    async def request(self, op: str, message: dict[str, Any], *,
+    async def request(self, op: Op, message: Mapping[str, Any], *,
                       timeout_s: float | None = None, tag: object = None,
                       on_started: Callable[[], None] | None = None,
                       retry: bool = False) -> dict[str, Any]:
@@ -332,13 +193,13 @@ class Runtime:
                 raise
         return await self._request(op, message, timeout_s, tag, on_started)
 
-    async def _request(self, op: str, message: dict[str, Any],
+    async def _request(self, op: Op, message: Mapping[str, Any],
                        timeout_s: float | None, tag: object,
                        on_started: Callable[[], None] | None) -> dict[str, Any]:
         await self.wait_up()
         return await self.send(op, message, timeout_s=timeout_s, tag=tag, on_started=on_started)
 
-    def send(self, op: str, message: dict[str, Any], *, timeout_s: float | None = None,
+    def send(self, op: Op, message: Mapping[str, Any], *, timeout_s: float | None = None,
              tag: object = None, on_started: Callable[[], None] | None = None
              ) -> asyncio.Future[dict[str, Any]]:
         """Send one request now, from the event loop; its answer is the future's result
@@ -349,7 +210,7 @@ class Runtime:
                        tag=tag, on_started=on_started)
         return future
 
-    def send_then(self, op: str, message: dict[str, Any],
+    def send_then(self, op: Op, message: Mapping[str, Any],
                   on_answer: Callable[[dict[str, Any] | None, BaseException | None], None], *,
                   timeout_s: float | None = None, tag: object = None,
                   on_started: Callable[[], None] | None = None) -> None:
@@ -359,9 +220,9 @@ class Runtime:
         self._send(_Call(op, asyncio.get_running_loop(), on_answer, timeout_s, on_started,
                          tag), message)
 
-    def _send(self, call: _Call, message: dict[str, Any]) -> None:
+    def _send(self, call: _Call, message: Mapping[str, Any]) -> None:
         op, timeout_s = call.op, call.timeout_s
-        if timeout_s is not None and op != "run":
+        if timeout_s is not None and op != _RUN:
             call.deadline = time.monotonic() + timeout_s
         with self._lock:
             if self.state != "up" or self._pipe is None:
@@ -417,7 +278,7 @@ class Runtime:
         if writer is None or not handles:
             return
         with contextlib.suppress(OSError, ValueError):
-            writer.write(frames.pack({"op": "free", "handles": handles}))
+            writer.write(frames.pack({"op": Op.FREE, "handles": handles}))
 
     async def wait_up(self, timeout_s: float = _READY_TIMEOUT_S) -> None:
         """Wait until the runtime is up; ``RuntimeLost`` (503-worthy) when it is not in time."""
@@ -489,7 +350,7 @@ class Runtime:
                 self._late_op = late[0].op
             due = self._kill_at is not None and now >= self._kill_at
         if due:
-            self.kill("timeout" if self._late_op == "run" else "request_timeout")
+            self.kill("timeout" if self._late_op == _RUN else "request_timeout")
 
     def _supervise(self) -> None:
         died_at: float | None = None
@@ -529,7 +390,7 @@ class Runtime:
         os.close(from_child_w)
         pipe = frames.Pipe(from_child_r, to_child_w)
         self._process, self.pid, self._kill_reason, self._kill_at = process, process.pid, None, None
-        self._late_op = "run"
+        self._late_op = Op.RUN
         try:
             pipe.send_bytes(frames.pack(self._pool.child_config(self.index)))
             if not pipe.poll(_READY_TIMEOUT_S):
@@ -546,7 +407,7 @@ class Runtime:
             process.wait()
             raise
         self.info = ready
-        self._writer = _PipeWriter(pipe.writer_fileno(), f"jitserve-runtime-{self.index}-writer")
+        self._writer = PipeWriter(pipe.writer_fileno(), f"jitserve-runtime-{self.index}-writer")
         self._pipe = pipe
 
     def _backoff(self, why: str) -> None:
@@ -564,7 +425,7 @@ class Runtime:
         thread only waits), else here. If the loop closes first, read the rest here.
         Whether the reading stopped at a frame that was no message."""
         assert self._pipe is not None
-        reader = _LoopReader(self._pipe.fileno(), self._dispatch)
+        reader = LoopReader(self._pipe.fileno(), self._dispatch)
         if loop is not None:
             try:
                 loop.call_soon_threadsafe(reader.attach, loop)
@@ -579,18 +440,24 @@ class Runtime:
 
     def _dispatch(self, message: dict[str, Any],
                   here: asyncio.AbstractEventLoop | None = None) -> None:
-        rid, kind = message.get("id"), message.get("kind")
+        """Settle the request reply ``message`` answers (or start its deadline, for a
+        ``started``); a reply to no request in flight is dropped."""
+        rid, kind = message.get("id", 0), message.get("kind")
         with self._lock:
-            call = (self._pending.get(rid) if kind == "started" else self._pending.pop(rid, None))
+            try:
+                call = (self._pending.get(rid) if kind == _STARTED
+                        else self._pending.pop(rid, None))
+            except TypeError:  # an id no request has, not even hashable: dropped like any
+                return
             message["generation"] = self.generation
-            if call is not None and kind == "started" and call.timeout_s is not None:
+            if call is not None and kind == _STARTED and call.timeout_s is not None:
                 call.deadline = time.monotonic() + call.timeout_s
         if call is None:
             return
-        if kind == "started":
+        if kind == _STARTED:
             if call.on_started is not None:
                 _post(call.loop, call.on_started, here=here)
-        elif kind == "ok":
+        elif kind == _OK:
             _post(call.loop, call.settle, message, None, here=here)
         else:
             error = RemoteError(str(message.get("code", "internal")),
@@ -632,7 +499,7 @@ class _StartFailed(Exception):
 
 
 def _timeout_message(call: _Call) -> str:
-    what = "execution" if call.op == "run" else f"{call.op} request"
+    what = "execution" if call.op == _RUN else f"{call.op} request"
     return (f"{what} passed its deadline of {call.timeout_s:g} s and was stopped "
             "(its runtime was restarted)")
 
@@ -641,7 +508,7 @@ def _reason_label(code: int) -> str:
     return "signal" if code < 0 else "exit"
 
 
-def _exit_reason(code: int | None, killed_for: str | None, late_op: str = "run") -> str:
+def _exit_reason(code: int | None, killed_for: str | None, late_op: Op = Op.RUN) -> str:
     if killed_for == "timeout":
         return "was stopped: an execution on it passed its deadline"
     if killed_for == "request_timeout":
@@ -683,7 +550,7 @@ class RuntimePool:
     use every runtime.
     """
 
-    def __init__(self, count: int, config: dict[str, Any], env: dict[str, str], *,
+    def __init__(self, count: int, config: Config, env: dict[str, str], *,
                  segment_cache_bytes: int = 1 << 30) -> None:
         self.prefix = frames.new_prefix()
         self.segments = frames.SegmentCache(self.prefix, segment_cache_bytes)
@@ -732,7 +599,7 @@ class RuntimePool:
     def wait_closing(self, seconds: float) -> None:
         self._closed.wait(seconds)
 
-    def child_config(self, index: int) -> dict[str, Any]:
+    def child_config(self, index: int) -> Config:
         return {**self._config, "index": index}
 
     @property
@@ -778,11 +645,11 @@ class RuntimePool:
 
     async def _fetch_from(self, runtime: Runtime, buffers: Sequence[Buffer]) -> list[np.ndarray]:
         offsets, size = frames.layout([b.nbytes for b in buffers])
-        message: dict[str, Any] = {"handles": [b.handle for b in buffers]}
+        message: FetchRequest = {"handles": [b.handle for b in buffers]}
         segment = self.segments.take(size) if size else None
         if segment is not None:
             message["into"] = {"shm": segment.name, "offsets": offsets}
-        asked = asyncio.ensure_future(runtime.request("fetch", message))
+        asked = asyncio.ensure_future(runtime.request(Op.FETCH, message))
         try:
             reply = await asyncio.shield(asked)
         except asyncio.CancelledError:
@@ -884,7 +751,7 @@ class RuntimePool:
             if runtime.state != "up":
                 return
             try:
-                reply = await runtime.request("stats", {}, timeout_s=5)
+                reply = await runtime.request(Op.STATS, {}, timeout_s=5)
             except RemoteError:
                 return
             self._fold(runtime.index, reply["generation"], reply)
@@ -904,7 +771,7 @@ class RuntimePool:
                         redis[k] = redis.get(k, 0) + v
         return {"cache": cache, "redis": redis}
 
-    async def broadcast(self, op: str, message: dict[str, Any], *,
+    async def broadcast(self, op: Op, message: Mapping[str, Any], *,
                         timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Send ``op`` to every runtime that is up; their answers. A runtime that is
         down (it starts empty) or fails the request is left out."""

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jitserve.service.runtimes import RuntimeLost, RuntimePool, frames, make_pool
-from jitserve.service.runtimes.pool import _LoopReader
+from jitserve.service.runtimes.pipes import LoopReader
 from jitserve.service.settings import Settings
 
 
@@ -129,7 +129,7 @@ async def test_frames_cut_anywhere_are_read_whole(piece: int) -> None:
 
     got: list[dict[str, Any]] = []
     a, b = os.pipe()
-    reader = _LoopReader(a, lambda message, loop: got.append(message))
+    reader = LoopReader(a, lambda message, loop: got.append(message))
     reader.attach(asyncio.get_running_loop())
     for k in range(0, len(stream), piece):
         os.write(b, stream[k:k + piece])
@@ -148,7 +148,7 @@ def test_the_header_of_a_frame_over_2_gib_is_understood() -> None:
     r, w = os.pipe()
     os.write(w, stream)
     os.close(w)
-    reader = _LoopReader(r, lambda message, loop: got.append(message))
+    reader = LoopReader(r, lambda message, loop: got.append(message))
     reader.read_rest()
     os.close(r)
     assert got == [{"id": 1}]
@@ -160,7 +160,7 @@ def test_a_frame_that_is_no_message_stops_the_reading() -> None:
     got: list[dict[str, Any]] = []
     r, w = os.pipe()
     os.write(w, stream)
-    reader = _LoopReader(r, lambda message, loop: got.append(message))
+    reader = LoopReader(r, lambda message, loop: got.append(message))
     reader.read_rest()  # returns at the bad frame, though the pipe is still open
     os.close(w)
     os.close(r)

@@ -1,5 +1,5 @@
 """Requests to a runtime are written without blocking the API process's event loop
-(``pool._PipeWriter``): what a full pipe does not take waits, in order, for a
+(``pipes.PipeWriter``): what a full pipe does not take waits, in order, for a
 thread of the writer's own. Real pipes, and a real runtime that reads nothing
 for a while (stopped) as calls keep coming."""
 
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from jitserve import wire
-from jitserve.service.runtimes.pool import _PipeWriter
+from jitserve.service.runtimes.pipes import PipeWriter
 
 
 def test_writes_past_a_full_pipe_return_at_once_and_arrive_in_order() -> None:
     r, w = os.pipe()
-    writer = _PipeWriter(w, "test-writer")
+    writer = PipeWriter(w, "test-writer")
     messages = [bytes([k % 256]) * (20_000 + k) for k in range(40)]  # ~850 KB: 13 pipes' worth
     t = time.monotonic()
     for m in messages:
@@ -42,7 +42,7 @@ def test_writes_past_a_full_pipe_return_at_once_and_arrive_in_order() -> None:
 
 def test_close_drops_what_waits_and_lets_go_of_the_descriptor() -> None:
     r, w = os.pipe()
-    writer = _PipeWriter(w, "test-writer")
+    writer = PipeWriter(w, "test-writer")
     for _ in range(10):
         writer.write(b"x" * 60_000)  # the pipe takes one; the rest wait
     writer.close()  # returns once the writer's thread has stopped writing

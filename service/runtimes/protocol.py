@@ -1,0 +1,286 @@
+"""The runtime protocol: every message between the API process and a runtime.
+
+The API process (``pool``) and each runtime process (``child``) speak over two
+pipes, one each way. A message is one msgpack map in one frame (``frames``: a
+length, then the bytes). Arrays travel inside it when small, or in a
+shared-memory segment it names (``ArrayDesc``). Every kind of message is
+declared here, with its fields; ``pool`` and ``child`` say nothing else. The
+types are ``TypedDict``s: the messages stay plain dicts, which msgpack packs
+as they are, and a type costs nothing at run time (a run's message is on every
+call's path). An ``Op`` or a ``Kind`` packs as its plain string.
+
+**Handshake.** The API process starts a runtime and sends it ``Config`` (the
+server's settings and this runtime's limits; no ``id``, no ``op``). The runtime
+applies the limits, opens its device, and answers ``Ready`` (``id`` 0, ``kind``
+``ready``: its pid, backend and device). Requests follow, until the API process
+closes the pipe or kills the runtime.
+
+**Requests** (API process -> runtime) are ``{"id": n, "op": <Op>, ...}``: ``id`` a
+positive integer, unique to the process it goes to; the rest is the op's request
+below. Any request may also carry ``free``, handles of outputs to drop before it
+is served (frees ride on requests: ``RuntimePool.free``)::
+
+    op       request          answer           what the runtime does
+    decode   DecodeRequest    DecodeAnswer     decode, validate and store an upload
+    program  ProgramRequest   ProgramAnswer    a stored program, from the cache tiers
+    lookup   LookupRequest    LookupAnswer     find, load or compile an executable
+    run      RunRequest       RunAnswer        run it; ``SplitAnswer`` with ``split``
+    put      PutRequest       PutAnswer        keep host arrays on the device
+    fetch    FetchRequest     FetchAnswer      copy outputs back to the host
+    forget   ForgetRequest    ForgetAnswer     drop an executable from every tier
+    stats    StatsRequest     StatsAnswer      counters, for /metrics and /readyz
+    free     FreeRequest      (none)           drop outputs; no ``id``, no answer
+
+**Replies** (runtime -> API process) are ``{"id": n, "kind": <Kind>, ...}``:
+
+- ``ready``: unasked, once, after ``Config`` (``Ready``).
+- ``started``: unasked, ``{"id", "kind"}``: run ``id`` has begun, and its
+  deadline counts from now. A run known to be quick says it only if it overruns
+  (``child._QuickWatch``), 50-100 ms late.
+- ``ok``: the answer to request ``id``: ``{"id", "kind", **answer}``, the answer
+  being that op's (the API process adds ``generation``, the process that answered).
+- ``error``: request ``id`` failed (``Failure``): ``code`` (a ``wire.ErrorCode``
+  value, or ``execution_failed``) and ``message``.
+
+**Errors.** A request whose ``op`` is none of ``Op`` is a protocol error: its answer
+is an ``error`` with code ``internal`` whose message names the op, and the runtime
+serves on. A handler's failure is its request's ``error`` (``unknown_program``,
+``future_expired``, a compiler error's code, ``out_of_memory``,
+``execution_failed``); the runtime serves on. A runtime that exits answers nothing
+more: the API process fails what it had in flight, with the reason it read from
+the exit status (docs/runtimes.md).
+
+**Who may send what.** Only the API process sends ``Config`` and requests; only a
+runtime sends replies, and only to requests it was sent (``ready`` and ``started``
+are the unasked ones). A runtime maps only the segments a request names, and the
+API process checks segment names against their pattern before it opens one. A
+runtime runs what strangers upload, so the API process trusts no reply: a frame
+that is not a map is *garbled*, and its runtime is killed and restarted
+(``pipes.LoopReader``); a reply to no request in flight is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NotRequired, TypeAlias, TypedDict
+
+__all__ = [
+    "ArgDesc", "ArrayDesc", "AvalDoc", "Config", "DecodeAnswer", "DecodeRequest", "DeviceDoc",
+    "ExecutableDoc", "Failure", "FetchAnswer", "FetchInto", "FetchRequest", "ForgetAnswer",
+    "ForgetRequest", "FreeRequest", "Kind", "LookupAnswer", "LookupRequest", "Op", "ProgramAnswer",
+    "ProgramDoc", "ProgramRequest", "PutAnswer", "PutRequest", "Ready", "Reply", "RunAnswer",
+    "RunRequest", "SplitAnswer", "StatsAnswer", "StatsRequest",
+]
+
+
+class Op(enum.StrEnum):
+    """Every request the API process sends a runtime: a request's ``op``."""
+
+    DECODE = "decode"
+    PROGRAM = "program"
+    LOOKUP = "lookup"
+    RUN = "run"
+    PUT = "put"
+    FETCH = "fetch"
+    FORGET = "forget"
+    STATS = "stats"
+    FREE = "free"
+
+
+class Kind(enum.StrEnum):
+    """Every message a runtime sends: a reply's ``kind``."""
+
+    READY = "ready"  # unasked, once: the runtime is up
+    STARTED = "started"  # unasked: a run began, its deadline counts
+    OK = "ok"  # a request's answer
+    ERROR = "error"  # a request's failure
+
+
+# -- parts of messages --------------------------------------------------------------
+
+# One array (``frames.write_arrays``): ``dtype`` (a ``wire`` dtype name) and ``shape``,
+# then either its bytes (``data``) or where they lie in a shared-memory segment
+# (``shm``, the segment's name, and ``offset``). A dict, not a TypedDict: its two
+# forms share one reader, and the API process builds it on every call.
+ArrayDesc: TypeAlias = dict[str, Any]
+# One argument of a run: an ``ArrayDesc``, or an output already on the runtime,
+# ``{"handle": int}``, with ``"give": True`` when the run may consume it (donated,
+# and held by nothing else).
+ArgDesc: TypeAlias = dict[str, Any]
+# ``wire.Aval.to_json()``: shape, dtype, weak type.
+AvalDoc: TypeAlias = dict[str, Any]
+# ``Program.to_json()`` and its ``name``: the signature the API process keeps.
+ProgramDoc: TypeAlias = dict[str, Any]
+
+
+class DeviceDoc(TypedDict):
+    """The device a runtime owns."""
+
+    id: int
+    platform: str
+    device_kind: str
+
+
+class ExecutableDoc(TypedDict):
+    """An executable's signature and record (``calls.executables.RemoteExecutable``)."""
+
+    executable_id: str
+    tier: str  # where the lookup found it (``wire.TierName``)
+    compile_seconds: float
+    nbytes: int
+    in_avals: list[AvalDoc]
+    out_avals: list[AvalDoc]
+    out_tree: Any  # the outputs' pytree, as the compiler serializes it
+    memory: dict[str, Any] | None  # XLA's memory analysis (``MemoryStats.to_json``)
+    meta: dict[str, Any]
+
+
+class FetchInto(TypedDict):
+    """Where a fetch's big outputs go: a segment of the API process's, at offsets
+    (``None``: that output comes inline)."""
+
+    shm: str
+    offsets: list[int | None]
+
+
+# -- the handshake ------------------------------------------------------------------
+
+
+class Config(TypedDict):
+    """The first message to a runtime: the server's settings and its own limits."""
+
+    settings: dict[str, Any]  # ``Settings`` as plain values, secrets included
+    platform: str  # ``cpu`` or ``gpu``
+    max_memory_bytes: int | None  # the address-space cap (CPU)
+    log_level: str
+    isolate_network: bool  # leave the network (no Redis to reach)
+    index: NotRequired[int]  # its place in the pool, added per runtime
+
+
+class Reply(TypedDict):
+    """What every message from a runtime carries; a ``started`` is no more."""
+
+    id: int
+    kind: Kind
+
+
+class Ready(Reply):
+    """A runtime is up (``id`` 0): the answer to ``Config``."""
+
+    pid: int
+    backend: dict[str, Any]  # ``Compiler.backend_info()``
+    device: DeviceDoc
+
+
+class Failure(Reply):
+    """Request ``id`` failed (``kind`` ``error``)."""
+
+    code: str
+    message: str
+
+
+# -- requests and their answers -----------------------------------------------------
+
+
+class DecodeRequest(TypedDict):
+    data: bytes
+    format: str | None  # a ``wire.ProgramFormat`` value; ``None``: sniff it
+
+
+class DecodeAnswer(TypedDict):
+    program: ProgramDoc
+    created: bool  # not stored before
+
+
+class ProgramRequest(TypedDict):
+    program_id: str
+
+
+class ProgramAnswer(TypedDict):
+    program: ProgramDoc | None  # ``None``: no tier has it
+    payload: NotRequired[bytes]  # with a program: its bytes
+
+
+class LookupRequest(TypedDict):
+    program_id: str
+    static_key: str
+    donate: list[int]
+    avals: list[AvalDoc] | None  # ``None``: the program's own
+    compile: NotRequired[bool]  # ``False``: answer ``miss`` rather than compile (default ``True``)
+
+
+class LookupAnswer(TypedDict, total=False):
+    """Exactly one of: ``executable``, or ``miss`` (the executable's id), when the
+    request said not to compile and no tier has it."""
+
+    executable: ExecutableDoc
+    miss: str
+
+
+class RunRequest(TypedDict):
+    executable_id: str
+    program_id: str  # to compile from, should no tier have the executable any more
+    static_key: str
+    donate: list[int]
+    avals: list[AvalDoc]
+    args: list[ArgDesc]
+    split: NotRequired[list[int]]  # a batch's rows per call (``calls.batching``)
+
+
+class RunAnswer(TypedDict):
+    handles: list[int]  # the outputs, kept on the device
+    run_s: float
+    values: NotRequired[list[ArrayDesc]]  # the outputs too, when small (``INLINE_OUTPUTS_BYTES``)
+
+
+class SplitAnswer(TypedDict):
+    """A batched run's: per call, its pieces of every output, and their values when small."""
+
+    handles: list[list[int]]
+    values: list[list[ArrayDesc] | None]
+    run_s: float
+
+
+class PutRequest(TypedDict):
+    args: list[ArrayDesc]
+
+
+class PutAnswer(TypedDict):
+    handles: list[int]
+
+
+class FetchRequest(TypedDict):
+    handles: list[int]
+    into: NotRequired[FetchInto]  # without it, every output comes inline
+
+
+class FetchAnswer(TypedDict):
+    arrays: list[ArrayDesc]
+
+
+class ForgetRequest(TypedDict):
+    executable_id: str
+
+
+class ForgetAnswer(TypedDict):
+    tiers: list[str]  # those that held it
+
+
+class StatsRequest(TypedDict):
+    pass
+
+
+class StatsAnswer(TypedDict):
+    buffers: int  # outputs held
+    compilations: int
+    l1_entries: int
+    l1_bytes: int
+    cache: str  # the shared cache's state (``compiler.catalog``)
+    redis: dict[str, Any] | None  # its counters; ``None`` without Redis
+    runs: int
+    quick_runs: int  # done by the thread that read them
+    quick_runs_overran: int  # quick runs that said ``started`` late
+
+
+class FreeRequest(TypedDict):
+    handles: list[int]
