@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from jitserve.compiler import Catalog, Compiler
 
 from . import v2
+from .api.announce import AnnounceReplica
 from .api.openapi import install_docs
 from .api.routes import arrays as arrays_routes
 from .api.routes import batching as batching_routes
@@ -34,19 +35,19 @@ from .api.routes import execute as execute_routes
 from .api.routes import futures as futures_routes
 from .api.routes import health as health_routes
 from .api.routes import programs as programs_routes
+from .api.schemas import FutureView
 from .calls.batching import Batcher
 from .calls.calls import Calls
 from .calls.drain import Drain
 from .calls.executables import ExecutableIndex
 from .calls.executor import Executor
-from .calls.futures import FutureStore
+from .calls.futures import Future, FutureStore
 from .calls.programs import ProgramStore
 from .calls.quotas import Quotas
 from .calls.scheduler import FairScheduler
 from .calls.tenants import Tenants
 from .calls.warming import start_warming
-from .cluster._cluster import Cluster
-from .cluster.relay import AnnounceReplica
+from .cluster import Cluster
 from .errors import install_error_handlers
 from .metrics import Metrics, RequestMetricsMiddleware
 from .runtimes import RuntimePool, make_pool
@@ -199,10 +200,11 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
                         lookup_timeout_s=2 * settings.compile_timeout_s + 60,
                         tenants=tenants, scheduler=scheduler)
     state.calls.batcher = Batcher(state.calls.compile, pool, futures, executor, metrics)
-    state.calls.batcher.shared = cluster  # the replicas share their callers' batching
+    # the replicas share their callers' batching
+    state.calls.batcher.shared = None if cluster is None else cluster.ownership
     sweeper = asyncio.create_task(futures.sweep_forever(settings.sweep_interval_s))
     if cluster is not None:
-        await cluster.start(futures.live)
+        await cluster.start()
     _log_startup(settings, pool, state.catalog)
     # --warm: compile a manifest; /readyz says "warming" until it is done (service/calls/warming.py)
     state.warming = start_warming(settings, state.programs, state.calls, len(pool.runtimes))
@@ -227,25 +229,31 @@ async def _serving(app: FastAPI, settings: Settings, pool: RuntimePool) -> Async
             await asyncio.to_thread(shared.close)
 
 
-def _join_cluster(settings: Settings, futures: FutureStore, metrics: Metrics) -> Cluster | None:
+def _join_cluster(settings: Settings, futures: FutureStore,
+                  metrics: Metrics) -> Cluster[Future] | None:
     """This process as a replica of the service on the shared Redis (``None`` without one)."""
     redis = settings.redis_settings()
     if redis is None:
         return None
-    cluster = Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
-                      secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
-                      future_ttl_s=settings.future_ttl_s, metrics=metrics,
-                      peer_idle_s=settings.keepalive_timeout_s / 2)
-    futures.id_prefix = f"{cluster.replica_id}."
-    futures.on_change = cluster.changed
 
     def lost(old: str, new: str) -> None:  # the others gave up on this replica
         futures.fail_all("replica_lost", f"replica {old}, which held this future, was "
                                          "declared lost (Redis did not hear from it)")
         futures.id_prefix = f"{new}."
 
-    cluster.on_self_lost = lost
+    cluster = Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
+                      secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
+                      future_ttl_s=settings.future_ttl_s, metrics=metrics,
+                      document=_future_document, live=futures.live, on_self_lost=lost,
+                      peer_idle_s=settings.keepalive_timeout_s / 2)
+    futures.id_prefix = f"{cluster.replica_id}."
+    futures.on_change = cluster.mirror.changed
     return cluster
+
+
+def _future_document(fut: Future) -> dict[str, Any]:
+    """A future's metadata, as the replicas mirror it: what ``GET /v1/futures/{id}`` shows."""
+    return FutureView.of(fut).model_dump(mode="json")
 
 
 def _own_url(settings: Settings) -> str:

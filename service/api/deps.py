@@ -20,7 +20,7 @@ from ..calls.calls import Calls
 from ..calls.futures import FutureStore
 from ..calls.programs import ProgramStore
 from ..calls.tenants import Tenants
-from ..cluster._cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
+from ..cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
 from ..errors import Unauthorized
 from ..metrics import Metrics
 from ..runtimes import RuntimePool
@@ -123,7 +123,7 @@ def request_owner(request: Request) -> str | None:
     if cluster is None:
         raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
     owner = request.headers.get(OWNER_HEADER) or None
-    cluster.check(signature, request.scope["method"], scope_path(request.scope), owner)
+    cluster.signing.check(signature, request.scope["method"], scope_path(request.scope), owner)
     request.state.forwarded = True
     return owner
 

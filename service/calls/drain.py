@@ -28,7 +28,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from ..cluster._cluster import Cluster
+from ..cluster import Cluster
 from ..errors import Unavailable
 from .futures import FutureStore
 
@@ -86,8 +86,7 @@ class Drain:
             log.info("draining: %d calls to finish, %d futures held; new calls refused",
                      busy, len(self.futures), extra={"fields": {"busy": busy}})
             if cluster is not None:
-                cluster.draining = True
-                await cluster.beat_now()
+                await cluster.membership.drain()
             # One process alone (no Redis): nobody fetches through another replica
             # afterwards, so the drain timeout bounds the wait for the runs as well.
             until = None if cluster is not None else start + self.timeout_s

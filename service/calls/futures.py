@@ -26,7 +26,6 @@ import collections
 import contextlib
 import dataclasses
 import heapq
-import hmac
 import logging
 import secrets
 import time
@@ -37,6 +36,7 @@ from jitserve.compiler.errors import LimitExceeded
 from jitserve.wire import Aval, FutureStatus
 
 from ..errors import NotFound, TooManyRequests
+from ..owners import same_owner
 from .quotas import QuotaExceeded
 
 __all__ = ["Future", "FutureStore", "Job", "Timings"]
@@ -200,9 +200,9 @@ class FutureStore:
         self.on_final: Callable[[Future], None] | None = None
         # Called with a future's outputs when it lets go of them (buffers on a runtime).
         self.on_release: Callable[[list[Any]], None] | None = None
-        # Called on every change of a future's state (the replicas' mirror, cluster.py).
+        # Called on every change of a future's state (the replicas' mirror, cluster/mirror.py).
         self.on_change: Callable[[Future], None] | None = None
-        # Starts every new id: the replica that holds the future (cluster.py), or "".
+        # Starts every new id: the replica that holds the future (service/cluster), or "".
         self.id_prefix = ""
         # When futures expire, soonest first (``_Expiry``): all of them, and each
         # owner's, so that neither a sweep nor a 429's Retry-After walks the store.
@@ -316,7 +316,7 @@ class FutureStore:
         if fut is not None and self._expired(fut, self._clock()):
             self._remove(fut, "expired")
             fut = None
-        if fut is None or not _same_owner(fut.owner, owner):
+        if fut is None or not same_owner(fut.owner, owner):
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
         return fut
 
@@ -431,7 +431,7 @@ class FutureStore:
         released = unknown = 0
         for future_id, index in refs:
             fut = self._futures.get(future_id)
-            if (fut is None or not _same_owner(fut.owner, owner)
+            if (fut is None or not same_owner(fut.owner, owner)
                     or not 0 <= index < len(fut.out_avals)):
                 unknown += 1
                 continue
@@ -600,9 +600,3 @@ class _Expiry:
     def _is_current(self, entry: tuple[float, str]) -> bool:
         fut = self._live.get(entry[1])
         return fut is not None and fut.expires_at == entry[0]
-
-
-def _same_owner(have: str | None, want: str | None) -> bool:
-    if have is None or want is None:
-        return have is want
-    return hmac.compare_digest(have, want)

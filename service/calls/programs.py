@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from jitserve.compiler.cache import MemoryCache
 from jitserve.compiler.programs import Program
 
-from ..cluster._cluster import Cluster
+from ..cluster import Cluster
 from ..errors import NotFound
 from ..runtimes import RemoteError, RuntimePool
 from .calls import refusal
@@ -53,7 +53,7 @@ class ProgramStore:
         self._memory: MemoryCache[Program] = MemoryCache(max_entries, max_bytes)
         self._timeout_s = timeout_s
         self._lock = asyncio.Lock()
-        # The replicas (service/cluster/_cluster.py): which programs each API key uploaded
+        # The replicas (service/cluster/ownership.py): which programs each API key uploaded
         # through any of them.
         self.cluster: Cluster | None = None
 
@@ -83,7 +83,7 @@ class ProgramStore:
             program = Program.from_json(reply["program"], data)
             self._memory.put(program_id, program, len(data))
         if self.cluster is not None and owner is not None:
-            await self.cluster.claim_program(owner, program.program_id)
+            await self.cluster.ownership.claim(owner, program.program_id)
         created = self._tenants.claim_program(owner, program.program_id, len(data),
                                               stored_before=not stored_now)
         return program, created
@@ -98,7 +98,7 @@ class ProgramStore:
         seen = self._tenants.sees_program(owner, program_id)
         if not seen and not vouched and (
                 self.cluster is None or owner is None
-                or not await self.cluster.owns_program(owner, program_id)):
+                or not await self.cluster.ownership.owns(owner, program_id)):
             raise _not_found(program_id)
         program = self._memory.get(program_id)
         if program is None:
@@ -135,7 +135,7 @@ class ProgramStore:
         if not self._tenants.scoped or owner is None:
             await self.get(program_id, owner)  # unscoped: it must exist to be deleted
         if self.cluster is not None and owner is not None:
-            await self.cluster.drop_program(owner, program_id)
+            await self.cluster.ownership.drop(owner, program_id)
         if not self._tenants.drop_program(owner, program_id):
             raise _not_found(program_id)
 

@@ -45,5 +45,5 @@ async def put_arrays(request: Request, calls: CallsDep, body: Body,
     req = parse(ArraysRequest, message, "arrays request")
     fut = await calls.put(req.arrays, owner)
     if state.cluster is not None:
-        await state.cluster.written(fut)  # any replica can answer for it from now on
+        await state.cluster.mirror.written(fut)  # any replica can answer for it from now on
     return ExecuteAccepted.of(fut, "put")

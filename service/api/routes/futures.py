@@ -11,8 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from jitserve.wire import ErrorCode, FutureStatus
 
 from ...calls.futures import Future
-from ...cluster._cluster import Cluster, ReplicaLost
-from ...cluster.relay import relay, remote_replica
+from ...cluster import Cluster, ReplicaLost, remote_replica
 from ...errors import (
     BadRequest,
     FutureCancelled,
@@ -87,9 +86,9 @@ async def _release_at(cluster: Cluster, rid: str, refs: list[tuple[str, int]],
     body = ReleaseRequest.model_validate(
         {"outputs": [{"future": f, "output": k} for f, k in refs]}).model_dump_json().encode()
     try:
-        async with cluster.forward(rid, "POST", "/v1/futures/release", owner, content=body,
-                                   headers={"content-type": "application/json"}) as answer:
-            doc = ReleaseResult.model_validate_json(await cluster.read(rid, answer))
+        async with cluster.relay.forward(rid, "POST", "/v1/futures/release", owner, content=body,
+                                         headers={"content-type": "application/json"}) as answer:
+            doc = ReleaseResult.model_validate_json(await cluster.relay.read(rid, answer))
     except ReplicaLost:
         return 0, len(refs)
     return doc.released, doc.unknown
@@ -101,7 +100,7 @@ async def get_future(future_id: str, futures: FutureStoreDep, owner: Owner,
     """The future's status; ``?wait=<ms>`` long-polls until the status changes."""
     if remote_replica(cluster, future_id) is not None:
         assert cluster is not None
-        doc = await cluster.wait_change(future_id, owner, None, wait)
+        doc = await cluster.watch.wait_change(future_id, owner, None, wait)
         return FutureView.model_validate(doc)
     fut = futures.get(future_id, owner)
     if wait and not fut.status.is_final:
@@ -156,9 +155,9 @@ async def _relay(cluster: Cluster | None, rid: str, request: Request, future_id:
     future is known to be the caller's) when that replica is gone."""
     assert cluster is not None
     try:
-        return await relay(cluster, rid, request, owner, wait_s=wait_s)
+        return await cluster.relay.answer_from(rid, request, owner, wait_s=wait_s)
     except ReplicaLost:
-        await cluster.metadata(future_id, owner)  # NotFound if it is none of the caller's
+        await cluster.mirror.metadata(future_id, owner)  # NotFound if it is none of the caller's
         raise
 
 
