@@ -46,14 +46,14 @@ from .signing import OWNER_HEADER, PEER_HEADER, Signing, scope_path
 from .watch import Watch
 
 __all__ = [
-    "OWNER_HEADER",
-    "PEER_HEADER",
     "Cluster",
     "Keys",
     "Membership",
     "Mirror",
     "Mirrored",
+    "OWNER_HEADER",
     "Ownership",
+    "PEER_HEADER",
     "Peer",
     "PeerRefusal",
     "Relay",
