@@ -218,3 +218,41 @@ def test_a_long_poll_listens_to_its_future_only_while_it_waits(redis_url: str,
             await b.close()
 
     asyncio.run(main())
+
+
+def test_an_answer_goes_once_its_future_is_written(redis_url: str, redis_prefix: str) -> None:
+    """``Mirror.answering``, as the execute route uses it: nothing is written while the
+    answer is made; leaving, the future is written before the answer goes, unless the
+    answer removed it (then never); an answer that fails leaves it to the writer."""
+
+    async def main() -> None:
+        cluster, store = await _replica(redis_url, redis_prefix)
+        mirror = cluster.mirror
+        try:
+            fut = _new(store)
+            async with mirror.answering(fut):
+                store.complete(fut, [np.zeros(4, np.float32)], 0.002)
+                await asyncio.sleep(0.2)  # the writer is free: it still writes nothing of it
+                assert await _stored(redis_url, cluster, fut.future_id) is None
+            assert (await _stored(redis_url, cluster, fut.future_id))["status"] == "done"
+
+            gone = _new(store)  # keep=false: the answer deleted its future
+            async with mirror.answering(gone):
+                store.complete(gone, [np.zeros(4, np.float32)], 0.002)
+                store.delete(gone)
+            await asyncio.sleep(0.2)
+            assert await _stored(redis_url, cluster, gone.future_id) is None
+            assert gone.future_id not in mirror._version
+
+            failed = _new(store)
+            try:
+                async with mirror.answering(failed):
+                    raise LookupError("the answer failed")
+            except LookupError:
+                pass
+            await mirror.written(failed)  # not held any more: the writer writes it
+            assert (await _stored(redis_url, cluster, failed.future_id))["status"] == "pending"
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
