@@ -31,7 +31,8 @@ log = logging.getLogger("jitserve.cluster")
 class Cluster(Generic[F]):
     """This replica's place among the others (one per server process).
 
-    Its parts, built in this order, each handed what it needs:
+    Its parts, built in this order, each handed what it needs (the shared Redis
+    connection, ``keys``: the names of its keys, and the parts before it):
 
     - ``membership``: this replica's id, its heartbeat, the others (``Membership``);
     - ``mirror``: this replica's futures' metadata in Redis, and any replica's read

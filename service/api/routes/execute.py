@@ -91,7 +91,7 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
     raw, message = await body.raw_message()
     req = parse(ExecuteRequest, _required(message), "execute request")
     wait_s = min(wait or 0, settings.max_wait_ms) / 1000
-    if cluster is not None:  # inputs held by other replicas: the call goes there, or they come
+    if cluster is not None:  # a call on other replicas' futures runs there, or fetches them
         relayed = await cluster.relay.run_elsewhere(
             request, req.args, owner, raw, wait_s=wait_s,
             pull_wait_s=settings.max_wait_ms / 1000, forwarded=forwarded)
