@@ -37,11 +37,12 @@ from .api.routes import execute as execute_routes
 from .api.routes import futures as futures_routes
 from .api.routes import health as health_routes
 from .api.routes import programs as programs_routes
+from .api.schemas import FutureView
 from .calls.calls import Calls
 from .calls.drain import Drain
 from .calls.executables import ExecutableIndex
 from .calls.executor import Executor
-from .calls.futures import FutureStore
+from .calls.futures import Future, FutureStore
 from .calls.models import ModelRegistry
 from .calls.programs import ProgramStore
 from .calls.quotas import Quotas
@@ -177,7 +178,12 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     quotas = Quotas.from_settings(settings, workers)
     tenants = Tenants(quotas, scoped=settings.auth_enabled)
     scheduler = FairScheduler(workers, quotas.compile_slots) if tenants.scoped else None
-    cluster = _cluster(settings, metrics)
+    # The store tells the replicas' mirror of each change, and the mirror asks the store
+    # for its live futures when Redis comes back, and fails them if this replica was
+    # declared lost: the cluster, built first, reaches the store through these closures.
+    futures: FutureStore
+    cluster = _cluster(settings, metrics, live=lambda: futures.live(),
+                       on_self_lost=lambda old, new: futures.replica_lost(old, new))
     futures = FutureStore(
         ttl_s=settings.future_ttl_s, max_live=settings.max_live_futures,
         max_device_bytes=settings.max_device_bytes,
@@ -185,7 +191,7 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
         owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None,
         on_final=lambda fut: metrics.execution_finished(fut.status.value),
         on_release=pool.release,
-        on_change=cluster.changed if cluster is not None else None,
+        on_change=cluster.mirror.changed if cluster is not None else None,
         id_prefix=f"{cluster.replica_id}." if cluster is not None else "")
 
     def lost(runtime: object, generation: int, why: str) -> None:  # a supervisor thread
@@ -197,10 +203,12 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     index = ExecutableIndex(settings.l1_max_entries)
     calls = Calls(pool, futures, executor, metrics, index,
                   lookup_timeout_s=settings.lookup_timeout_s, tenants=tenants,
-                  scheduler=scheduler, shared_batching=cluster)
+                  scheduler=scheduler,
+                  shared_batching=cluster.ownership if cluster is not None else None)
     programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
                             max_bytes=settings.programs_max_bytes,
-                            timeout_s=settings.decode_timeout_s, claims=cluster)
+                            timeout_s=settings.decode_timeout_s,
+                            claims=cluster.ownership if cluster is not None else None)
     catalog = await asyncio.to_thread(Catalog.open, index.values, settings.redis_settings(),
                                       settings.compiler_cache_secret())
     # --warm: compile a manifest; /readyz says "warming" until it is done (calls/warming.py)
@@ -214,7 +222,7 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     sweeper = loop.create_task(futures.sweep_forever(settings.sweep_interval_s))
     try:
         if cluster is not None:
-            await cluster.start(futures.live, on_self_lost=futures.replica_lost)
+            await cluster.start()
         _log_startup(settings, pool, catalog)
         yield services
     finally:
@@ -231,7 +239,8 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
         await asyncio.to_thread(catalog.close)
 
 
-def _cluster(settings: Settings, metrics: Metrics) -> Cluster | None:
+def _cluster(settings: Settings, metrics: Metrics, *, live: Callable[[], list[Future]],
+             on_self_lost: Callable[[str, str], None]) -> Cluster[Future] | None:
     """This process as a replica of the service on the shared Redis (``None`` without one)."""
     redis = settings.redis_settings()
     if redis is None:
@@ -239,7 +248,13 @@ def _cluster(settings: Settings, metrics: Metrics) -> Cluster | None:
     return Cluster(redis, peer_url=settings.peer_url or _own_url(settings),
                    secret=settings.peer_secret_bytes(), heartbeat_s=settings.heartbeat_s,
                    future_ttl_s=settings.future_ttl_s, metrics=metrics,
+                   document=_future_document, live=live, on_self_lost=on_self_lost,
                    peer_idle_s=settings.keepalive_timeout_s / 2)
+
+
+def _future_document(fut: Future) -> dict[str, Any]:
+    """A future's metadata, as the replicas mirror it: what ``GET /v1/futures/{id}`` shows."""
+    return FutureView.of(fut).model_dump(mode="json")
 
 
 def _own_url(settings: Settings) -> str:

@@ -101,7 +101,7 @@ class Metrics:
         self.redis_bytes = Counter("jitserve_redis_bytes", "bytes moved to and from Redis",
                                    ["direction"], registry=r)
         self._redis_seen = {"errors": 0, "bytes_read": 0, "bytes_written": 0}
-        # Replicas (service/cluster/_cluster.py): bytes forwarded to and received from other
+        # Replicas (service/cluster/): bytes forwarded to and received from other
         # replicas, and replicas this one saw lost.
         self.peer_bytes_total = Counter("jitserve_peer_bytes", "bytes moved between replicas",
                                         ["direction"], registry=r)

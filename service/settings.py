@@ -168,7 +168,7 @@ class Settings(BaseSettings):
     # Open connections plus running requests; past it new requests get 503. Unset: no limit.
     max_connections: int | None = Field(None, gt=0)
 
-    # Replicas (with REDIS_URL; service/cluster/_cluster.py, docs/deploy.md "Many replicas").
+    # Replicas (with REDIS_URL; service/cluster/, docs/deploy.md "Many replicas").
     # The address peers reach this replica at; unset: http://<host>:<port>, with the
     # host's own address when it binds every interface (the pod IP in Kubernetes).
     peer_url: str | None = None

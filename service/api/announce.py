@@ -18,7 +18,12 @@ __all__ = ["AnnounceReplica"]
 
 
 class AnnounceReplica:
-    """ASGI middleware: ``wire.REPLICA_HEADER`` on every answer of a replica."""
+    """ASGI middleware: with replicas, every answer names the one that gave it
+    (``wire.REPLICA_HEADER``).
+
+    Without Redis it adds nothing. ``ExecuteLane``, in front of the stack, names
+    the replica in the answers it gives itself.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

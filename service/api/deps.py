@@ -131,7 +131,7 @@ def request_owner(request: Request) -> str | None:
     if cluster is None:
         raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
     owner = request.headers.get(OWNER_HEADER) or None
-    cluster.check(signature, request.scope["method"], scope_path(request.scope), owner)
+    cluster.signing.check(signature, request.scope["method"], scope_path(request.scope), owner)
     request.state.forwarded = True
     return owner
 

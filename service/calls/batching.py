@@ -72,7 +72,7 @@ Compile = Callable[[Program, Sequence[Aval], CallOptions, "str | None", Runtime]
 
 
 class SharedConfigs(Protocol):
-    """Where replicas keep their callers' batching (``service.cluster.Cluster``)."""
+    """Where replicas keep their callers' batching (``service.cluster.Ownership``)."""
 
     async def set_batching(self, owner: str | None, program_id: str,
                            config: dict[str, Any] | None) -> None: ...

@@ -51,9 +51,7 @@ class Draining(Unavailable):
 class Replica(Protocol):
     """What a drain tells the other replicas (``service.cluster.Cluster``)."""
 
-    draining: bool
-
-    async def beat_now(self) -> None: ...
+    async def drain(self) -> None: ...
 
     async def leave(self, futures: Sequence[Future]) -> None: ...
 
@@ -93,8 +91,7 @@ class Drain:
             log.info("draining: %d calls to finish, %d futures held; new calls refused",
                      busy, len(self.futures), extra={"fields": {"busy": busy}})
             if cluster is not None:
-                cluster.draining = True
-                await cluster.beat_now()
+                await cluster.drain()
             # One process alone (no Redis): nobody fetches through another replica
             # afterwards, so the drain timeout bounds the wait for the runs as well.
             until = None if cluster is not None else start + self.timeout_s

@@ -26,7 +26,6 @@ import collections
 import contextlib
 import dataclasses
 import heapq
-import hmac
 import logging
 import secrets
 import time
@@ -37,6 +36,7 @@ from jitserve.compiler.errors import LimitExceeded
 from jitserve.wire import Aval, FutureStatus
 
 from ..errors import NotFound, TooManyRequests
+from ..owners import same_owner
 from .quotas import QuotaExceeded
 
 __all__ = ["Future", "FutureStore", "Job", "Timings"]
@@ -323,7 +323,7 @@ class FutureStore:
         if fut is not None and self._expired(fut, self._clock()):
             self._remove(fut, "expired")
             fut = None
-        if fut is None or not _same_owner(fut.owner, owner):
+        if fut is None or not same_owner(fut.owner, owner):
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
         return fut
 
@@ -446,7 +446,7 @@ class FutureStore:
         released = unknown = 0
         for future_id, index in refs:
             fut = self._futures.get(future_id)
-            if (fut is None or not _same_owner(fut.owner, owner)
+            if (fut is None or not same_owner(fut.owner, owner)
                     or not 0 <= index < len(fut.out_avals)):
                 unknown += 1
                 continue
@@ -615,9 +615,3 @@ class _Expiry:
     def _is_current(self, entry: tuple[float, str]) -> bool:
         fut = self._live.get(entry[1])
         return fut is not None and fut.expires_at == entry[0]
-
-
-def _same_owner(have: str | None, want: str | None) -> bool:
-    if have is None or want is None:
-        return have is want
-    return hmac.compare_digest(have, want)

@@ -37,13 +37,13 @@ _HASH_IN_THREAD_BYTES = 1 << 20
 
 
 class ProgramClaims(Protocol):
-    """Which programs each API key uploaded through any replica (``service.cluster``)."""
+    """Which programs each API key uploaded through any replica (``cluster.Ownership``)."""
 
-    async def claim_program(self, owner: str, program_id: str) -> None: ...
+    async def claim(self, owner: str, program_id: str) -> None: ...
 
-    async def owns_program(self, owner: str, program_id: str) -> bool: ...
+    async def owns(self, owner: str, program_id: str) -> bool: ...
 
-    async def drop_program(self, owner: str, program_id: str) -> None: ...
+    async def drop(self, owner: str, program_id: str) -> None: ...
 
 
 class ProgramStore:
@@ -93,7 +93,7 @@ class ProgramStore:
             program = Program.from_json(reply["program"], data)
             self._memory.put(program_id, program, len(data))
         if self._claims is not None and owner is not None:
-            await self._claims.claim_program(owner, program.program_id)
+            await self._claims.claim(owner, program.program_id)
         created = self._tenants.claim_program(owner, program.program_id, len(data),
                                               stored_before=not stored_now)
         return program, created
@@ -108,7 +108,7 @@ class ProgramStore:
         seen = self._tenants.sees_program(owner, program_id)
         if not seen and not vouched and (
                 self._claims is None or owner is None
-                or not await self._claims.owns_program(owner, program_id)):
+                or not await self._claims.owns(owner, program_id)):
             raise _not_found(program_id)
         program = self._memory.get(program_id)
         if program is None:
@@ -145,7 +145,7 @@ class ProgramStore:
         if not self._tenants.scoped or owner is None:
             await self.get(program_id, owner)  # unscoped: it must exist to be deleted
         if self._claims is not None and owner is not None:
-            await self._claims.drop_program(owner, program_id)
+            await self._claims.drop(owner, program_id)
         if not self._tenants.drop_program(owner, program_id):
             raise _not_found(program_id)
 

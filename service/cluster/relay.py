@@ -1,30 +1,43 @@
-"""What the routes do for another replica's futures (``service.cluster``).
+"""Forwarding: requests sent on to the replica that holds their futures.
 
-``replica_header`` names the replica in every answer (``wire.REPLICA_HEADER``,
-``api.announce``), so that a balancer can learn which server holds which
-replica's futures.
+A future's id starts with its replica's id (``<replica>.<token>``), so any
+replica knows where its data is without asking. A request for another replica's
+future is answered from the metadata (status, long-poll: ``mirror``, ``watch``)
+or *forwarded* to that replica (result, delete, release, and an execute whose
+inputs live there, which then runs there: data moves only when one call reads
+futures of two replicas, and then one output at a time, ``Relay.pull``).
 
-``relay`` sends the request on to the replica that holds the future and answers
-with what it answers, streamed; ``pull`` fetches one output of another replica's
-future as an array, for a call that reads futures of two replicas.
+Forwarded requests are signed (``signing``) and travel on kept-alive connections
+of ``peers``' client. A replica that does not answer is looked up in Redis: gone,
+the request fails ``replica_lost``; still there, ``unavailable``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from jitserve import wire
-from jitserve.wire import ErrorCode
+from jitserve.wire import ErrorCode, replica_of
 
-from ..errors import ServiceError
-from ._cluster import Cluster, ReplicaLost, replica_of, scope_path
+from ..errors import ServiceError, Unavailable
+from ..metrics import Metrics
+from .membership import Membership, ReplicaLost, replica_lost
+from .mirror import Mirror
+from .peers import PeerClient, PeerError, PeerResponse
+from .signing import OWNER_HEADER, PEER_HEADER, Signing, scope_path
 
-__all__ = ["PeerError", "pull", "relay", "remote_replica", "replica_header"]
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+__all__ = ["PeerRefusal", "Relay", "remote_replica", "replica_header"]
 
 # Answers up to this size are read whole; bigger ones stream through.
 _WHOLE_BYTES = 1 << 20
@@ -33,14 +46,12 @@ _REPLICA_HEADER = wire.REPLICA_HEADER.encode()
 _RELAYED = (b"accept", b"content-type")
 
 
-def replica_header(cluster: Cluster) -> tuple[bytes, bytes]:
-    """The raw header that names this replica in an answer, as it is named now (a
-    replica that rejoins is renamed)."""
-    return _REPLICA_HEADER, cluster.replica_id.encode()
+class PeerRefusal(ServiceError):
+    """Another replica's refusal, passed on with its code.
 
-
-class PeerError(ServiceError):
-    """Another replica's refusal, passed on with its code."""
+    (``peers.PeerError`` is the other failure of a hop: the peer did not answer
+    properly at all.)
+    """
 
     def __init__(self, code: ErrorCode, message: str, **extra: Any) -> None:
         super().__init__(message, **extra)
@@ -50,73 +61,191 @@ class PeerError(ServiceError):
 def remote_replica(cluster: Cluster | None, future_id: str) -> str | None:
     """The replica holding ``future_id`` when it is another one (and this request may
     be forwarded); ``None`` to serve it here."""
-    if cluster is None:
-        return None
-    rid = replica_of(future_id)
-    return rid if rid is not None and rid != cluster.replica_id else None
+    return None if cluster is None else cluster.membership.elsewhere(future_id)
 
 
-async def relay(cluster: Cluster, rid: str, request: Request, owner: str | None, *,
-                content: bytes | None = None, wait_s: float = 0.0) -> Response:
-    """Forward ``request`` (its method, path, query, and ``content`` as its body) to
-    replica ``rid``, and answer what it answers."""
-    scope = request.scope
-    headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _RELAYED}
-    raw_path = scope.get("raw_path")
-    peer_response = await cluster.request(
-        rid, scope["method"], scope_path(scope), owner, query=scope["query_string"].decode("latin-1"),
-        raw_path=raw_path.decode("latin-1") if raw_path else None, content=content,
-        headers=headers, wait_s=wait_s)
-    try:
-        passed = {k: v for k in _PASSED_HEADERS if (v := peer_response.headers.get(k))}
-        size = int(passed.get("content-length", -1))
-        if 0 <= size <= _WHOLE_BYTES:
-            body = await cluster.read(rid, peer_response)
-            peer_response.release()  # its connection serves the next request
-            return Response(body, peer_response.status, headers=passed)
-    except BaseException:
-        peer_response.release()
-        raise
+def replica_header(cluster: Cluster) -> tuple[bytes, bytes]:
+    """The raw header that names this replica in an answer, as it is named now (a
+    replica that rejoins is renamed)."""
+    return _REPLICA_HEADER, cluster.replica_id.encode()
 
-    async def stream() -> Any:
+
+class Relay:
+    """Requests to the other replicas, and the answers they give.
+
+    Args:
+      membership: where the other replicas are, and which are lost.
+      signing: the signatures of the requests sent.
+      mirror: the futures' metadata (whether a lost replica's future was the caller's).
+      http: the connections to the other replicas.
+      metrics: where bytes moved between replicas are counted.
+    """
+
+    def __init__(self, membership: Membership, signing: Signing, mirror: Mirror[Any],
+                 http: PeerClient, metrics: Metrics) -> None:
+        self._membership = membership
+        self._signing = signing
+        self._mirror = mirror
+        self._http = http
+        self._peer_in = metrics.peer_bytes_total.labels("in")
+        self._peer_out = metrics.peer_bytes_total.labels("out")
+
+    # -- one request -----------------------------------------------------------------
+
+    async def request(self, rid: str, method: str, path: str, owner: str | None, *,
+                      query: str = "", raw_path: str | None = None,
+                      content: bytes | None = None, headers: dict[str, str] | None = None,
+                      wait_s: float = 0.0) -> PeerResponse:
+        """Send a request to replica ``rid`` as ``owner``; its answer, whose body the
+        caller reads (``read``) or streams, and then releases.
+
+        ``path`` is the path as the peer will read it (and checks the signature of);
+        ``raw_path`` and ``query``, when given, are sent as they came (percent-encoded).
+        ``ReplicaLost`` when ``rid`` is gone (before, or by the time it fails to answer).
+        """
+        peer = await self._membership.peer(rid)
+        sent = {**headers} if headers else {}
+        sent[PEER_HEADER] = self._signing.sign(method, path, owner)
+        sent[OWNER_HEADER] = owner or ""
+        if content:
+            self._peer_out.inc(len(content))
         try:
-            async for chunk in peer_response.chunks():
-                cluster.received(len(chunk))
-                yield chunk
+            return await self._http.request(method, peer.url, _target(path, query, raw_path),
+                                            sent, content, read_s=30.0 + wait_s)
+        except (PeerError, TimeoutError) as e:
+            if await self._membership.gone(rid):
+                raise replica_lost(rid) from None
+            raise Unavailable(f"replica {rid} at {peer.url} did not answer: "
+                              f"{type(e).__name__}") from None
+
+    @contextlib.asynccontextmanager
+    async def forward(self, rid: str, method: str, path: str, owner: str | None, *,
+                      params: dict[str, str] | None = None, content: bytes | None = None,
+                      headers: dict[str, str] | None = None,
+                      wait_s: float = 0.0) -> AsyncIterator[PeerResponse]:
+        """``request`` as a context that releases the answer; ``params`` makes the query."""
+        response = await self.request(rid, method, path, owner,
+                                      query=urllib.parse.urlencode(params or {}),
+                                      content=content, headers=headers, wait_s=wait_s)
+        try:
+            yield response
         finally:
+            response.release()
+
+    async def read(self, rid: str, response: PeerResponse) -> bytes:
+        """The whole body of ``forward``'s answer, counted; ``Unavailable`` (or
+        ``ReplicaLost``) when the peer stops sending it."""
+        try:
+            body = await response.read()
+        except (PeerError, TimeoutError) as e:
+            if await self._membership.gone(rid):
+                raise replica_lost(rid) from None
+            raise Unavailable(f"replica {rid} broke off its answer: {type(e).__name__}") from None
+        self._peer_in.inc(len(body))
+        return body
+
+    # -- what the routes do for another replica's futures ------------------------------
+
+    async def answer_from(self, rid: str, request: Request, owner: str | None, *,
+                          content: bytes | None = None, wait_s: float = 0.0) -> Response:
+        """Forward ``request`` (its method, path, query, and ``content`` as its body) to
+        replica ``rid``, and answer what it answers, streamed when it is big."""
+        scope = request.scope
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _RELAYED}
+        raw_path = scope.get("raw_path")
+        peer_response = await self.request(
+            rid, scope["method"], scope_path(scope), owner,
+            query=scope["query_string"].decode("latin-1"),
+            raw_path=raw_path.decode("latin-1") if raw_path else None, content=content,
+            headers=headers, wait_s=wait_s)
+        try:
+            passed = {k: v for k in _PASSED_HEADERS if (v := peer_response.headers.get(k))}
+            size = int(passed.get("content-length", -1))
+            if 0 <= size <= _WHOLE_BYTES:
+                body = await self.read(rid, peer_response)
+                peer_response.release()  # its connection serves the next request
+                return Response(body, peer_response.status, headers=passed)
+        except BaseException:
             peer_response.release()
+            raise
+        peer_in = self._peer_in
 
-    return StreamingResponse(stream(), peer_response.status, headers=passed)
+        async def stream() -> Any:
+            try:
+                async for chunk in peer_response.chunks():
+                    peer_in.inc(len(chunk))
+                    yield chunk
+            finally:
+                peer_response.release()
+
+        return StreamingResponse(stream(), peer_response.status, headers=passed)
+
+    async def run_elsewhere(self, request: Request, args: list[Any], owner: str | None,
+                            body: bytes | bytearray, *, wait_s: float, pull_wait_s: float,
+                            forwarded: bool) -> Response | None:
+        """Where an execute runs when its inputs are other replicas' futures.
+
+        The whole call (``body``, as it came) is relayed to the replica holding most of
+        its inputs, and its answer is that replica's: unless this one holds as many,
+        that one drains, or ``forwarded`` (another replica sent the call here: it runs
+        here). Otherwise the inputs other replicas hold are fetched into ``args``
+        (waiting up to ``pull_wait_s`` for each), and ``None`` says: run it here.
+        """
+        if not forwarded and (holder := self._holder(args)) is not None:
+            with contextlib.suppress(ReplicaLost):  # gone: the call fails here, naming its input
+                return await self.answer_from(holder, request, owner, content=bytes(body),
+                                              wait_s=wait_s)
+        for i, arg in enumerate(args):
+            if wire.is_future_ref(arg) and self._membership.elsewhere(str(arg["future"])):
+                args[i] = await self.pull(arg, owner, pull_wait_s)
+        return None
+
+    def _holder(self, args: list[Any]) -> str | None:
+        """The replica a call should run on: the one holding most of its input futures,
+        unless that is this one, or it drains (then the inputs come here)."""
+        held = wire.replicas_of(str(a["future"]) for a in args if wire.is_future_ref(a))
+        if not held:
+            return None
+        rid, count = held.most_common(1)[0]
+        me = self._membership.replica_id
+        if rid == me or held[me] >= count or self._membership.peer_draining(rid):
+            return None
+        return rid
+
+    async def pull(self, ref: dict[str, Any], owner: str | None, wait_s: float) -> np.ndarray:
+        """Output ``ref["output"]`` of another replica's future ``ref["future"]``, fetched
+        from that replica (waiting up to ``wait_s`` for it to be done)."""
+        future_id, k = str(ref["future"]), int(ref["output"])
+        rid = replica_of(future_id)
+        assert rid is not None
+        path = f"/v1/futures/{future_id}/result"
+        params = {"outputs": str(k), "wait": str(int(wait_s * 1000))}
+        try:
+            async with self.forward(rid, "GET", path, owner, params=params,
+                                    headers={"accept": wire.MSGPACK}, wait_s=wait_s) as answer:
+                body = await self.read(rid, answer)
+        except ReplicaLost:
+            await self._mirror.metadata(future_id, owner)  # NotFound if none of the caller's
+            raise
+        if answer.status != 200:
+            raise _refusal(answer.status, body, future_id)
+        outputs = wire.unpackb(body)["outputs"]
+        return outputs[0]
 
 
-async def pull(cluster: Cluster, ref: dict[str, Any], owner: str | None,
-               wait_s: float) -> np.ndarray:
-    """Output ``ref["output"]`` of another replica's future ``ref["future"]``, fetched
-    from that replica (waiting up to ``wait_s`` for it to be done)."""
-    future_id, k = str(ref["future"]), int(ref["output"])
-    rid = replica_of(future_id)
-    assert rid is not None
-    path = f"/v1/futures/{future_id}/result"
-    params = {"outputs": str(k), "wait": str(int(wait_s * 1000))}
-    try:
-        async with cluster.forward(rid, "GET", path, owner, params=params,
-                                   headers={"accept": wire.MSGPACK}, wait_s=wait_s) as answer:
-            body = await cluster.read(rid, answer)
-    except ReplicaLost:
-        await cluster.metadata(future_id, owner)  # NotFound if it is none of the caller's
-        raise
-    if answer.status != 200:
-        raise _refusal(answer.status, body, future_id)
-    outputs = wire.unpackb(body)["outputs"]
-    return outputs[0]
+def _target(path: str, query: str, raw_path: str | None) -> str:
+    """A peer request's target: ``raw_path`` (as the caller sent it) or ``path``
+    percent-encoded, and the query as it came."""
+    target = raw_path or urllib.parse.quote(path)
+    return f"{target}?{query}" if query else target
 
 
 def _refusal(status: int, body: bytes, future_id: str) -> ServiceError:
     try:
         error = json.loads(body)["error"]
         code = ErrorCode(error["code"])
-        return PeerError(code, f"input future {future_id}: {error['message']}",
-                         **{k: v for k, v in error.items() if k not in ("code", "message")})
+        return PeerRefusal(code, f"input future {future_id}: {error['message']}",
+                           **{k: v for k, v in error.items() if k not in ("code", "message")})
     except (ValueError, KeyError, TypeError):
-        return PeerError(ErrorCode.UNAVAILABLE,
-                         f"the replica holding input future {future_id} answered {status}")
+        return PeerRefusal(ErrorCode.UNAVAILABLE,
+                           f"the replica holding input future {future_id} answered {status}")

@@ -1,4 +1,4 @@
-"""The mirror of futures' metadata in Redis (service/cluster/_cluster.py), against a real Redis.
+"""The mirror of futures' metadata in Redis (service/cluster/mirror.py), against a real Redis.
 
 Writes of one future never overlap, so Redis ends with each future's last state;
 a held future is written once, as it is when its execute answers; a future
@@ -18,19 +18,24 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from jitserve.compiler import RedisSettings
+from jitserve.service.api.schemas import FutureView
 from jitserve.service.calls.futures import Future, FutureStore
-from jitserve.service.cluster._cluster import Cluster
+from jitserve.service.cluster import Cluster
 from jitserve.service.metrics import Metrics
 from jitserve.wire import Aval
 
 
-async def _replica(redis_url: str, prefix: str) -> tuple[Cluster, FutureStore]:
+async def _replica(redis_url: str, prefix: str) -> tuple[Cluster[Future], FutureStore]:
     settings = RedisSettings.from_url(redis_url, prefix=prefix)
-    cluster = Cluster(settings, peer_url="http://127.0.0.1:1", secret=b"k" * 32,
-                      heartbeat_s=1.0, future_ttl_s=60.0, metrics=Metrics())
+    store: FutureStore
+    cluster: Cluster[Future] = Cluster(
+        settings, peer_url="http://127.0.0.1:1", secret=b"k" * 32, heartbeat_s=1.0,
+        future_ttl_s=60.0, metrics=Metrics(),
+        document=lambda fut: FutureView.of(fut).model_dump(mode="json"),
+        live=lambda: store.live())
     store = FutureStore(ttl_s=60.0, max_live=10_000, max_device_bytes=1 << 30,
-                        on_change=cluster.changed, id_prefix=f"{cluster.replica_id}.")
-    await cluster.start(store.live, on_self_lost=store.replica_lost)
+                        on_change=cluster.mirror.changed, id_prefix=f"{cluster.replica_id}.")
+    await cluster.start()
     return cluster, store
 
 
@@ -39,10 +44,10 @@ def _new(store: FutureStore) -> Future:
                         out_tree=None)
 
 
-async def _stored(redis_url: str, cluster: Cluster, fid: str) -> dict[str, Any] | None:
+async def _stored(redis_url: str, cluster: Cluster[Future], fid: str) -> dict[str, Any] | None:
     client = aioredis.Redis.from_url(redis_url)
     try:
-        raw = await client.get(cluster._key("future", fid))
+        raw = await client.get(cluster.keys.future(fid))
     finally:
         await client.aclose()
     return None if raw is None else json.loads(raw)
@@ -51,7 +56,7 @@ async def _stored(redis_url: str, cluster: Cluster, fid: str) -> dict[str, Any] 
 async def _events(redis_url: str, cluster: Cluster) -> Any:
     client = aioredis.Redis.from_url(redis_url)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
-    await pubsub.psubscribe(cluster._key("changed", "*"))
+    await pubsub.psubscribe(cluster.keys.changed("*"))
     return client, pubsub
 
 
@@ -76,19 +81,19 @@ def test_each_future_ends_in_its_last_state(redis_url: str, redis_prefix: str) -
         writing: set[str] = set()
         overlaps: list[str] = []
         concurrent = 0
-        real_write = cluster._write
+        real_write = cluster.mirror._write
 
         async def write(batch: dict[str, Future], lost: bool) -> None:
             nonlocal concurrent
             overlaps.extend(writing & batch.keys())
             writing.update(batch)
-            concurrent = max(concurrent, len(cluster._writes))
+            concurrent = max(concurrent, len(cluster.mirror._writes))
             try:
                 await real_write(batch, lost)
             finally:
                 writing.difference_update(batch)
 
-        cluster._write = write  # type: ignore[method-assign]
+        cluster.mirror._write = write  # type: ignore[method-assign]
         try:
             futures = [_new(store) for _ in range(300)]
             for step in range(3):
@@ -101,7 +106,7 @@ def test_each_future_ends_in_its_last_state(redis_url: str, redis_prefix: str) -
                         store.delete(fut)
                     if rng.random() < 0.2:
                         await asyncio.sleep(0)  # let writes start between changes
-            await asyncio.gather(*(cluster.written(f) for f in futures))
+            await asyncio.gather(*(cluster.mirror.written(f) for f in futures))
             assert not overlaps  # two writes of one future were never under way at once
             assert concurrent > 1  # but writes of different futures were
             for fut in futures:
@@ -111,7 +116,7 @@ def test_each_future_ends_in_its_last_state(redis_url: str, redis_prefix: str) -
                 else:
                     assert doc is not None and doc["status"] == "done", (fut.future_id, doc)
             live = [f for f in futures if f.removed is None]
-            assert set(cluster._version) == {f.future_id for f in live}  # nothing kept for the gone
+            assert set(cluster.mirror._version) == {f.future_id for f in live}  # nothing kept for the gone
         finally:
             await cluster.close()
 
@@ -125,22 +130,22 @@ def test_a_held_future_is_written_once_as_it_answers(redis_url: str,
         client, pubsub = await _events(redis_url, cluster)
         try:
             fut = _new(store)
-            cluster.hold(fut)
+            cluster.mirror.hold(fut)
             store.mark_running(fut, 0.001)
             await asyncio.sleep(0.2)  # the writer is free: it still writes nothing of it
             assert await _stored(redis_url, cluster, fut.future_id) is None
             store.complete(fut, [np.zeros(4, np.float32)], 0.002)
-            await cluster.written(fut)
+            await cluster.mirror.written(fut)
             assert (await _stored(redis_url, cluster, fut.future_id))["status"] == "done"
 
             gone = _new(store)  # an answer that deletes its future (keep=false)
-            cluster.hold(gone)
+            cluster.mirror.hold(gone)
             store.complete(gone, [np.zeros(4, np.float32)], 0.002)
             store.delete(gone)
-            cluster.unhold(gone)
+            cluster.mirror.unhold(gone)
             await asyncio.sleep(0.2)
             assert await _stored(redis_url, cluster, gone.future_id) is None
-            assert gone.future_id not in cluster._version
+            assert gone.future_id not in cluster.mirror._version
             assert await _drain(pubsub) == [fut.future_id]
         finally:
             await pubsub.aclose()
@@ -159,7 +164,7 @@ def test_a_replica_that_leaves_marks_its_futures_lost(redis_url: str,
             store.complete(done, [np.zeros(4, np.float32)], 0.002)
             store.mark_running(running, 0.001)
             held = _new(store)
-            cluster.hold(held)  # its execute has not answered yet
+            cluster.mirror.hold(held)  # its execute has not answered yet
             await cluster.leave(store.live())
             for fut in (done, running, held):
                 doc = await _stored(redis_url, cluster, fut.future_id)
@@ -187,14 +192,14 @@ def test_a_long_poll_listens_to_its_future_only_while_it_waits(redis_url: str,
         client = aioredis.Redis.from_url(redis_url)
         try:
             fut = _new(store)
-            await a.written(fut)
-            channel = a._key("changed", fut.future_id)
+            await a.mirror.written(fut)
+            channel = a.keys.changed(fut.future_id)
 
             async def listeners() -> int:
                 return dict(await client.pubsub_numsub(channel))[channel.encode()]
 
             assert await listeners() == 0  # nobody waits: the writes go nowhere
-            poll = asyncio.create_task(b.wait_change(fut.future_id, None, "pending", 30.0))
+            poll = asyncio.create_task(b.watch.wait_change(fut.future_id, None, "pending", 30.0))
             for _ in range(100):
                 if await listeners() == 1:
                     break
@@ -212,5 +217,43 @@ def test_a_long_poll_listens_to_its_future_only_while_it_waits(redis_url: str,
             await client.aclose()
             await a.close()
             await b.close()
+
+    asyncio.run(main())
+
+
+def test_an_answer_goes_once_its_future_is_written(redis_url: str, redis_prefix: str) -> None:
+    """``Mirror.answering``, as the execute route uses it: nothing is written while the
+    answer is made; leaving, the future is written before the answer goes, unless the
+    answer removed it (then never); an answer that fails leaves it to the writer."""
+
+    async def main() -> None:
+        cluster, store = await _replica(redis_url, redis_prefix)
+        mirror = cluster.mirror
+        try:
+            fut = _new(store)
+            async with mirror.answering(fut):
+                store.complete(fut, [np.zeros(4, np.float32)], 0.002)
+                await asyncio.sleep(0.2)  # the writer is free: it still writes nothing of it
+                assert await _stored(redis_url, cluster, fut.future_id) is None
+            assert (await _stored(redis_url, cluster, fut.future_id))["status"] == "done"
+
+            gone = _new(store)  # keep=false: the answer deleted its future
+            async with mirror.answering(gone):
+                store.complete(gone, [np.zeros(4, np.float32)], 0.002)
+                store.delete(gone)
+            await asyncio.sleep(0.2)
+            assert await _stored(redis_url, cluster, gone.future_id) is None
+            assert gone.future_id not in mirror._version
+
+            failed = _new(store)
+            try:
+                async with mirror.answering(failed):
+                    raise LookupError("the answer failed")
+            except LookupError:
+                pass
+            await mirror.written(failed)  # not held any more: the writer writes it
+            assert (await _stored(redis_url, cluster, failed.future_id))["status"] == "pending"
+        finally:
+            await cluster.close()
 
     asyncio.run(main())

@@ -204,7 +204,7 @@ async def test_unconfigure_and_close(parts: Any) -> None:
 
 
 class _Shared:
-    """The replicas' store (``Cluster.set_batching``/``batching``) as a dict."""
+    """The replicas' store (``Ownership.set_batching``/``batching``) as a dict."""
 
     def __init__(self) -> None:
         self.docs: dict[tuple[str | None, str], dict[str, Any]] = {}

@@ -43,5 +43,5 @@ async def put_arrays(services: ServicesDep, body: Body, owner: Owner) -> Execute
     req = parse(ArraysRequest, message, "arrays request")
     fut = await services.calls.put(req.arrays, owner)
     if services.cluster is not None:
-        await services.cluster.written(fut)  # any replica can answer for it from now on
+        await services.cluster.mirror.written(fut)  # any replica can answer for it from now on
     return ExecuteAccepted.of(fut, "put")

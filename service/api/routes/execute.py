@@ -12,20 +12,17 @@ execute request to ``execute`` before the middleware stack sees it.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from jitserve import wire
 from jitserve.wire import ErrorCode
 
-from ...cluster._cluster import Cluster, ReplicaLost
-from ...cluster.relay import pull, relay, remote_replica
+from ...calls.calls import Call
 from ...errors import BadRequest
 from ..bodies import BodyReader, outputs_response, wants_json
-from ..deps import request_cluster, request_owner, services_of
+from ..deps import Services, request_cluster, request_owner, services_of
 from ..openapi import errors, message_body, outputs_content
 from ..schemas import ExecuteAccepted, ExecuteJSON, ExecuteMsgpack, ExecuteRequest, parse
 
@@ -70,73 +67,52 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
     services = services_of(request)
     settings = services.settings
     owner = request_owner(request)
-    cluster = request_cluster(request, services)
+    cluster = services.cluster
     services.drain.check_accepting()
-    forwarded = cluster is None and services.cluster is not None
+    forwarded = cluster is not None and request_cluster(request, services) is None
     program = await services.programs.get(program_id, owner, vouched=forwarded)
     body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                       metrics=services.metrics)
     raw, message = await body.raw_message()
     req = parse(ExecuteRequest, _required(message), "execute request")
     wait_s = min(wait or 0, settings.max_wait_ms) / 1000
-    if cluster is not None and (holder := _holder(cluster, req.args)) is not None:
-        with contextlib.suppress(ReplicaLost):  # gone: the call fails here, naming its input
-            return await relay(cluster, holder, request, owner, content=bytes(raw),
-                               wait_s=wait_s)
+    if cluster is not None:  # a call on other replicas' futures runs there, or fetches them
+        relayed = await cluster.relay.run_elsewhere(
+            request, req.args, owner, raw, wait_s=wait_s,
+            pull_wait_s=settings.max_wait_ms / 1000, forwarded=forwarded)
+        if relayed is not None:
+            return relayed
     del raw
-    if services.cluster is not None:  # inputs held by other replicas come here
-        await _pull_inputs(services.cluster, req.args, owner, settings.max_wait_ms / 1000)
     call = await services.calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
                                         req.donate)
     del req  # the executor holds the input arrays now; do not pin them while we wait
+    if cluster is None:
+        return await _answer(request, services, call, wait_s, keep)
+    # Any replica can answer for the future once it is in Redis, and the answer waits
+    # for that: until then it is held back, and written once, as it is then (deleted
+    # with keep=false, it is never written).
+    async with cluster.mirror.answering(call.future):
+        return await _answer(request, services, call, wait_s, keep)
+
+
+async def _answer(request: Request, services: Services, call: Call, wait_s: float,
+                  keep: bool) -> Response:
+    """The outputs, if ``call`` is done within ``wait_s`` (and then, unless ``keep``,
+    its future is gone); else ``202`` with the future."""
     fut = call.future
-    mirror = services.cluster
-    if mirror is not None:
-        # Any replica can answer for the future once it is in Redis, and the answer
-        # waits for that: until then it is held back, and written once, as it is then
-        # (deleted with keep=false, it is never written).
-        mirror.hold(fut)
-    try:
-        done = bool(wait_s) and await fut.wait_final(wait_s) and fut.outputs is not None
-        if done:
-            answer = await outputs_response(fut, services.calls, wants_json(request))
-            if not keep:  # the answer holds the values on the host: the outputs can go
-                services.futures.delete(fut)
-        else:
-            accepted = ExecuteAccepted.of(fut, call.tier)
-            answer = JSONResponse(accepted.model_dump(mode="json"), status_code=202)
-    finally:
-        if mirror is not None:
-            mirror.unhold(fut)
-    if mirror is not None and fut.removed is None:
-        await mirror.written(fut)
-    return answer
+    if wait_s and await fut.wait_final(wait_s) and fut.outputs is not None:
+        answer = await outputs_response(fut, services.calls, wants_json(request))
+        if not keep:  # the answer holds the values on the host: the outputs can go
+            services.futures.delete(fut)
+        return answer
+    accepted = ExecuteAccepted.of(fut, call.tier)
+    return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
 
 
 def _required(message: Any) -> Any:
     if message is None:
         raise BadRequest("execute needs a body {'args': [...]}")
     return message
-
-
-def _holder(cluster: Cluster, args: list[Any]) -> str | None:
-    """The replica a call should run on: the one holding most of its input futures,
-    unless that is this one, or it drains (then the inputs come here)."""
-    held = wire.replicas_of(str(a["future"]) for a in args if wire.is_future_ref(a))
-    if not held:
-        return None
-    rid, count = held.most_common(1)[0]
-    if rid == cluster.replica_id or held[cluster.replica_id] >= count or cluster.peer_draining(rid):
-        return None
-    return rid
-
-
-async def _pull_inputs(cluster: Cluster, args: list[Any], owner: str | None,
-                       wait_s: float) -> None:
-    """Replace references to other replicas' futures in ``args`` by their arrays."""
-    for i, arg in enumerate(args):
-        if wire.is_future_ref(arg) and remote_replica(cluster, str(arg["future"])):
-            args[i] = await pull(cluster, arg, owner, wait_s)
 
 
 ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is execute_program)

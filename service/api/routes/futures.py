@@ -11,8 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from jitserve.wire import ErrorCode, FutureStatus
 
 from ...calls.futures import Future
-from ...cluster._cluster import Cluster, ReplicaLost
-from ...cluster.relay import relay, remote_replica
+from ...cluster import Cluster, ReplicaLost, remote_replica
 from ...errors import (
     BadRequest,
     FutureCancelled,
@@ -78,9 +77,9 @@ async def _release_at(cluster: Cluster, rid: str, refs: list[tuple[str, int]],
     body = ReleaseRequest.model_validate(
         {"outputs": [{"future": f, "output": k} for f, k in refs]}).model_dump_json().encode()
     try:
-        async with cluster.forward(rid, "POST", "/v1/futures/release", owner, content=body,
-                                   headers={"content-type": "application/json"}) as answer:
-            doc = ReleaseResult.model_validate_json(await cluster.read(rid, answer))
+        async with cluster.relay.forward(rid, "POST", "/v1/futures/release", owner, content=body,
+                                         headers={"content-type": "application/json"}) as answer:
+            doc = ReleaseResult.model_validate_json(await cluster.relay.read(rid, answer))
     except ReplicaLost:
         return 0, len(refs)
     return doc.released, doc.unknown
@@ -93,7 +92,7 @@ async def get_future(future_id: str, request: Request, services: ServicesDep, ow
     cluster = request_cluster(request, services)
     if remote_replica(cluster, future_id) is not None:
         assert cluster is not None
-        doc = await cluster.wait_change(future_id, owner, None, wait)
+        doc = await cluster.watch.wait_change(future_id, owner, None, wait)
         return FutureView.model_validate(doc)
     fut = services.futures.get(future_id, owner)
     if wait and not fut.status.is_final:
@@ -149,9 +148,9 @@ async def _relay(cluster: Cluster | None, rid: str, request: Request, future_id:
     future is known to be the caller's) when that replica is gone."""
     assert cluster is not None
     try:
-        return await relay(cluster, rid, request, owner, wait_s=wait_s)
+        return await cluster.relay.answer_from(rid, request, owner, wait_s=wait_s)
     except ReplicaLost:
-        await cluster.metadata(future_id, owner)  # NotFound if it is none of the caller's
+        await cluster.mirror.metadata(future_id, owner)  # NotFound if it is none of the caller's
         raise
 
 
