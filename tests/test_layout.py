@@ -11,9 +11,12 @@ hide what another module pulls in:
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib
 import json
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -185,3 +188,243 @@ def test_package_exports_are_sorted_and_complete(name: str) -> None:
     assert all(hasattr(module, n) for n in exported)
     # A package that loads its names lazily lists each once more in __all__.
     assert sorted(getattr(module, "_EXPORTS", exported)) == exported
+
+
+# -- the service's packages and their import rules ------------------------------------
+
+# Each part of the service, and the parts it may import (docs/DESIGN.md, "Import
+# rules"). The top-level modules under everything else are the "base".
+BASE = frozenset({"settings", "errors", "metrics", "logs", "memory", "owners"})
+MAY_IMPORT = {
+    "base": {"base"},
+    "runtimes": {"base", "runtimes"},
+    "cluster": {"base", "cluster"},
+    "calls": {"base", "calls", "runtimes"},
+    "api": {"base", "api", "calls", "cluster", "runtimes"},
+    "v2": {"base", "v2", "api", "calls", "runtimes"},
+    "app": {"base", "app", "api", "calls", "cluster", "runtimes", "v2"},
+    "cli": {"base", "cli", "app", "api", "calls", "cluster", "runtimes", "v2"},
+    "__main__": {"cli"},
+    "root": {"base", "app"},  # jitserve.service: Settings and create_app, lazily
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    """One import statement of a jitserve module, resolved to the module it loads."""
+
+    source: str  # the importing module
+    target: str  # the imported module (a package's __init__ when a name is not a module)
+    lazy: bool  # inside a function: loads when called
+    typing_only: bool  # under ``if TYPE_CHECKING``
+
+    @property
+    def at_import(self) -> bool:
+        return not self.lazy and not self.typing_only
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the four packages: import name -> file (the generated gRPC ones too)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found: dict[str, Path] = {}
+    for package, folder in config["package-dir"].items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            if any(path.is_relative_to(ROOT / f) for p, f in config["package-dir"].items()
+                   if p != package and (ROOT / f).is_relative_to(ROOT / folder)):
+                continue  # client/wire is a package of its own
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            found[".".join((package, *parts))] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[Import]:
+    """The jitserve imports of one module, with where they sit."""
+    is_package = path.name == "__init__.py"
+    found: list[Import] = []
+
+    def resolve(node: ast.ImportFrom) -> list[str]:
+        base = node.module or ""
+        if node.level:
+            anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+            base = ".".join([*anchor, *([base] if base else [])])
+        if not base.startswith("jitserve."):
+            return []
+        subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+        return subs + ([base] if len(subs) < len(node.names) else [])
+
+    def visit(node: ast.AST, lazy: bool, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, True, typing_only)
+            elif isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
+                visit(child, lazy, True)
+            elif isinstance(child, ast.ImportFrom):
+                found.extend(Import(name, t, lazy, typing_only) for t in resolve(child))
+            elif isinstance(child, ast.Import):
+                found.extend(Import(name, a.name, lazy, typing_only) for a in child.names
+                             if a.name.startswith("jitserve."))
+            else:
+                visit(child, lazy, typing_only)
+
+    visit(ast.parse(path.read_text()), False, False)
+    return found
+
+
+IMPORTS = [i for name, path in MODULES.items() for i in _imports(name, path)]
+
+
+def _part(module: str) -> str | None:
+    """The part of the service ``module`` belongs to (``base`` for the bottom modules);
+    ``None`` outside the service."""
+    if module == "jitserve.service":
+        return "root"
+    if not module.startswith("jitserve.service."):
+        return None
+    head = module.split(".")[2]
+    return "base" if head in BASE else head
+
+
+def test_the_import_scanner_sees_every_package() -> None:
+    """A guard on the rules below: the scanner finds the arrows a reader sees."""
+    edges = {(i.source, i.target) for i in IMPORTS}
+    assert ("jitserve.service.api.deps", "jitserve.service.calls.calls") in edges
+    assert ("jitserve.service.app", "jitserve.service.api.deps") in edges
+    assert ("jitserve.compiler.compile", "jitserve.wire") in edges
+    assert len(MODULES) > 100
+
+
+@pytest.mark.parametrize("part", sorted(MAY_IMPORT))
+def test_each_service_part_imports_only_what_it_may(part: str) -> None:
+    """``api/`` may import ``calls/`` and ``cluster/``, never the reverse; ``calls/`` knows
+    neither HTTP nor the replicas; the runtimes and the replicas know only the base."""
+    wrong = sorted(f"{i.source} -> {i.target}" for i in IMPORTS
+                   if _part(i.source) == part and _part(i.target) not in (None, *MAY_IMPORT[part]))
+    assert not wrong, f"{part} may import only {sorted(MAY_IMPORT[part])}: {wrong}"
+
+
+def test_only_the_runtimes_import_the_child_and_no_service_module_imports_redis_code() -> None:
+    child = sorted(f"{i.source}" for i in IMPORTS if i.target.startswith(
+        ("jitserve.service.runtimes.child", "jitserve.service.runtimes.landlock"))
+        and not i.source.startswith("jitserve.service.runtimes"))
+    assert not child, f"the runtime process's code, imported outside runtimes/: {child}"
+    redis = sorted(f"{i.source}" for i in IMPORTS if i.target.startswith("jitserve.compiler.redis")
+                   and i.source.startswith("jitserve.service"))
+    assert not redis, f"service modules that import the compiler's Redis code: {redis}"
+
+
+def test_no_import_cycle_at_import_time() -> None:
+    """No module imports one that imports it back, directly or not, as they load."""
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for i in IMPORTS:
+        if i.at_import and i.target in graph and i.target != i.source:
+            graph[i.source].add(i.target)
+    cycles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of ``graph`` (iterative, so deep chains do not recurse)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.append(top)
+                        if top == node:
+                            break
+                    out.append(comp)
+            elif nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return out
+
+
+@pytest.mark.parametrize("part", ["runtimes", "cluster", "calls", "api", "v2"])
+def test_each_service_part_loads_without_what_it_may_not_import(part: str) -> None:
+    """In a fresh interpreter, every module of ``part`` imports with the parts it may not
+    import refused: the rule holds for what loads along the way, not only for its own
+    lines."""
+    modules = sorted(m for m in MODULES if _part(m) == part)
+    reach, grown = set(MAY_IMPORT[part]), True
+    while grown:  # what the parts it may import may import in turn
+        more = set().union(*(MAY_IMPORT[p] for p in reach)) - reach
+        reach |= more
+        grown = bool(more)
+    blocked = {f"jitserve.service.{p}" for p in set(MAY_IMPORT) - {"base", "root"} - reach}
+    blocked |= {"jitserve.service.app", *REDIS_CODE}
+    if part != "runtimes":
+        blocked |= RUNTIME_PROCESS
+    _run(f"import importlib\nfor m in {modules!r}:\n    importlib.import_module(m)\n",
+         blocked=blocked)
+
+
+# What only a runtime process loads, and the compiler's Redis code (its settings are a
+# plain dataclass that the service's settings hand out).
+RUNTIME_PROCESS = {"jitserve.service.runtimes.child", "jitserve.service.runtimes.landlock"}
+REDIS_CODE = {f"jitserve.compiler.redis.{m}"
+              for m in ("connection", "blobs", "executables", "lock", "catalog", "tiers")}
+
+
+def test_the_api_process_never_loads_the_runtime_child_or_redis_code() -> None:
+    loaded = _run("""
+        from jitserve.service.app import create_app
+        from jitserve.service.settings import Settings
+        create_app(Settings(env="test"))
+    """)
+    assert not (RUNTIME_PROCESS | REDIS_CODE) & set(loaded)
+
+
+# -- the module map ------------------------------------------------------------------
+
+_MAP_ROW = re.compile(r"^\|\s*`(jitserve(?:\.\w+)*)`\s*\|[^|]*\|(.*)\|\s*$")
+
+
+def _module_map() -> dict[str, list[str]]:
+    """docs/DESIGN.md's module map: package -> the modules it names (bold: **name**)."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    section = text.split("### Module map", 1)[1].split("\n### ", 1)[0]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        if (match := _MAP_ROW.match(line)) is not None:
+            rows.setdefault(match.group(1), []).extend(re.findall(r"\*\*(\w+)\*\*", match.group(2)))
+    return rows
+
+
+def test_the_module_map_names_every_module_once() -> None:
+    named = [f"{package}.{m}" if m != "__init__" else package
+             for package, mods in _module_map().items() for m in mods]
+    twice = sorted({m for m in named if named.count(m) > 1})
+    assert not twice, f"named more than once in docs/DESIGN.md's module map: {twice}"
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    wanted = {m for m in MODULES if m not in packages and not m.endswith(("_pb2", "_pb2_grpc"))}
+    missing = sorted(wanted - set(named))
+    assert not missing, f"modules missing from docs/DESIGN.md's module map: {missing}"
+    unknown = sorted(set(named) - set(MODULES))
+    assert not unknown, f"docs/DESIGN.md's module map names modules that do not exist: {unknown}"
