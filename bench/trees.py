@@ -33,9 +33,9 @@ after round, every other round in the other order, so that drift hits both alike
 - P4, upload (execute's POST, until its 202) and download (``result``) GB/s of
   one float32 array through the SDK at each of ``--p4-sizes`` MiB (``service.py:
   round_trip``): an untimed round trip to each tree, then ``--p4-reps`` to each
-  taking turns. The median rates of each tree and b/a, and the highest peak RSS
-  growth, over the payload, of its API process and of this client during a timed
-  round trip.
+  taking turns. The median rates of each tree and b/a (in the JSON also b/a rep by
+  rep: its median and range), and the highest peak RSS growth, over the payload,
+  of its API process and of this client during a timed round trip.
 
 The SDK that drives both servers is the checkout's (the one running this
 script); only the servers import the other tree, so what is compared is the
@@ -314,8 +314,9 @@ async def interleaved_rates(turns: dict[str, Turn], rounds: int, total: int,
 
 
 def paired(a: list[float], b: list[float]) -> dict[str, float]:
-    """The median, lowest and highest of b/a taken round by round: each round's a
-    and b ran seconds apart, so their ratio moves less than either."""
+    """The median, lowest and highest of b/a taken round by round (P2) or rep by
+    rep (P4): each round's a and b ran close together, so that drift moves their
+    ratio less than either."""
     ratios = sorted(y / x for x, y in zip(a, b))
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
@@ -378,7 +379,10 @@ def p4_size(clients: dict[str, Client], pids: dict[str, int], mib: int,
                 "each_download_gb_s": [r["download_gb_s"] for r in timed[k]]} for k in TREES}
     return {"mib": mib, **rows,
             "ratio_upload_b_vs_a": rows["b"]["upload_gb_s"] / rows["a"]["upload_gb_s"],
-            "ratio_download_b_vs_a": rows["b"]["download_gb_s"] / rows["a"]["download_gb_s"]}
+            "ratio_download_b_vs_a": rows["b"]["download_gb_s"] / rows["a"]["download_gb_s"],
+            **{f"ratio_{way}_b_vs_a_per_rep": paired(rows["a"][f"each_{way}_gb_s"],
+                                                     rows["b"][f"each_{way}_gb_s"])
+               for way in ("upload", "download")}}
 
 
 def p4(t: Targets, sizes_mib: list[int], reps: int) -> dict[str, Any]:
@@ -389,10 +393,11 @@ def p4(t: Targets, sizes_mib: list[int], reps: int) -> dict[str, Any]:
     return {"reps": reps, "sizes_mib": sizes_mib, "rows": rows}
 
 
-def row(label: str, a: float, b: float, digits: int = 3) -> str:
-    """One line of the table: a, b and b/a (``-`` where a is 0)."""
-    ratio = f"{b / a:8.3f}" if a else f"{'-':>8}"
-    return f"  {label:<40}{a:>10.{digits}f}{b:>10.{digits}f}{ratio}"
+def row(label: str, a: float, b: float, digits: int = 3, ratio: bool = True) -> str:
+    """One line of the table: a, b and b/a (``-`` where a is 0 or ``ratio`` is false:
+    memory growths near 0 make ratios that mean nothing)."""
+    ratio_text = f"{b / a:8.3f}" if a and ratio else f"{'-':>8}"
+    return f"  {label:<40}{a:>10.{digits}f}{b:>10.{digits}f}{ratio_text}"
 
 
 def p1_lines(r: dict[str, Any]) -> list[str]:
@@ -435,9 +440,9 @@ def p4_lines(r: dict[str, Any]) -> list[str]:
         lines += [row(f"upload GB/s, {mib} MiB", a["upload_gb_s"], b["upload_gb_s"]),
                   row(f"download GB/s, {mib} MiB", a["download_gb_s"], b["download_gb_s"]),
                   row(f"server RSS growth, {mib} MiB", a["server_rss_growth_x_payload"],
-                      b["server_rss_growth_x_payload"]),
+                      b["server_rss_growth_x_payload"], ratio=False),
                   row(f"client RSS growth, {mib} MiB", a["client_rss_growth_x_payload"],
-                      b["client_rss_growth_x_payload"])]
+                      b["client_rss_growth_x_payload"], ratio=False)]
     return lines
 
 
@@ -486,7 +491,8 @@ def main() -> None:
                         help="P2's calls per target per round")
     parser.add_argument("--p4-sizes", type=int, nargs="+", default=[1, 16, 256],
                         metavar="MIB", help="P4's array sizes in MiB")
-    parser.add_argument("--p4-reps", type=int, default=5, help="P4's timed round trips per tree")
+    parser.add_argument("--p4-reps", type=int, default=10,
+                        help="P4's timed round trips per tree and size")
     parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for b's server only (repeatable)")
     results = run(parser.parse_args())
