@@ -39,17 +39,23 @@ after round, every other round in the other order, so that drift hits both alike
 
 The SDK that drives both servers is the checkout's (the one running this
 script); only the servers import the other tree, so what is compared is the
-server's side of the routes (``/v1/programs/{id}/execute``, ``/v1/futures/...``).
+server's side of the routes (``/v1/programs/{id}/execute``, ``/v1/futures/...``;
+not ``/v1/arrays``: P4 sends its array in execute's body, as ``service.py`` does).
 The commits are checked out into temporary git worktrees. Each server imports
 ``jitserve`` from its tree: a directory whose ``jitserve/`` maps the packages as
 ``pyproject.toml`` does, put first on ``PYTHONPATH``.
 
-How far a run can be trusted, from runs of the checkout against itself (``python
-bench/trees.py .``) on the 2-CPU machine shared with other work: P1's b/a read
+How far one run can be trusted, on the 2-CPU machine shared with other work.
+For the checkout against itself (``python bench/trees.py .``), P1's b/a read
 0.986-0.996, leaning to b, the server started second (started first, it read
-1.013-1.021); P2's b/a read 0.84-1.21 from one run to the next, so a single run
-shows only a large change in throughput (its CPU per call moves less). To cancel
-the lean, run again with the trees swapped (``trees.py B A``).
+1.013-1.021); P2's read 0.84-1.21 from one run to the next (its CPU per call
+moves less); P4's at 256 MiB 0.96-1.05. For two trees run six times, both ways
+round, P4's at 256 MiB read 0.83-1.20, either tree ahead by turns, and 20 round
+trips did not narrow it: within a run the b/a of each
+pair of round trips mostly kept one side, so a server seems to keep its speed for
+its life, and only runs on fresh servers average it out. So: run several times,
+swapping the trees (``trees.py B A``) every other time, and read a change as
+real only where it keeps its sign.
 
 Printed as a table (a, b and b/a for each figure, the baselines under each part)
 and written in full to ``bench/results/trees.json``: the trees' names and
