@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,14 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
             "ratio_vs_local_jit": ms["sdk"] / local_ms}
 
 
-async def _throughput(call: Any, total: int, in_flight: int) -> float:
+AsyncCall = Callable[[], Awaitable[None]]
+MSGPACK = {"content-type": "application/msgpack"}
+
+
+async def throughput(call: AsyncCall, total: int, in_flight: int) -> float:
+    """Calls per second of ``total`` calls, ``in_flight`` at a time, after as many
+    untimed as are in flight (the connections open, the code warm). One round of
+    P2: ``bench/trees.py`` takes turns between servers with it."""
     sem = asyncio.Semaphore(in_flight)
 
     async def one() -> None:
@@ -175,6 +183,36 @@ async def _throughput(call: Any, total: int, in_flight: int) -> float:
     return total / (time.perf_counter() - t)
 
 
+def sdk_execute(ac: AsyncClient, program: str, x: np.ndarray) -> AsyncCall:
+    """P2's call through the SDK: ``execute`` with a wait, then its output read."""
+    async def call() -> None:
+        outs = await ac.execute(program, [x], wait=30)
+        await outs[0].result()
+    return call
+
+
+def httpx_post(h: httpx.AsyncClient, target: str, body: bytes) -> AsyncCall:
+    """A msgpack POST of ``body`` through httpx, as a caller would drive the baseline."""
+    async def call() -> None:
+        await h.post(target, content=body, headers=MSGPACK)
+    return call
+
+
+def aiohttp_post(session: Any, target: str, body: bytes) -> AsyncCall:
+    """A msgpack POST through aiohttp (an ``aiohttp.ClientSession``): a client fast
+    enough that the server, not the client, bounds the rate."""
+    async def call() -> None:
+        async with session.post(target, data=body, headers=MSGPACK) as r:
+            await r.read()
+            assert r.status == 200, r.status
+    return call
+
+
+def execute_url(url: str, program: str) -> str:
+    """The REST route of one call that waits for its answer (P2's aiohttp call)."""
+    return f"{url}/v1/programs/{program}/execute?wait=30000"
+
+
 async def p2(url: str, base: str, total: int, pid: int) -> dict[str, float]:
     """64 calls in flight: the SDK's AsyncClient against the baseline driven by httpx,
     as a caller would drive it, and by httpx with the SDK's own connection pool
@@ -185,39 +223,21 @@ async def p2(url: str, base: str, total: int, pid: int) -> dict[str, float]:
 
     x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    headers = {"content-type": "application/msgpack"}
     body = baseline_body(x)
     async with AsyncClient(url) as ac, httpx.AsyncClient(limits=limits) as h, \
             httpx.AsyncClient(transport=async_transport()) as h_pool, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         program = (await ac.upload(export(f, x))).program_id
-
-        async def remote() -> None:
-            outs = await ac.execute(program, [x], wait=30)
-            await outs[0].result()
-
-        async def base_call() -> None:
-            await h.post(f"{base}/run", content=body, headers=headers)
-
-        async def base_pool_call() -> None:
-            await h_pool.post(f"{base}/run", content=body, headers=headers)
-
-        def fast(target: str) -> Any:
-            async def call() -> None:
-                async with session.post(target, data=body, headers=headers) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
-            return call
-
-        remote_cps = await _throughput(remote, total, 64)
-        base_cps = await _throughput(base_call, total, 64)
-        base_pool_cps = await _throughput(base_pool_call, total, 64)
+        remote_cps = await throughput(sdk_execute(ac, program, x), total, 64)
+        base_cps = await throughput(httpx_post(h, f"{base}/run", body), total, 64)
+        base_pool_cps = await throughput(httpx_post(h_pool, f"{base}/run", body), total, 64)
         api0, runtimes0 = cpu_seconds(pid)
-        rest_cps = await _throughput(fast(f"{url}/v1/programs/{program}/execute?wait=30000"),
-                                     total, 64)
+        rest_cps = await throughput(aiohttp_post(session, execute_url(url, program), body),
+                                    total, 64)
         api1, runtimes1 = cpu_seconds(pid)
-        base_fast_cps = await _throughput(fast(f"{base}/run"), total, 64)
-        child_fast_cps = await _throughput(fast(f"{base}/run_child"), total, 64)
+        base_fast_cps = await throughput(aiohttp_post(session, f"{base}/run", body), total, 64)
+        child_fast_cps = await throughput(aiohttp_post(session, f"{base}/run_child", body),
+                                          total, 64)
     return {"jitserve_sdk_calls_per_s": remote_cps, "baseline_httpx_calls_per_s": base_cps,
             "ratio_vs_baseline": remote_cps / base_cps,
             "baseline_httpx_sdk_pool_calls_per_s": base_pool_cps,
@@ -254,6 +274,47 @@ class PeakRss:
         self._thread.join()
 
 
+def transfer_program(c: Client, x: np.ndarray) -> str:
+    """P4's program for arrays like ``x`` (``v + 1``), uploaded and compiled by a
+    first call, so that no round trip pays for the compile."""
+    program = c.upload(export(lambda v: v + 1.0, x)).program_id
+    c.execute(program, [x], wait=60)[0].result()
+    return program
+
+
+def round_trip(c: Client, program: str, x: np.ndarray, pid_server: int) -> dict[str, float]:
+    """One of P4's round trips of ``x``: upload (execute's POST, until its 202) and
+    download (``result``) GB/s, and the peak RSS growth during it, over the payload,
+    of the server's API process and of this one. ``bench/trees.py`` takes turns
+    between servers with it."""
+    with PeakRss(pid_server) as rss, PeakRss(os.getpid()) as mine:
+        t0 = time.perf_counter()
+        fut = c.execute(program, [x])[0]
+        t1 = time.perf_counter()
+        c.wait(fut.future_id)
+        t2 = time.perf_counter()
+        out = c.result(fut.future_id)[0]
+        t3 = time.perf_counter()
+    assert out.shape == x.shape and out[0] == 2.0
+    c.delete(fut.future_id)
+    return {"upload_gb_s": x.nbytes / (t1 - t0) / 1e9,
+            "download_gb_s": x.nbytes / (t3 - t2) / 1e9,
+            "server_rss_growth_x_payload": (rss.peak - rss.start) / x.nbytes,
+            "client_rss_growth_x_payload": (mine.peak - mine.start) / x.nbytes}
+
+
+def transfer_row(mib: int, first: dict[str, float], timed: list[dict[str, float]]) -> dict[str, float]:
+    """P4's figures for one size: median rates and highest memory growth of the
+    ``timed`` round trips, and the memory growth of the untimed ``first``."""
+    return {"mib": mib,
+            "upload_gb_s": statistics.median(t["upload_gb_s"] for t in timed),
+            "download_gb_s": statistics.median(t["download_gb_s"] for t in timed),
+            "server_rss_growth_x_payload": max(t["server_rss_growth_x_payload"] for t in timed),
+            "client_rss_growth_x_payload": max(t["client_rss_growth_x_payload"] for t in timed),
+            "server_rss_growth_first_x_payload": first["server_rss_growth_x_payload"],
+            "client_rss_growth_first_x_payload": first["client_rss_growth_x_payload"]}
+
+
 def p4(url: str, pid_server: int, sizes_mib: list[int], reps: int = 5) -> list[dict[str, float]]:
     """Upload (execute's POST, until its 202) and download (``result``) of one float32 array.
 
@@ -268,33 +329,10 @@ def p4(url: str, pid_server: int, sizes_mib: list[int], reps: int = 5) -> list[d
     with Client(url, timeout=600) as c:
         for mib in sizes_mib:
             x = np.ones(mib * MiB // 4, np.float32)
-            pid = c.upload(export(lambda v: v + 1.0, x)).program_id
-            c.execute(pid, [x], wait=60)[0].result()  # compile
-            up, down, server, client = [], [], [], []
-            for rep in range(-1, reps):  # -1: a round trip untimed, to warm up
-                with PeakRss(pid_server) as rss, PeakRss(os.getpid()) as mine:
-                    t0 = time.perf_counter()
-                    fut = c.execute(pid, [x])[0]
-                    t1 = time.perf_counter()
-                    c.wait(fut.future_id)
-                    t2 = time.perf_counter()
-                    out = c.result(fut.future_id)[0]
-                    t3 = time.perf_counter()
-                assert out.shape == x.shape and out[0] == 2.0
-                c.delete(fut.future_id)
-                del out, fut
-                if rep < 0:
-                    first = {"server_rss_growth_first_x_payload": (rss.peak - rss.start) / x.nbytes,
-                             "client_rss_growth_first_x_payload": (mine.peak - mine.start) / x.nbytes}
-                    continue
-                up.append(x.nbytes / (t1 - t0) / 1e9)
-                down.append(x.nbytes / (t3 - t2) / 1e9)
-                server.append((rss.peak - rss.start) / x.nbytes)
-                client.append((mine.peak - mine.start) / x.nbytes)
-            rows.append({"mib": mib, "upload_gb_s": statistics.median(up),
-                         "download_gb_s": statistics.median(down),
-                         "server_rss_growth_x_payload": max(server),
-                         "client_rss_growth_x_payload": max(client), **first})
+            program = transfer_program(c, x)
+            first = round_trip(c, program, x, pid_server)
+            timed = [round_trip(c, program, x, pid_server) for _ in range(reps)]
+            rows.append(transfer_row(mib, first, timed))
     return rows
 
 
