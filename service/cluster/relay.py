@@ -14,6 +14,7 @@ the request fails ``replica_lost``; still there, ``unavailable``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import urllib.parse
@@ -179,6 +180,31 @@ class Relay:
                 peer_response.release()
 
         return StreamingResponse(stream(), peer_response.status, headers=passed)
+
+    async def release(self, refs: dict[str, list[tuple[str, int]]],
+                      owner: str | None) -> tuple[int, int]:
+        """Release other replicas' outputs, ``refs`` by replica (``POST /v1/futures/release``
+        at each, at once); ``(released, unknown)`` summed. A lost replica's outputs are
+        gone already: they count as unknown."""
+        counts = await asyncio.gather(*(self._release_at(rid, group, owner)
+                                        for rid, group in refs.items()))
+        return sum(r for r, _ in counts), sum(u for _, u in counts)
+
+    async def _release_at(self, rid: str, refs: list[tuple[str, int]],
+                          owner: str | None) -> tuple[int, int]:
+        body = json.dumps({"outputs": [{"future": f, "output": k} for f, k in refs]}).encode()
+        try:
+            async with self.forward(rid, "POST", "/v1/futures/release", owner, content=body,
+                                    headers={"content-type": "application/json"}) as answer:
+                raw = await self.read(rid, answer)
+        except ReplicaLost:
+            return 0, len(refs)
+        try:
+            doc = json.loads(raw)
+            return int(doc["released"]), int(doc["unknown"])
+        except (ValueError, KeyError, TypeError):
+            raise Unavailable(f"replica {rid} answered a release with {answer.status}, "
+                              "not with its counts") from None
 
     async def run_elsewhere(self, request: Request, args: list[Any], owner: str | None,
                             body: bytes | bytearray, *, wait_s: float, pull_wait_s: float,

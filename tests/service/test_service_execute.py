@@ -129,10 +129,11 @@ async def test_result_of_a_future_without_wait_may_be_pending(api, x) -> None:
 @pytest.mark.parametrize(("query", "parsed"), [
     (b"", (None, True)), (b"wait=10", (10, True)), (b"wait=0&keep=false", (0, False)),
     (b"keep=1&wait=5&wait=7", (7, True)), (b"other=x&wait=3", (3, True)),
-    (b"wait=abc", None), (b"wait=-1", None), (b"wait=", None), (b"wait=%31", None),
-    (b"keep=no", None), (b"wait=1e3", None), (b"wait=\xd9\xa3", None),
+    (b"wait=%31", (1, True)), (b"wait=%31%30&keep=%30", (10, False)),
+    (b"wait=abc", None), (b"wait=-1", None), (b"wait=", None), (b"wait=%2D1", None),
+    (b"keep=no", None), (b"wait=1e3", None), (b"wait=\xd9\xa3", None), (b"wait=+1", None),
 ])
-def test_lane_reads_plain_queries_and_leaves_the_rest_to_fastapi(query, parsed) -> None:
+def test_lane_reads_queries_as_starlette_and_leaves_the_rest_to_fastapi(query, parsed) -> None:
     from jitserve.service.api.lane import _query
 
     assert _query(query) == parsed

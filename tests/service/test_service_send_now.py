@@ -11,7 +11,6 @@ import asyncio
 
 import numpy as np
 import pytest
-from starlette.requests import Request
 
 from jitserve import wire
 from jitserve.service.calls.executor import TempBudget
@@ -164,21 +163,3 @@ async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(a
     error = (await api.result(fid)).json()["error"]
     assert error["code"] == "future_failed" and "TypeError" in error["message"]
     assert executor._budget.in_flight == 0
-
-
-def test_the_lane_reads_headers_as_starlette_does() -> None:
-    """The lane's dict of headers: any case, the first of a repeated name, absent ones."""
-    from jitserve.service.api.lane import _LaneRequest
-
-    raw = [(b"authorization", b"Bearer one"), (b"content-type", b"application/msgpack"),
-           (b"authorization", b"Bearer two")]
-    lane = _LaneRequest({"type": "http", "headers": raw}).headers
-    plain = Request({"type": "http", "headers": list(raw)}).headers
-    for name in ("authorization", "Authorization", "CONTENT-TYPE", "accept"):
-        assert lane.get(name) == plain.get(name)
-        assert lane.get(name, "") == plain.get(name, "")
-        assert (name in lane) == (name in plain)
-    assert lane["authorization"] == "Bearer one"
-    assert lane.getlist("authorization") == ["Bearer one", "Bearer two"]
-    with pytest.raises(KeyError):
-        lane["accept"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from typing import Annotated
 
@@ -64,25 +63,9 @@ async def release_outputs(request: Request, services: ServicesDep, body: Body,
     released, unknown = services.futures.release(here, owner)
     if elsewhere:
         assert cluster is not None
-        counts = await asyncio.gather(*(_release_at(cluster, rid, group, owner)
-                                        for rid, group in elsewhere.items()))
-        released += sum(r for r, _ in counts)
-        unknown += sum(u for _, u in counts)
+        there, lost = await cluster.relay.release(elsewhere, owner)
+        released, unknown = released + there, unknown + lost
     return ReleaseResult(released=released, unknown=unknown)
-
-
-async def _release_at(cluster: Cluster, rid: str, refs: list[tuple[str, int]],
-                      owner: str | None) -> tuple[int, int]:
-    """Release ``refs`` at replica ``rid``; a lost replica's are already gone (unknown)."""
-    body = ReleaseRequest.model_validate(
-        {"outputs": [{"future": f, "output": k} for f, k in refs]}).model_dump_json().encode()
-    try:
-        async with cluster.relay.forward(rid, "POST", "/v1/futures/release", owner, content=body,
-                                         headers={"content-type": "application/json"}) as answer:
-            doc = ReleaseResult.model_validate_json(await cluster.relay.read(rid, answer))
-    except ReplicaLost:
-        return 0, len(refs)
-    return doc.released, doc.unknown
 
 
 @router.get("/{future_id}", response_model=FutureView, responses=errors(ErrorCode.BAD_REQUEST))
