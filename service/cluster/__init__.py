@@ -36,12 +36,12 @@ from __future__ import annotations
 
 from jitserve.wire import replica_of
 
-from .cluster import Cluster
+from .cluster import Cluster, remote_replica, replica_header
 from .keys import Keys
 from .membership import Membership, Peer, ReplicaLost
 from .mirror import Mirror, Mirrored
 from .ownership import Ownership
-from .relay import PeerRefusal, Relay, remote_replica, replica_header
+from .relay import PeerRefusal, Relay
 from .signing import OWNER_HEADER, PEER_HEADER, Signing, scope_path
 from .watch import Watch
 

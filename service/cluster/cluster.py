@@ -11,6 +11,7 @@ from typing import Any, Generic
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from jitserve import wire
 from jitserve.compiler import RedisSettings
 
 from ..metrics import Metrics
@@ -23,9 +24,11 @@ from .relay import Relay
 from .signing import Signing
 from .watch import Watch
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "remote_replica", "replica_header"]
 
 log = logging.getLogger("jitserve.cluster")
+
+_REPLICA_HEADER = wire.REPLICA_HEADER.encode()
 
 
 class Cluster(Generic[F]):
@@ -135,3 +138,15 @@ class Cluster(Generic[F]):
     def _replica_lost(self, rid: str) -> None:
         """Replica ``rid`` is lost: the long-polls on its futures read them again."""
         self.watch.wake_replica(rid)
+
+
+def remote_replica(cluster: Cluster[Any] | None, future_id: str) -> str | None:
+    """The replica holding ``future_id`` when it is another one (and this request may
+    be forwarded); ``None`` to serve it here."""
+    return None if cluster is None else cluster.membership.elsewhere(future_id)
+
+
+def replica_header(cluster: Cluster[Any]) -> tuple[bytes, bytes]:
+    """The raw header that names this replica in an answer, as it is named now (a
+    replica that rejoins is renamed)."""
+    return _REPLICA_HEADER, cluster.replica_id.encode()

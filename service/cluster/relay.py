@@ -19,7 +19,7 @@ import contextlib
 import json
 import urllib.parse
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from fastapi import Request, Response
@@ -35,15 +35,11 @@ from .mirror import Mirror
 from .peers import PeerClient, PeerError, PeerResponse
 from .signing import OWNER_HEADER, PEER_HEADER, Signing, scope_path
 
-if TYPE_CHECKING:
-    from .cluster import Cluster
-
-__all__ = ["PeerRefusal", "Relay", "remote_replica", "replica_header"]
+__all__ = ["PeerRefusal", "Relay"]
 
 # Answers up to this size are read whole; bigger ones stream through.
 _WHOLE_BYTES = 1 << 20
 _PASSED_HEADERS = ("content-type", "content-length", "retry-after", "www-authenticate")
-_REPLICA_HEADER = wire.REPLICA_HEADER.encode()
 _RELAYED = (b"accept", b"content-type")
 
 
@@ -57,18 +53,6 @@ class PeerRefusal(ServiceError):
     def __init__(self, code: ErrorCode, message: str, **extra: Any) -> None:
         super().__init__(message, **extra)
         self.code = code
-
-
-def remote_replica(cluster: Cluster | None, future_id: str) -> str | None:
-    """The replica holding ``future_id`` when it is another one (and this request may
-    be forwarded); ``None`` to serve it here."""
-    return None if cluster is None else cluster.membership.elsewhere(future_id)
-
-
-def replica_header(cluster: Cluster) -> tuple[bytes, bytes]:
-    """The raw header that names this replica in an answer, as it is named now (a
-    replica that rejoins is renamed)."""
-    return _REPLICA_HEADER, cluster.replica_id.encode()
 
 
 class Relay:
