@@ -144,14 +144,27 @@ def test_the_header_of_a_frame_over_2_gib_is_understood() -> None:
     # multiprocessing writes -1 and then an 8-byte size for frames of 2 GiB and more
     payload = frames.pack({"id": 1})
     stream = (-1).to_bytes(4, "big", signed=True) + len(payload).to_bytes(8, "big") + payload
-    got: list[dict[str, Any]] = []
+    got, _ = _read_all(stream)
+    assert got == [{"id": 1}]
+
+
+@pytest.mark.parametrize("reply", [[1, 2], "ok", 7, None], ids=repr)
+def test_a_reply_that_is_no_map_stops_the_reading(reply: Any) -> None:
+    good = frames.pack({"id": 1, "kind": "ok"})
+    got, reader = _read_all(b"".join(frames.frame(m) for m in (good, frames.pack(reply), good)))
+    assert got == [{"id": 1, "kind": "ok"}] and reader.garbled and reader.ended.is_set()
+
+
+def _read_all(stream: bytes) -> tuple[list[Any], LoopReader]:
+    """What a reader makes of ``stream`` written whole to a closed pipe, and the reader."""
+    got: list[Any] = []
     r, w = os.pipe()
     os.write(w, stream)
     os.close(w)
     reader = LoopReader(r, lambda message, loop: got.append(message))
     reader.read_rest()
     os.close(r)
-    assert got == [{"id": 1}]
+    return got, reader
 
 
 def test_a_frame_that_is_no_message_stops_the_reading() -> None:
