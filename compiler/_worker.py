@@ -27,6 +27,10 @@ __all__ = ["CompilePool", "Pipe", "compile_options", "configure_jax"]
 logger = logging.getLogger("jitserve.compiler.worker")
 
 _OK, _ERR = b"K", b"E"
+# A request that starts with this byte carries its compile options before the module
+# (4-byte length, a serialized ``CompileOptionsProto``); MLIR bytecode and text never
+# start with it.
+_WITH_OPTIONS = b"\x01"
 
 
 def configure_jax() -> None:
@@ -63,7 +67,7 @@ def _worker_main(conn: Pipe) -> None:
     configure_jax()
     backend = xb.get_backend()
     devices = xc.DeviceList(tuple(backend.devices()[:1]))
-    options = compile_options()
+    default_options = compile_options()
     try:
         conn.send_bytes(_OK)  # ready
     except OSError:
@@ -73,7 +77,12 @@ def _worker_main(conn: Pipe) -> None:
             module = conn.recv_bytes()
         except EOFError:
             return
+        options = default_options
         try:
+            if module[:1] == _WITH_OPTIONS:  # an IFRT proxy client's own (sanitized) options
+                size = int.from_bytes(module[1:5], "big")
+                options = xc.CompileOptions.ParseFromString(module[5:5 + size])
+                module = module[5 + size:]
             exe = backend.compile_and_load(module, devices, options)
             reply = _OK + backend.serialize_executable(exe)
         except Exception as e:  # XLA's refusal, returned to the caller as text
@@ -166,8 +175,14 @@ class CompilePool:
                 return
             self._give_back(worker)
 
-    def compile(self, module: bytes) -> bytes:
-        """Compile a StableHLO module (bytecode); the serialized executable."""
+    def compile(self, module: bytes, options: bytes | None = None) -> bytes:
+        """Compile a StableHLO module (bytecode); the serialized executable.
+
+        ``options``: a serialized ``CompileOptionsProto`` to compile with instead of
+        ``compile_options()`` (already sanitized: ``compiler.ifrt.sanitize_options``).
+        """
+        if options is not None:
+            module = _WITH_OPTIONS + len(options).to_bytes(4, "big") + options + module
         with self._slots:
             worker = self._take()
             deadline = time.monotonic() + self.timeout_s

@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,6 +218,11 @@ class Executable:
         self.out_nbytes = (sum(a.nbytes for a in self.out_avals)
                            if all(a.is_static for a in self.out_avals) else None)
 
+    @property
+    def loaded(self) -> Any:
+        """jaxlib's ``LoadedExecutable``: its shardings, layouts and stats (``service.runtimes.ifrt``)."""
+        return self._loaded
+
     def check_inputs(self, avals: Sequence[Aval]) -> None:
         """Raise ``SignatureMismatch`` naming the first input that does not fit."""
         check_inputs(self.in_avals, avals)
@@ -350,6 +355,18 @@ class Compiler:
         donate = check_donate(donate, len(concrete))
         parts = self._parts(program, concrete, static_key, donate)
         key = cache_key(parts)
+
+        def resolve() -> Lookup:
+            lookup = self._resolve(program, concrete, static_key, donate, key, parts)
+            self._history.record(program.program_id, key, parts,
+                                 lookup.executable.meta.get("created"))
+            return lookup
+
+        return self._single_flight(key, resolve)
+
+    def _single_flight(self, key: str, resolve: Callable[[], Lookup]) -> Lookup:
+        """L1's hit for ``key``, or ``resolve()``'s, called by one thread while others
+        asking for the same key wait for it."""
         hit = self._executables.cached(key)
         if hit is not None:
             return Lookup(hit, key, TierName.MEMORY, 0.0)
@@ -357,9 +374,7 @@ class Compiler:
         if not leader:
             return Lookup(future.result(), key, TierName.MEMORY, 0.0)
         try:
-            lookup = self._resolve(program, concrete, static_key, donate, key, parts)
-            self._history.record(program.program_id, key, parts,
-                                 lookup.executable.meta.get("created"))
+            lookup = resolve()
         except BaseException as e:
             future.set_exception(e)
             raise
@@ -368,6 +383,61 @@ class Compiler:
                 self._inflight.pop(key, None)
         future.set_result(lookup.executable)
         return lookup
+
+    def server_options(self) -> bytes:
+        """This server's compile options, serialized: where a client's sanitized ones start
+        (``compiler.ifrt.sanitize_options``)."""
+        serialized: bytes = self._options.SerializeAsString()
+        return serialized
+
+    def lookup_module(self, data: bytes, options: bytes) -> Lookup:
+        """The executable of a whole StableHLO module compiled with ``options``: an IFRT
+        proxy client's program (``service.runtimes.ifrt``).
+
+        ``data``: MLIR bytecode, text or a portable artifact, checked as any upload is
+        (``safety``: limits, op and custom-call allowlists); ``options``: a serialized
+        ``CompileOptionsProto``, already sanitized. The key is the module's bytes, the
+        options' digest and this backend's parts, so a second session, process or
+        replica finds it in the tiers.
+        """
+        import hashlib
+
+        limits = self.config.limits
+        with stablehlo.new_context() as ctx:
+            module = stablehlo.parse_module(data, ctx, limits)
+            check_module(module, limits, static=True)
+            in_avals, out_avals = stablehlo.main_signature(module)
+            bytecode = stablehlo.to_bytecode(module)
+        program_id = hashlib.sha256(data).hexdigest()
+        backend = dataclasses.replace(self._key_backend,
+                                      options_digest=hashlib.sha256(options).hexdigest())
+        parts = key_parts(program_id=program_id, in_avals=in_avals, static_key="ifrt",
+                          backend=backend)
+        key = cache_key(parts)
+
+        def resolve() -> Lookup:
+            hit = self._from_tiers(key)
+            if hit is not None:
+                return hit
+            with self._shared_flight(key) as should_compile:
+                hit = None if should_compile else self._from_tiers(key)
+                if hit is not None:
+                    return hit
+                start = time.perf_counter()
+                serialized = self._pool.compile(bytecode, options)
+                self._compilations += 1
+                meta = {**self._expected_meta(key), "program_id": program_id, "format": "ifrt",
+                        "static_key": "ifrt", "in_avals": [a.to_json() for a in in_avals],
+                        "out_avals": [a.to_json() for a in out_avals], "out_tree": None,
+                        "created": time.time(), "key_parts": dict(parts),
+                        "recompiled_because": None}
+                meta["compile_seconds"] = seconds = time.perf_counter() - start
+                executable = Executable(self._deserialize(serialized), key, meta, len(serialized))
+                self._executables.put(key, encode_entry(key, Entry(serialized, meta), self._secret),
+                                      executable)
+                return Lookup(executable, key, TierName.COMPILED, seconds)
+
+        return self._single_flight(key, resolve)
 
     def executable_id(self, program: Program, in_avals: Sequence[Aval] | None = None,
                       static_key: str = "", donate: Sequence[int] = ()) -> str:

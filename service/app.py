@@ -123,11 +123,18 @@ class JitserveApp(FastAPI):
         try:
             async with serving(self.settings, self.metrics, pool) as services:
                 grpc_server = await v2.start_grpc(services, self.version)  # JITSERVE_GRPC_PORT
+                ifrt_server = None
+                if self.settings.ifrt_port is not None:  # JAX's own protocol (service/ifrt)
+                    from .ifrt.server import start as start_ifrt
+
+                    ifrt_server, _ = await start_ifrt(self.settings, pool, self.metrics)
                 self._services = services
                 try:
                     yield
                 finally:
                     self._services = None
+                    if ifrt_server is not None:
+                        await ifrt_server.stop(5)
                     if grpc_server is not None:
                         await grpc_server.stop(5)
         finally:

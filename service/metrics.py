@@ -115,6 +115,21 @@ class Metrics:
         self.connections_closed = Counter("jitserve_connections_closed",
                                           "connections closed before a whole request head",
                                           ["reason"], registry=r)
+        # JAX's IFRT proxy (service/ifrt): sessions, requests by type, bytes each way,
+        # compiles by tier and refusals by status.
+        self.ifrt_sessions = Gauge("jitserve_ifrt_sessions", "open IFRT proxy sessions",
+                                   registry=r)
+        self.ifrt_sessions_closed = Counter("jitserve_ifrt_sessions_closed",
+                                            "IFRT proxy sessions ended, by reason", ["reason"],
+                                            registry=r)
+        self.ifrt_requests = Counter("jitserve_ifrt_requests",
+                                     "IFRT proxy requests by type and answer status",
+                                     ["type", "status"], registry=r)
+        self.ifrt_compiles = Counter("jitserve_ifrt_compiles",
+                                     "IFRT proxy compiles by the tier that served them",
+                                     ["tier"], registry=r)
+        self.ifrt_bytes = Counter("jitserve_ifrt_bytes", "host-buffer bytes moved by the IFRT proxy",
+                                  ["direction"], registry=r)
         self.runtimes_up = Gauge("jitserve_runtimes_up", "runtime processes up", registry=r)
         self.runtimes_count = Gauge("jitserve_runtimes", "runtime processes", registry=r)
         self.runtime_restarts = Counter("jitserve_runtime_restarts",

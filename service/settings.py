@@ -51,6 +51,14 @@ class Settings(BaseSettings):
     # The Open Inference Protocol's gRPC service (service/v2, docs/v2.md) on this port of
     # `host`; unset: no gRPC (the /v2 REST routes are always served).
     grpc_port: int | None = Field(None, ge=0, le=65535)
+    # JAX's own remote-backend protocol, the IFRT proxy (service/ifrt, docs/ifrt.md), on
+    # this port of `host`: unmodified JAX programs run here with JAX_PLATFORMS=jitserve.
+    # Unset: off.
+    ifrt_port: int | None = Field(None, ge=0, le=65535)
+    # A session that sends nothing for this long is closed, and what it held freed.
+    ifrt_session_idle_s: float = Field(600.0, gt=0)
+    # How long a request waits for a host buffer the client has not finished sending.
+    ifrt_host_buffer_wait_s: float = Field(60.0, gt=0)
     cache_dir: Path = DEFAULT_CACHE_DIR
     # The shared L2 cache of programs and executables (docs/redis.md); REDIS_URL is
     # the common name. Unset: everything stays on this host.

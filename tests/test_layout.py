@@ -203,8 +203,9 @@ MAY_IMPORT = {
     "calls": {"base", "calls", "runtimes"},
     "api": {"base", "api", "calls", "cluster", "runtimes"},
     "v2": {"base", "v2", "api", "calls", "runtimes"},
-    "app": {"base", "app", "api", "calls", "cluster", "runtimes", "v2"},
-    "cli": {"base", "cli", "app", "api", "calls", "cluster", "runtimes", "v2"},
+    "ifrt": {"base", "ifrt", "api", "runtimes"},
+    "app": {"base", "app", "api", "calls", "cluster", "runtimes", "v2", "ifrt"},
+    "cli": {"base", "cli", "app", "api", "calls", "cluster", "runtimes", "v2", "ifrt"},
     "__main__": {"cli"},
     "root": {"base", "app"},  # jitserve.service: Settings and create_app, lazily
 }

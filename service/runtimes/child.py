@@ -57,6 +57,12 @@ from .protocol import (
     ForgetAnswer,
     ForgetRequest,
     FreeRequest,
+    IfrtAnswer,
+    IfrtCloseAnswer,
+    IfrtCloseRequest,
+    IfrtReadAnswer,
+    IfrtReadRequest,
+    IfrtRequest,
     Kind,
     LookupAnswer,
     LookupRequest,
@@ -136,6 +142,10 @@ class RuntimeServer:
         self.device = self.compiler.device
         self.buffers: dict[int, Any] = {}
         self._handles = itertools.count(1)
+        self._ifrt: Any = None  # the IFRT proxy's sessions (runtimes.ifrt), made on first use
+        # A lock per session: its batches come one after another anyway, and a read of
+        # its host buffers must not meet a batch; two sessions run side by side.
+        self._ifrt_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
         self._threads = settings.executor_threads + _OTHER_THREADS
         self._recv_lock = threading.Lock()
         self._runs_lock = threading.Lock()
@@ -553,6 +563,58 @@ class RuntimeServer:
                 "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
                 "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran}
 
+    # -- IFRT proxy sessions (runtimes.ifrt) -------------------------------------
+
+    @property
+    def _sessions(self) -> Any:
+        if self._ifrt is None:
+            from .ifrt import Sessions
+
+            self._ifrt = Sessions(self.compiler)
+        return self._ifrt
+
+    def op_ifrt(self, m: IfrtRequest) -> IfrtAnswer:
+        """One batch of a session, in order (the API process sends the next one after
+        this answer): the responses, and the host buffers it made, small ones inline."""
+        import numpy as np
+
+        from .ifrt import unpack_buffers
+
+        with self._ifrt_locks[int(m["session"])]:
+            responses, made, tiers = self._sessions.serve(
+                int(m["session"]), str(m.get("owner", "")), list(m["requests"]),
+                unpack_buffers(m.get("buffers", {})))
+            host: dict[int, dict[str, Any]] = {}
+            for handle, data in made.items():
+                if data.nbytes < frames.INLINE_MAX_BYTES:
+                    self._sessions.read(int(m["session"]), handle)
+                    host[handle] = frames.write_arrays([np.asarray(data)], [None], None, None)[0]
+                else:
+                    host[handle] = {"nbytes": int(data.nbytes)}
+        return {"responses": responses, "host": host, "compiles": tiers}
+
+    def op_ifrt_read(self, m: IfrtReadRequest) -> IfrtReadAnswer:
+        from .ifrt import IfrtFailure
+
+        with self._ifrt_locks[int(m["session"])]:
+            try:
+                data = self._sessions.read(int(m["session"]), int(m["handle"]))
+            except IfrtFailure as e:
+                raise RemoteFailure("not_found", str(e)) from None
+        into = m["into"]
+        mapping = frames.Segment.open(into["shm"])
+        try:
+            return {"arrays": frames.write_arrays([data], into["offsets"], mapping, into["shm"])}
+        finally:
+            mapping.close()
+
+    def op_ifrt_close(self, m: IfrtCloseRequest) -> IfrtCloseAnswer:
+        with self._ifrt_locks.pop(int(m["session"]), threading.Lock()):
+            if self._ifrt is None:
+                return {}
+            used: IfrtCloseAnswer = self._sessions.close(int(m["session"]))
+            return used
+
     def op_free(self, m: FreeRequest) -> None:
         """Drop outputs. Never answered: the reader does it before it reads on."""
         for handle in m.get("handles", ()):
@@ -627,6 +689,9 @@ HANDLERS: Final[dict[Op, Handler]] = {
     Op.FORGET: RuntimeServer.op_forget,
     Op.STATS: RuntimeServer.op_stats,
     Op.FREE: RuntimeServer.op_free,
+    Op.IFRT: RuntimeServer.op_ifrt,
+    Op.IFRT_READ: RuntimeServer.op_ifrt_read,
+    Op.IFRT_CLOSE: RuntimeServer.op_ifrt_close,
 }
 
 

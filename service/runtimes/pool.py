@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -613,7 +614,11 @@ class RuntimePool:
         if len(self.runtimes) == 1:
             return self.runtimes[0]
         if owner is None:
-            return self.runtimes[int(hint[:8] or "0", 16) % len(self.runtimes)]
+            try:
+                spread = int(hint[:8] or "0", 16)
+            except ValueError:  # not an id of ours: still a place, never a failure
+                spread = zlib.crc32(hint.encode("utf-8", "replace"))
+            return self.runtimes[spread % len(self.runtimes)]
         with self._lock:
             index = self._owners.get(owner)
             if index is None:

@@ -30,6 +30,9 @@ is served (frees ride on requests: ``RuntimePool.free``)::
     forget   ForgetRequest    ForgetAnswer     drop an executable from every tier
     stats    StatsRequest     StatsAnswer      counters, for /metrics and /readyz
     free     FreeRequest      (none)           drop outputs; no ``id``, no answer
+    ifrt     IfrtRequest      IfrtAnswer       one batch of an IFRT proxy session, in order
+    ifrt_read IfrtReadRequest IfrtReadAnswer   a big host buffer a batch made
+    ifrt_close IfrtCloseRequest IfrtCloseAnswer drop a session's arrays and executables
 
 **Replies** (runtime -> API process) are ``{"id": n, "kind": <Kind>, ...}``:
 
@@ -67,7 +70,9 @@ from typing import Any, NotRequired, TypeAlias, TypedDict
 __all__ = [
     "ArgDesc", "ArrayDesc", "AvalDoc", "Config", "DecodeAnswer", "DecodeRequest", "DeviceDoc",
     "ExecutableDoc", "Failure", "FetchAnswer", "FetchInto", "FetchRequest", "ForgetAnswer",
-    "ForgetRequest", "FreeRequest", "Kind", "LookupAnswer", "LookupRequest", "Op", "ProgramAnswer",
+    "ForgetRequest", "FreeRequest", "IfrtAnswer", "IfrtCloseAnswer", "IfrtCloseRequest",
+    "IfrtReadAnswer", "IfrtReadRequest", "IfrtRequest", "Kind", "LookupAnswer", "LookupRequest",
+    "Op", "ProgramAnswer",
     "ProgramDoc", "ProgramRequest", "PutAnswer", "PutRequest", "Ready", "Reply", "RunAnswer",
     "RunRequest", "SplitAnswer", "StatsAnswer", "StatsRequest",
 ]
@@ -85,6 +90,9 @@ class Op(enum.StrEnum):
     FORGET = "forget"
     STATS = "stats"
     FREE = "free"
+    IFRT = "ifrt"
+    IFRT_READ = "ifrt_read"
+    IFRT_CLOSE = "ifrt_close"
 
 
 class Kind(enum.StrEnum):
@@ -284,3 +292,41 @@ class StatsAnswer(TypedDict):
 
 class FreeRequest(TypedDict):
     handles: list[int]
+
+
+class IfrtRequest(TypedDict):
+    """A batch of one IFRT proxy session (``service.ifrt``), answered in order."""
+
+    session: int  # the session's id (the one its InitResponse names)
+    owner: str  # the key digest the session belongs to ("" without keys)
+    requests: list[bytes]  # serialized ``xla.ifrt.proxy.IfrtRequest``s
+    buffers: dict[int, ArrayDesc]  # host buffers the requests name, as uint8 arrays
+
+
+class IfrtAnswer(TypedDict):
+    responses: list[bytes]  # serialized ``IfrtResponse``s, one per request
+    # host buffers the batch made (``copy_to_host_buffer``), by handle: an ``ArrayDesc``
+    # (inline) when small, else ``{"nbytes": n}``: read it with ``ifrt_read``
+    host: dict[int, dict[str, Any]]
+    compiles: list[str]  # the tier each compile of the batch was served from
+
+
+class IfrtReadRequest(TypedDict):
+    session: int
+    handle: int
+    into: FetchInto  # the segment the bytes go to (one array of uint8)
+
+
+class IfrtReadAnswer(TypedDict):
+    arrays: list[ArrayDesc]
+
+
+class IfrtCloseRequest(TypedDict):
+    session: int
+
+
+class IfrtCloseAnswer(TypedDict, total=False):
+    arrays: int
+    executables: int
+    compiles: int
+    executes: int

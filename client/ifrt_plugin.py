@@ -1,0 +1,176 @@
+"""The ``jitserve`` JAX backend: unmodified JAX programs run on a jitserve server.
+
+Installed with ``jitserve[jit]`` and found by jax itself (the ``jax_plugins`` entry
+point), so nothing in the program changes::
+
+    JAX_PLATFORMS=jitserve JITSERVE_IFRT_TARGET=gpu-host:50051 JITSERVE_API_KEY=... python train.py
+
+jax then talks to the server with jaxlib's own IFRT proxy client
+(``jaxlib._ifrt_proxy``): ``jax.devices()`` lists the server's devices, and every
+array, ``jax.jit`` and eager op lives and runs there. This module only registers the
+backend and sets the client up:
+
+- ``JITSERVE_IFRT_TARGET`` (``host:port``, or ``grpc://host:port``) is where the server's
+  ``JITSERVE_IFRT_PORT`` listens; ``JITSERVE_API_KEY`` goes in the session's
+  initialization data; ``JITSERVE_IFRT_CONNECT_TIMEOUT_S`` bounds the first connection.
+- The backend is registered as ``jitserve``, and, once connected, under the platform
+  the server reports as well (``cpu``, or ``gpu`` and ``cuda``), so code that names a
+  platform (``jax.devices("cpu")``, ``jax.jit(f, backend="cpu")``) finds the server's.
+- The client speaks plaintext gRPC (its only other transport is ALTS): use it on
+  loopback or a private network (docs/ifrt.md).
+- At exit the session is ended cleanly before the interpreter tears down: otherwise
+  jaxlib's client logs an error per live executable and aborts the process.
+
+Imports nothing heavy until jax asks for the backend.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["BACKEND", "initialize"]
+
+BACKEND = "jitserve"
+_ALIASES = {"gpu": ("gpu", "cuda"), "cuda": ("cuda", "gpu"), "rocm": ("rocm", "gpu")}
+_client: Any = None
+
+
+def initialize() -> None:
+    """Register the backend with jax (called by jax's plugin discovery)."""
+    from jax._src import xla_bridge
+
+    # Only where asked for (JAX_PLATFORMS=jitserve): jax tries every registered backend
+    # when no platform is named, and this one would connect somewhere, or log why not.
+    asked = xla_bridge.config.jax_platforms.value or ""
+    if BACKEND not in asked.split(",") or BACKEND in xla_bridge._backend_factories:
+        return
+    xla_bridge.register_backend_factory(BACKEND, _make_client, priority=-100, fail_quietly=True)
+
+
+def target() -> str:
+    """The server to connect to, as jaxlib's client wants it (``grpc://host:port``)."""
+    value = os.environ.get("JITSERVE_IFRT_TARGET", "").strip()
+    if not value:
+        raise RuntimeError("JAX_PLATFORMS=jitserve needs JITSERVE_IFRT_TARGET=host:port "
+                           "(a jitserve server's JITSERVE_IFRT_PORT)")
+    return value if "://" in value else f"grpc://{value}"
+
+
+def _make_client() -> Any:
+    global _client
+    from jax._src import xla_bridge
+    from jaxlib import _ifrt_proxy
+
+    # The client's transport: plaintext gRPC unless told otherwise (its only other
+    # choice is ALTS, which needs Google's infrastructure).
+    os.environ.setdefault("IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS", "true")
+    options = _ifrt_proxy.ClientConnectionOptions()
+    options.connection_timeout_in_seconds = int(float(
+        os.environ.get("JITSERVE_IFRT_CONNECT_TIMEOUT_S", "30")))
+    key = os.environ.get("JITSERVE_API_KEY", "")
+    if key:
+        options.initialization_data = {"jitserve_api_key": key.encode()}
+    with _quiet_stderr():
+        client = _ifrt_proxy.get_client(target(), options)
+    _client = client
+    for name in _ALIASES.get(client.platform, (client.platform,)):
+        xla_bridge._backends.setdefault(name, client)
+    _pass_strided_inputs_whole()
+    atexit.register(_end_session)
+    return client
+
+
+def _pass_strided_inputs_whole() -> None:
+    """numpy inputs with zero or negative strides (``np.broadcast_to``, ``x[::-1]``) as
+    contiguous copies: jaxlib's client refuses them ("Negative or zero strides are not
+    fully supported") before anything reaches the server. Wraps the one call jax moves
+    host arrays to devices with, for this backend's devices only."""
+    import numpy as np
+    from jax._src.interpreters import pxla
+
+    original = pxla.batched_device_put
+    if getattr(original, "_jitserve", False):
+        return
+
+    def batched_device_put(aval: Any, sharding: Any, xs: Any, devices: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+        if devices and getattr(devices[0], "client", None) is _client:
+            xs = [np.ascontiguousarray(x) if isinstance(x, np.ndarray) and x.ndim
+                  and any(s <= 0 for s in x.strides) and x.size > 1 else x for x in xs]
+        return original(aval, sharding, xs, devices, *args, **kwargs)
+
+    batched_device_put._jitserve = True  # type: ignore[attr-defined]
+    pxla.batched_device_put = batched_device_put
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Connecting, jaxlib's client warns on every run that its credentials are plaintext
+    (which is the point: docs/ifrt.md); its failures still come back as exceptions.
+    ``JITSERVE_IFRT_LOGS=1`` shows its logs (jax itself sets ``TF_CPP_MIN_LOG_LEVEL``,
+    so that cannot tell)."""
+    if os.environ.get("JITSERVE_IFRT_LOGS"):
+        yield
+        return
+    import sys
+
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _end_session() -> None:
+    """Drop every executable and array while the session is still up, then let go of
+    the client: what is destroyed after gRPC has shut down makes jaxlib's client
+    abort the process."""
+    global _client
+    if _client is None:
+        return
+    import gc
+
+    import jax
+    from jax._src import xla_bridge
+
+    if not os.environ.get("JITSERVE_IFRT_LOGS"):
+        _mute_native_stderr()
+    try:
+        jax.clear_caches()
+        for array in _client.live_arrays():
+            array.delete()
+    except Exception:  # noqa: BLE001 - exiting anyway; never mask the program's own status
+        pass
+    xla_bridge._clear_backends()
+    _client = None
+    gc.collect()
+
+
+def _mute_native_stderr() -> None:
+    """From here to the end of the process, what native code writes to descriptor 2
+    is dropped; Python's ``sys.stderr`` keeps writing where it did.
+
+    Letting go of jaxlib's client (here, or in the interpreter's teardown) makes it log
+    a warning and a stack trace ("IFRT proxy server disconnected: CANCELLED") after
+    the program's work is done: noise on every run.
+    """
+    import sys
+
+    try:
+        sys.stderr.flush()
+        kept = os.dup(2)
+        sys.stderr = open(kept, "w", buffering=1, encoding=sys.stderr.encoding,  # noqa: SIM115
+                          errors=sys.stderr.errors, closefd=True)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass

@@ -1,0 +1,1 @@
+"""JAX's IFRT proxy protocol: unmodified JAX programs run on jitserve (``server``)."""

@@ -1,0 +1,511 @@
+"""JAX's remote-backend protocol, the IFRT proxy, served over gRPC (``xla.ifrt.proxy.GrpcIfrtService``).
+
+jaxlib ships the client (``jaxlib._ifrt_proxy``); ``jitserve.client.ifrt_plugin``
+registers it as jax's ``jitserve`` backend, so an unmodified JAX program run with
+``JAX_PLATFORMS=jitserve JITSERVE_IFRT_TARGET=host:port`` sends every array and
+program here. Served with ``grpc.aio`` on the API process's event loop, on a port of
+its own (``JITSERVE_IFRT_PORT``; off when unset).
+
+- ``GetVersion`` answers a protocol version both sides know (``PROTOCOL_VERSIONS``),
+  or fails with FAILED_PRECONDITION naming both ranges: jaxlib's client aborts its
+  process on an answer outside its range, so none is ever given.
+- ``IfrtSession`` is one client: a stream of requests answered in order. A session is
+  placed on one runtime (by API key, as ``/v1`` callers are) and lives there: its
+  arrays and executables are the runtime's, and this process only relays. Requests
+  queue while a batch is at the runtime and go as the next batch (``Op.IFRT``), so a
+  client that pipelines is answered at the runtime's pace, not a round trip's.
+- ``HostBufferStore``/``Lookup``/``Delete`` move array bytes. Stored buffers wait here
+  until the request that names them goes, and cross to the runtime in shared memory;
+  a request whose buffer does not arrive within ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``
+  is answered NOT_FOUND.
+
+A session ends when the client closes it, when it sends nothing for
+``JITSERVE_IFRT_SESSION_IDLE_S``, or when its runtime stops (a crash: UNAVAILABLE; an
+execution past ``JITSERVE_EXECUTION_TIMEOUT_S``: DEADLINE_EXCEEDED), with a status
+that says which; the runtime then drops all it held. One log line per session says
+who, how long and what it used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from jitserve.compiler.ifrt_protos import message
+
+from ..api.auth import authenticate
+from ..errors import Unauthorized
+from ..metrics import Metrics
+from ..runtimes.pool import RemoteError, Runtime, RuntimeLost, RuntimePool
+from ..runtimes.protocol import Op
+from ..settings import Settings
+
+__all__ = ["PROTOCOL_VERSIONS", "IfrtService", "start"]
+
+log = logging.getLogger("jitserve.ifrt")
+
+SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
+# The protocol versions this server speaks: jaxlib 0.10.2's and 0.11.2's clients ask
+# for 16-25 (their serdes versions, 3 and 6, are taken as they come).
+PROTOCOL_VERSIONS = range(16, 26)
+SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
+STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+API_KEY_ATTRIBUTE = "jitserve_api_key"  # in the session's initialization_data
+_P = "xla.ifrt.proxy."
+_BATCH_MAX = 256  # requests in one batch to a runtime
+_CHUNK = 4 << 20  # bytes per HostBufferLookup message
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """One client's session, as this process sees it (its state is the runtime's)."""
+
+    id: int
+    owner: str
+    runtime: Runtime
+    protocol: int
+    opened: float = dataclasses.field(default_factory=time.monotonic)
+    generation: int | None = None  # the runtime process that holds it, from its first batch
+    host_in: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    host_out: dict[int, Any] = dataclasses.field(default_factory=dict)  # ndarray, or nbytes
+    arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
+    requests: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
+    ended: str | None = None
+
+    def event(self, handle: int) -> asyncio.Event:
+        event = self.arrived.get(handle)
+        if event is None:
+            event = self.arrived[handle] = asyncio.Event()
+        return event
+
+
+class _SessionEnded(Exception):
+    """The session cannot go on: ``code`` and ``reason`` are its stream's status."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, label: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.label = label
+
+
+class IfrtService:
+    """The handlers of ``GrpcIfrtService``; ``sessions`` are those open now."""
+
+    def __init__(self, settings: Settings, runtimes: RuntimePool, metrics: Metrics) -> None:
+        self.settings = settings
+        self.runtimes = runtimes
+        self.metrics = metrics
+        self.sessions: dict[int, _Session] = {}
+
+    # -- GetVersion ------------------------------------------------------------------
+
+    async def get_version(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await self._parse("GrpcGetVersionRequest", data, context)
+        low = max(request.min_version.protocol_version, PROTOCOL_VERSIONS.start)
+        high = min(request.max_version.protocol_version, PROTOCOL_VERSIONS.stop - 1)
+        if low > high:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"the client speaks IFRT proxy protocol {request.min_version.protocol_version}-"
+                f"{request.max_version.protocol_version}; this jitserve server speaks "
+                f"{PROTOCOL_VERSIONS.start}-{PROTOCOL_VERSIONS.stop - 1} (jaxlib 0.10.2 to 0.11.2)"))
+        answer = message(_P + "GrpcGetVersionResponse")()
+        answer.version.protocol_version = high
+        answer.version.ifrt_serdes_version_number = request.max_version.ifrt_serdes_version_number
+        return bytes(answer.SerializeToString())
+
+    # -- IfrtSession -----------------------------------------------------------------
+
+    async def session(self, requests: AsyncIterator[bytes],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        session = await self._open(context)
+        queue: asyncio.Queue[tuple[bytes, Any] | None] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read(requests, queue))
+        try:
+            while True:
+                batch: list[tuple[bytes, Any]] = []
+                try:
+                    batch = await self._next_batch(session, queue) or []
+                    if not batch:
+                        break
+                    responses = await self._relay(session, batch)
+                except _SessionEnded as e:
+                    await self._close(session, e.label, str(e))
+                    # Each request waiting for an answer gets the reason as its error:
+                    # jaxlib's client cancels the call itself when the stream ends, and
+                    # sees only CANCELLED, whatever status the stream ends with.
+                    for response in self._refusals(batch, queue, e):
+                        yield response
+                    await context.abort(e.code, str(e))
+                for response in responses:
+                    yield response
+        finally:
+            await self._close(session, "closed", "")
+            reader.cancel()
+
+    @staticmethod
+    def _refusals(batch: list[tuple[bytes, Any]], queue: asyncio.Queue[Any],
+                  e: _SessionEnded) -> list[bytes]:
+        waiting = list(batch)
+        while not queue.empty():
+            item = queue.get_nowait()
+            if item is not None:
+                waiting.append(item)
+        return [_error_response(request.request_metadata.op_id, e.code.value[0], str(e))
+                for _, request in waiting if request is not None]
+
+    async def _open(self, context: grpc.aio.ServicerContext) -> _Session:
+        metadata = dict(context.invocation_metadata() or ())
+        raw = metadata.get(SESSION_METADATA)
+        if not isinstance(raw, bytes):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"an IFRT session needs its {SESSION_METADATA} metadata")
+        try:
+            opening = message(_P + "GrpcIfrtSessionMetadata").FromString(raw)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the {SESSION_METADATA} metadata does not parse")
+        protocol = opening.version.protocol_version
+        if protocol not in PROTOCOL_VERSIONS:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"IFRT proxy protocol {protocol} is not served "
+                                f"({PROTOCOL_VERSIONS.start}-{PROTOCOL_VERSIONS.stop - 1} are)")
+        key = None
+        attributes = opening.initialization_data.attributes
+        if API_KEY_ATTRIBUTE in attributes:
+            key = attributes[API_KEY_ATTRIBUTE].string_value.decode("utf-8", "replace")
+        try:
+            owner = authenticate(key, self.settings) or ""
+        except Unauthorized as e:
+            self.metrics.ifrt_sessions_closed.labels("unauthenticated").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{e} (the jitserve JAX backend sends JITSERVE_API_KEY)")
+        session_id = secrets.randbits(63) or 1
+        runtime = self.runtimes.place(owner or None, f"{session_id:016x}")
+        session = _Session(session_id, owner, runtime, protocol)
+        self.sessions[session_id] = session
+        self.metrics.ifrt_sessions.inc()
+        log.info("IFRT session %016x opened (key %s, runtime %d, protocol %d)", session_id,
+                 owner[:12] or "none", runtime.index, protocol,
+                 extra={"fields": {"ifrt_session": f"{session_id:016x}", "owner": owner[:12],
+                                   "runtime": runtime.index}})
+        return session
+
+    async def _read(self, requests: AsyncIterator[bytes], queue: asyncio.Queue[Any]) -> None:
+        """Parse the client's requests as they come; ``None`` when the stream ends."""
+        try:
+            async for data in requests:
+                try:
+                    request = message(_P + "IfrtRequest").FromString(data)
+                except Exception:  # noqa: BLE001 - garbage: answered, never crashed on
+                    request = None
+                queue.put_nowait((data, request))
+        except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            queue.put_nowait(None)
+
+    async def _next_batch(self, session: _Session,
+                          queue: asyncio.Queue[tuple[bytes, Any] | None]
+                          ) -> list[tuple[bytes, Any]] | None:
+        """The requests to send next (at least one), or ``None`` once the client is done."""
+        try:
+            first = await asyncio.wait_for(queue.get(), self.settings.ifrt_session_idle_s)
+        except TimeoutError:
+            raise _SessionEnded(grpc.StatusCode.ABORTED, (
+                f"jitserve closed this session: it sent nothing for "
+                f"{self.settings.ifrt_session_idle_s:g} s (JITSERVE_IFRT_SESSION_IDLE_S)"),
+                "idle") from None
+        if first is None:
+            return None
+        batch = [first]
+        while len(batch) < _BATCH_MAX and not queue.empty():
+            item = queue.get_nowait()
+            if item is None:
+                queue.put_nowait(None)  # seen again after this batch
+                break
+            batch.append(item)
+        return batch
+
+    async def _relay(self, session: _Session, batch: list[tuple[bytes, Any]]) -> list[bytes]:
+        """Send one batch to the session's runtime; its responses, in order."""
+        answers: list[bytes | None] = [None] * len(batch)
+        sent: list[bytes] = []
+        kinds: list[str] = []
+        buffers: dict[int, np.ndarray] = {}
+        executes = compiles = 0
+        for i, (data, request) in enumerate(batch):
+            kind = request.WhichOneof("request") if request is not None else None
+            if request is None or kind is None:
+                answers[i] = _error_response(
+                    request.request_metadata.op_id if request is not None else 0,
+                    3, "the request is not an IfrtRequest jitserve can read"
+                    if request is None else "the request names no operation")
+                self.metrics.ifrt_requests.labels("garbled", "INVALID_ARGUMENT").inc()
+                continue
+            for handle in _host_buffers_named(request, kind):
+                await self._wait_for_buffer(session, handle)
+                buffer = session.host_in.pop(handle, None)
+                session.arrived.pop(handle, None)
+                if buffer is not None:
+                    buffers[handle] = np.frombuffer(buffer, np.uint8)
+            executes += kind == "loaded_executable_execute_request"
+            compiles += kind == "compile_request"
+            sent.append(data)
+            kinds.append(kind)
+        if sent:
+            responses, host, tiers = await self._to_runtime(session, sent, buffers, executes, compiles)
+            for tier in tiers:
+                session.compiles[tier] = session.compiles.get(tier, 0) + 1
+                self.metrics.ifrt_compiles.labels(tier).inc()
+            for handle, desc in host.items():
+                session.host_out[int(handle)] = desc
+                session.event(-int(handle)).set()
+            it = iter(responses)
+            for i, answer in enumerate(answers):
+                if answer is None:
+                    answers[i] = next(it)
+            for kind, response in zip(kinds, responses):
+                self.metrics.ifrt_requests.labels(kind.removesuffix("_request"),
+                                                  _status_of(response)).inc()
+        session.requests += len(batch)
+        return [a for a in answers if a is not None]
+
+    async def _wait_for_buffer(self, session: _Session, handle: int) -> None:
+        if handle in session.host_in:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(session.event(handle).wait(),
+                                   self.settings.ifrt_host_buffer_wait_s)
+
+    async def _to_runtime(self, session: _Session, requests: list[bytes],
+                          buffers: dict[int, np.ndarray], executes: int, compiles: int
+                          ) -> tuple[list[bytes], dict[int, Any], list[str]]:
+        from ..runtimes import frames
+
+        settings = self.settings
+        handles = list(buffers)
+        descs, segment = frames.pack_arrays([buffers[h] for h in handles], self.runtimes.segments)
+        timeout = (executes * settings.execution_timeout_s + compiles * settings.lookup_timeout_s
+                   or settings.decode_timeout_s)
+        try:
+            reply = await session.runtime.request(
+                Op.IFRT, {"session": session.id, "owner": session.owner, "requests": requests,
+                          "buffers": dict(zip(handles, descs))}, timeout_s=timeout)
+        except RuntimeLost as e:
+            raise self._lost(session, e) from None
+        except RemoteError as e:
+            raise _SessionEnded(grpc.StatusCode.INTERNAL, f"jitserve's runtime refused the "
+                                f"batch: {e}", "refused") from None
+        finally:
+            if segment is not None:
+                self.runtimes.segments.give_back(segment)
+        generation = reply.get("generation")
+        if session.generation is None:
+            session.generation = generation
+        elif generation != session.generation:
+            raise _SessionEnded(grpc.StatusCode.UNAVAILABLE, (
+                f"runtime {session.runtime.index} restarted ({session.runtime.last_exit or 'lost'}): "
+                "this session's arrays and executables are gone"), "runtime_lost")
+        session.bytes_in += sum(int(b.nbytes) for b in buffers.values())
+        self.metrics.ifrt_bytes.labels("in").inc(sum(int(b.nbytes) for b in buffers.values()))
+        return list(reply["responses"]), dict(reply.get("host", {})), list(reply.get("compiles", ()))
+
+    def _lost(self, session: _Session, e: RuntimeLost) -> _SessionEnded:
+        if e.code == "execution_timeout":
+            return _SessionEnded(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"an execution passed its deadline of {self.settings.execution_timeout_s:g} s "
+                f"(JITSERVE_EXECUTION_TIMEOUT_S): jitserve stopped runtime "
+                f"{session.runtime.index}, and this session's arrays and executables are gone"),
+                "execution_timeout")
+        return _SessionEnded(grpc.StatusCode.UNAVAILABLE, (
+            f"jitserve's runtime {session.runtime.index} was lost ({e}): this session's arrays "
+            "and executables are gone; open a new session"), "runtime_lost")
+
+    async def _close(self, session: _Session, reason: str, detail: str) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        session.ended = reason
+        self.metrics.ifrt_sessions.dec()
+        self.metrics.ifrt_sessions_closed.labels(reason).inc()
+        used: dict[str, Any] = {}
+        if session.generation is not None and session.runtime.generation == session.generation:
+            with contextlib.suppress(RemoteError):
+                used = await session.runtime.request(Op.IFRT_CLOSE, {"session": session.id},
+                                                     timeout_s=self.settings.decode_timeout_s)
+        seconds = time.monotonic() - session.opened
+        log.info("IFRT session %016x closed (%s%s) after %.1f s: %d requests, %d compiles %s, "
+                 "%d executes, %d bytes in, %d bytes out", session.id, reason,
+                 f": {detail}" if detail else "", seconds, session.requests,
+                 sum(session.compiles.values()), session.compiles, used.get("executes", 0),
+                 session.bytes_in, session.bytes_out,
+                 extra={"fields": {"ifrt_session": f"{session.id:016x}", "reason": reason,
+                                   "seconds": round(seconds, 3), "requests": session.requests,
+                                   "compiles": session.compiles,
+                                   "executes": used.get("executes", 0),
+                                   "bytes_in": session.bytes_in, "bytes_out": session.bytes_out,
+                                   "owner": session.owner[:12]}})
+
+    # -- host buffers ----------------------------------------------------------------
+
+    async def host_buffer_store(self, chunks: AsyncIterator[bytes],
+                                context: grpc.aio.ServicerContext) -> bytes:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            meta = message(_P + "GrpcHostBufferStoreMetadata").FromString(metadata[STORE_METADATA])
+        except Exception:  # noqa: BLE001 - missing or garbage
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a host buffer store needs its {STORE_METADATA} metadata")
+        session = await self._session_of(meta.session_id, context)
+        limit = self.settings.max_body_bytes
+        if meta.buffer_size > limit or meta.buffer_size < 0:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"a host buffer of {meta.buffer_size:,} bytes is over this server's limit of "
+                f"{limit:,} (JITSERVE_MAX_BODY_BYTES)"))
+        data = bytearray()
+        async for chunk in chunks:
+            piece = message(_P + "GrpcHostBufferStoreRequest").FromString(chunk).data
+            if len(data) + len(piece) > meta.buffer_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"host buffer {meta.handle} is longer than the {meta.buffer_size} bytes "
+                    "its metadata announced"))
+            data += piece
+        if len(data) != meta.buffer_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"host buffer {meta.handle} has {len(data)} bytes, not the "
+                f"{meta.buffer_size} its metadata announced"))
+        if session.ended is None:
+            session.host_in[meta.handle] = bytes(data)
+            session.event(meta.handle).set()
+        return b""
+
+    async def host_buffer_lookup(self, data: bytes,
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        request = await self._parse("GrpcHostBufferLookupRequest", data, context)
+        session = await self._session_of(request.session_id, context)
+        handle = int(request.handle)
+        if handle not in session.host_out:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(session.event(-handle).wait(),
+                                       self.settings.ifrt_host_buffer_wait_s)
+        desc = session.host_out.pop(handle, None)
+        session.arrived.pop(-handle, None)
+        if desc is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no host buffer {handle} in this session")
+        array = await self._host_bytes(session, handle, desc, context)
+        session.bytes_out += array.nbytes
+        self.metrics.ifrt_bytes.labels("out").inc(array.nbytes)
+        view = memoryview(array.reshape(-1).view(np.uint8).data)
+        reply = message(_P + "GrpcHostBufferLookupResponse")
+        if not len(view):
+            yield bytes(reply().SerializeToString())
+        for start in range(0, len(view), _CHUNK):
+            yield bytes(reply(data=bytes(view[start:start + _CHUNK])).SerializeToString())
+
+    async def _host_bytes(self, session: _Session, handle: int, desc: dict[str, Any],
+                          context: grpc.aio.ServicerContext) -> np.ndarray:
+        from ..runtimes import frames
+
+        if "nbytes" not in desc:
+            return frames.unpack_arrays([desc])[0]
+        segment = self.runtimes.segments.take(int(desc["nbytes"]))
+        try:
+            reply = await session.runtime.request(Op.IFRT_READ, {
+                "session": session.id, "handle": handle,
+                "into": {"shm": segment.name, "offsets": [0]}},
+                timeout_s=self.settings.decode_timeout_s)
+            [array] = frames.unpack_arrays(reply["arrays"], {segment.name: segment.map})
+            return np.array(array, copy=True)
+        except RemoteError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"host buffer {handle} is gone: {e}")
+            raise
+        finally:
+            self.runtimes.segments.give_back(segment)
+
+    async def host_buffer_delete(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await self._parse("GrpcHostBufferDeleteRequest", data, context)
+        session = await self._session_of(request.session_id, context)
+        session.host_in.pop(request.handle, None)
+        session.host_out.pop(request.handle, None)
+        return bytes(message(_P + "GrpcHostBufferDeleteResponse")().SerializeToString())
+
+    async def _session_of(self, session_id: int, context: grpc.aio.ServicerContext) -> _Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no IFRT session {session_id:x} is open")
+        assert session is not None
+        return session
+
+    @staticmethod
+    async def _parse(name: str, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return message(_P + name).FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a {name}")
+
+
+def _host_buffers_named(request: Any, kind: str) -> list[int]:
+    """The host buffers a request reads (they must be here before it goes)."""
+    body = getattr(request, kind)
+    if kind == "make_array_from_host_buffer_request":
+        return [int(body.host_buffer_handle)]
+    if kind == "make_arrays_from_host_buffer_shards_request":
+        return [int(b.host_buffer_handle) for spec in body.specs for b in spec.host_buffers]
+    return []
+
+
+def _error_response(op_id: int, code: int, text: str) -> bytes:
+    response = message(_P + "IfrtResponse")()
+    response.response_metadata.op_id = op_id
+    response.response_metadata.status.code = code
+    response.response_metadata.status.message = text
+    return bytes(response.SerializeToString())
+
+
+def _status_of(data: bytes) -> str:
+    """The status code name of a serialized response, for the metrics."""
+    response = message(_P + "IfrtResponse").FromString(data)
+    code = response.response_metadata.status.code
+    return grpc.StatusCode.OK.name if code == 0 else next(
+        (s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
+
+
+async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics
+                ) -> tuple[grpc.aio.Server, IfrtService]:
+    """A started IFRT proxy server on ``settings.host``:``settings.ifrt_port``."""
+    service = IfrtService(settings, runtimes, metrics)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", min(settings.max_body_bytes + (1 << 20), 2**31 - 1)),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 0),  # a stale server on the port is an error, not a split
+    ])
+
+    def raw(kind: str, fn: Any) -> grpc.RpcMethodHandler:
+        return getattr(grpc, kind)(fn, request_deserializer=None, response_serializer=None)
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+        "GetVersion": raw("unary_unary_rpc_method_handler", service.get_version),
+        "IfrtSession": raw("stream_stream_rpc_method_handler", service.session),
+        "HostBufferStore": raw("stream_unary_rpc_method_handler", service.host_buffer_store),
+        "HostBufferLookup": raw("unary_stream_rpc_method_handler", service.host_buffer_lookup),
+        "HostBufferDelete": raw("unary_unary_rpc_method_handler", service.host_buffer_delete),
+    })])
+    address = f"{settings.host}:{settings.ifrt_port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot listen for the IFRT proxy on {address} (JITSERVE_IFRT_PORT)")
+    await server.start()
+    service.port = port  # type: ignore[attr-defined]
+    log.info("IFRT proxy (unmodified JAX programs) on %s:%d", settings.host, port,
+             extra={"fields": {"ifrt_port": port}})
+    return server, service

@@ -1,0 +1,716 @@
+"""IFRT proxy sessions, inside a runtime process: jax's own remote-backend requests served.
+
+A client that runs with ``JAX_PLATFORMS=jitserve`` (jaxlib's IFRT proxy client) speaks
+``xla.ifrt.proxy.IfrtRequest``s over gRPC to the API process (``service.ifrt``), which
+places the session on one runtime and relays its requests here in order, in batches
+(``Op.IFRT``). This module holds what the session made: arrays, executables, futures and
+host buffers on their way out, all keyed by the client's handles (or ones made here,
+from ``_SERVER_HANDLES`` up: the client counts its own from 1). The API process parses
+requests only to route them; everything that touches a program (compile, execute) or
+an array's bytes happens here, in the supervised process.
+
+Requests run one after another, in the order the client sent them, as the reference
+server (``xla/python/ifrt_proxy/server/ifrt_backend.cc``) does. A request that fails
+answers with an error status, and the handles it would have filled hold that error, so
+every later request that uses them reports it. Compiles go through ``Compiler``:
+``lookup_module`` checks the module as any upload is checked, and caches by program,
+sanitized options and backend in the tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import frames
+
+log = logging.getLogger("jitserve.runtime.ifrt")
+
+__all__ = ["IfrtFailure", "Sessions"]
+
+_SERVER_HANDLES = 1 << 62
+_P = "xla.ifrt.proxy."
+# google.rpc / absl status codes, as tensorflow.StatusProto carries them.
+INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED = 3, 5, 9, 8
+UNIMPLEMENTED, INTERNAL = 12, 13
+
+_DTYPES: dict[str, Any] = {}  # DTypeProto.Kind name -> numpy dtype (_dtype_table)
+
+
+class IfrtFailure(Exception):
+    """A request's refusal, answered as a status ``code`` with ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _dtype_table() -> dict[str, Any]:
+    if not _DTYPES:
+        import ml_dtypes
+
+        table = {
+            "PRED": np.bool_, "S8": np.int8, "S16": np.int16, "S32": np.int32, "S64": np.int64,
+            "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64,
+            "F16": np.float16, "F32": np.float32, "F64": np.float64, "C64": np.complex64,
+            "C128": np.complex128, "BF16": ml_dtypes.bfloat16, "S4": ml_dtypes.int4,
+            "U4": ml_dtypes.uint4, "S2": getattr(ml_dtypes, "int2", None),
+            "U2": getattr(ml_dtypes, "uint2", None), "F8E4M3FN": ml_dtypes.float8_e4m3fn,
+            "F8E5M2": ml_dtypes.float8_e5m2, "F8E4M3B11FNUZ": ml_dtypes.float8_e4m3b11fnuz,
+            "F8E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "F8E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+            "F8E3M4": getattr(ml_dtypes, "float8_e3m4", None),
+            "F8E4M3": getattr(ml_dtypes, "float8_e4m3", None),
+            "F8E8M0FNU": getattr(ml_dtypes, "float8_e8m0fnu", None),
+            "F4E2M1FN": getattr(ml_dtypes, "float4_e2m1fn", None),
+        }
+        _DTYPES.update({k: np.dtype(v) for k, v in table.items() if v is not None})
+    return _DTYPES
+
+
+class _Executable:
+    """A compiled program of a session, and what its first run showed of its outputs."""
+
+    def __init__(self, executable: Any, tier: str) -> None:
+        self.executable = executable  # compiler.compile.Executable
+        self.tier = tier
+
+
+class Session:
+    """One client's arrays, executables and futures (``Sessions`` serves it)."""
+
+    def __init__(self, session_id: int, owner: str) -> None:
+        self.session_id = session_id
+        self.owner = owner
+        self.arrays: dict[int, Any] = {}  # handle -> jax.Array, or the IfrtFailure that made it
+        self.executables: dict[int, _Executable] = {}
+        self.futures: dict[int, IfrtFailure | None] = {}
+        self.results: dict[int, IfrtFailure | None] = {}  # execute statuses (FetchExecuteResult)
+        self.host_out: dict[int, np.ndarray] = {}  # copy_to_host results until they are read
+        self.handles = itertools.count(_SERVER_HANDLES)
+        self.compiles = self.executes = 0
+        self.tiers: list[str] = []  # the tier of each compile since the last batch
+
+
+class Sessions:
+    """Every IFRT session this runtime holds; ``serve`` answers one batch of one session."""
+
+    def __init__(self, compiler: Any) -> None:
+        import jax
+        from jax.extend import backend as xb
+
+        from jitserve.compiler.ifrt_protos import message
+
+        self._jax = jax
+        self._message = message
+        self.compiler = compiler
+        self.backend = xb.get_backend()
+        self.devices = [compiler.device]  # this runtime's devices (one, today)
+        self._by_id = {d.id: d for d in self.devices}
+        self.sessions: dict[int, Session] = {}
+        self._handlers: dict[str, Callable[[Session, Any, Any], None]] = {
+            "init_request": self._init,
+            "check_future_request": self._check_future,
+            "check_value_ready_request": self._check_value_ready,
+            "make_array_from_host_buffer_request": self._make_array,
+            "make_arrays_from_host_buffer_shards_request": self._make_arrays_from_shards,
+            "make_error_arrays_request": self._make_error_arrays,
+            "assemble_array_from_single_device_arrays_request": self._assemble,
+            "copy_to_host_buffer_request": self._copy_to_host,
+            "disassemble_into_single_device_arrays_request": self._disassemble,
+            "delete_array_request": self._delete_array,
+            "copy_arrays_request": self._copy_arrays,
+            "fully_replicated_shard_request": self._fully_replicated_shard,
+            "is_array_deleted_request": self._is_array_deleted,
+            "destruct_array_request": self._destruct_array,
+            "compile_request": self._compile,
+            "loaded_executable_metadata_request": self._executable_metadata,
+            "loaded_executable_execute_request": self._execute,
+            "loaded_executable_fetch_execute_result_request": self._fetch_execute_result,
+            "loaded_executable_cost_analysis_request": self._cost_analysis,
+            "loaded_executable_human_readable_program_text_request": self._program_text,
+            "loaded_executable_delete_request": self._executable_delete,
+            "loaded_executable_is_deleted_request": self._executable_is_deleted,
+            "loaded_executable_destruct_request": self._executable_destruct,
+            "get_default_device_assignment_request": self._default_device_assignment,
+            "get_default_layout_request": self._default_layout,
+        }
+
+    # -- the runtime's ops -------------------------------------------------------
+
+    def serve(self, session_id: int, owner: str, requests: list[bytes],
+              buffers: Mapping[int, np.ndarray]
+              ) -> tuple[list[bytes], dict[int, np.ndarray], list[str]]:
+        """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
+        responses, the host buffers their ``copy_to_host_buffer``s made, and the tier
+        each compile was served from."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = Session(session_id, owner)
+        elif session.owner != owner:
+            raise IfrtFailure(FAILED_PRECONDITION, "this session belongs to another key")
+        before = set(session.host_out)
+        responses = [self._one(session, data, buffers) for data in requests]
+        made = {h: session.host_out[h] for h in session.host_out.keys() - before}
+        tiers, session.tiers = session.tiers, []
+        return responses, made, tiers
+
+    def read(self, session_id: int, handle: int) -> np.ndarray:
+        """A host buffer a ``copy_to_host_buffer`` made, handed over once."""
+        session = self.sessions.get(session_id)
+        buffer = None if session is None else session.host_out.pop(handle, None)
+        if buffer is None:
+            raise IfrtFailure(NOT_FOUND, f"no host buffer {handle} in this session")
+        return buffer
+
+    def close(self, session_id: int) -> dict[str, int]:
+        """Drop everything session ``session_id`` held; what it used."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return {}
+        for array in session.arrays.values():
+            if not isinstance(array, IfrtFailure):
+                try:
+                    array.delete()
+                except Exception:  # noqa: BLE001 - already deleted or donated
+                    pass
+        return {"arrays": len(session.arrays), "executables": len(session.executables),
+                "compiles": session.compiles, "executes": session.executes}
+
+    # -- one request ---------------------------------------------------------------
+
+    def _one(self, session: Session, data: bytes, buffers: Mapping[int, np.ndarray]) -> bytes:
+        request = self._message(_P + "IfrtRequest")()
+        response = self._message(_P + "IfrtResponse")()
+        try:
+            request.ParseFromString(data)
+        except Exception:  # noqa: BLE001 - the API process parsed it already; be sure
+            _fail(response, IfrtFailure(INVALID_ARGUMENT, "the request does not parse"))
+            return bytes(response.SerializeToString())
+        response.response_metadata.op_id = request.request_metadata.op_id
+        kind = request.WhichOneof("request")
+        handler = self._handlers.get(kind or "")
+        try:
+            if handler is None:
+                raise IfrtFailure(UNIMPLEMENTED, f"jitserve does not serve {kind or 'an empty request'}")
+            body = getattr(request, kind or "")
+            self._buffers = buffers
+            handler(session, body, response)
+            if response.WhichOneof("response") is None:  # an answer with nothing to say
+                getattr(response, kind.removesuffix("_request") + "_response").SetInParent()
+        except Exception as e:  # noqa: BLE001 - every failure is the request's answer
+            failure = e if isinstance(e, IfrtFailure) else _classify(e)
+            for handle in _result_handles(request, kind):
+                session.arrays[handle] = failure
+            if kind == "loaded_executable_execute_request" and body.result_status_handle:
+                session.results[body.result_status_handle] = failure
+                session.futures[body.result_status_handle] = failure
+            response.Clear()
+            response.response_metadata.op_id = request.request_metadata.op_id
+            _fail(response, failure)
+        return bytes(response.SerializeToString())
+
+    # -- handles ---------------------------------------------------------------------
+
+    def _array(self, session: Session, handle: int) -> Any:
+        found = session.arrays.get(handle)
+        if found is None:
+            raise IfrtFailure(NOT_FOUND, f"unknown array handle {handle}")
+        if isinstance(found, IfrtFailure):
+            raise IfrtFailure(found.code, f"array {handle} failed earlier: {found}")
+        return found
+
+    def _put(self, session: Session, wanted: int, array: Any) -> int:
+        """Keep ``array`` under the client's handle ``wanted`` (or a new one, if 0)."""
+        handle = wanted or next(session.handles)
+        session.arrays[handle] = array
+        return handle
+
+    def _executable(self, session: Session, handle: int) -> _Executable:
+        found = session.executables.get(handle)
+        if found is None:
+            raise IfrtFailure(NOT_FOUND, f"unknown loaded executable handle {handle}")
+        return found
+
+    def _host_buffer(self, handle: int) -> np.ndarray:
+        buffer = self._buffers.get(handle)
+        if buffer is None:
+            raise IfrtFailure(NOT_FOUND, f"host buffer {handle} never arrived")
+        return buffer
+
+    # -- devices, shardings, dtypes --------------------------------------------------
+
+    def _dtype(self, proto: Any) -> np.dtype[Any]:
+        name = proto.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number[proto.kind].name
+        dtype = _dtype_table().get(name.removeprefix("KIND_"))
+        if dtype is None:
+            raise IfrtFailure(UNIMPLEMENTED, f"dtype {name} is not served")
+        return dtype
+
+    def _dtype_proto(self, dtype: np.dtype[Any], proto: Any) -> None:
+        for name, value in _dtype_table().items():
+            if value == dtype:
+                proto.kind = proto.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_name[
+                    "KIND_" + name].number
+                return
+        raise IfrtFailure(UNIMPLEMENTED, f"dtype {dtype} is not served")
+
+    def _device(self, device_id: int) -> Any:
+        device = self._by_id.get(device_id)
+        if device is None:
+            raise IfrtFailure(INVALID_ARGUMENT, f"unknown device {device_id} (this server's: "
+                              f"{sorted(self._by_id)})")
+        return device
+
+    def _sharding_devices(self, proto: Any) -> list[Any]:
+        """The devices of a ``ShardingProto``: one array lives on exactly these."""
+        serialized = proto.serialized_sharding
+        name = serialized.type_name
+        if name == "xla::ifrt::SingleDeviceSharding":
+            single = self._message("xla.ifrt.SingleDeviceShardingProto").FromString(serialized.data)
+            return [self._device(single.device_id)]
+        kinds = {"xla::ifrt::ConcreteEvenSharding": "xla.ifrt.ConcreteEvenShardingProto",
+                 "xla::ifrt::ConcreteSharding": "xla.ifrt.ConcreteShardingProto",
+                 "xla::ifrt::OpaqueSharding": "xla.ifrt.OpaqueShardingProto",
+                 "xla::ifrt::ShardingParamSharding": "xla.ifrt.ShardingParamShardingProto",
+                 "xla::ifrt::HloSharding": "xla.ifrt.HloShardingProto"}
+        if name not in kinds:
+            raise IfrtFailure(UNIMPLEMENTED, f"sharding {name!r} is not served")
+        parsed = self._message(kinds[name]).FromString(serialized.data)
+        devices = [self._device(i) for i in parsed.devices.device_ids]
+        if len(devices) != 1:
+            raise IfrtFailure(UNIMPLEMENTED, f"arrays over {len(devices)} devices are not served "
+                              "yet: this server's runtimes hold one device each")
+        return devices
+
+    def _single_sharding(self, device: Any, proto: Any) -> None:
+        single = self._message("xla.ifrt.SingleDeviceShardingProto")(device_id=device.id)
+        proto.serialized_sharding.type_name = "xla::ifrt::SingleDeviceSharding"
+        proto.serialized_sharding.data = single.SerializeToString()
+
+    def _device_put(self, host: np.ndarray, device: Any) -> Any:
+        # A copy: on the CPU device_put may keep a view of the host buffer, and the
+        # API process reuses its shared-memory segments.
+        return self._jax.device_put(np.array(host, copy=True), device)
+
+    # -- the handlers ----------------------------------------------------------------
+
+    def _init(self, session: Session, body: Any, response: Any) -> None:
+        import jax
+        import jaxlib
+
+        init = response.init_response
+        init.session_id = session.session_id
+        init.platform_name = self.backend.platform
+        init.platform_version = self.backend.platform_version
+        init.platform_id = 0
+        init.process_index = 0
+        init.runtime_type = f"jitserve/{self.backend.runtime_type}"
+        memories: dict[int, tuple[Any, list[int]]] = {}
+        for device in self.devices:
+            d = init.all_devices.add(id=device.id, local_device_id=device.id,
+                                     local_hardware_id=getattr(device, "local_hardware_id", 0) or 0,
+                                     platform_name=device.platform, device_kind=device.device_kind,
+                                     debug_string=repr(device), to_string=str(device))
+            default = device.default_memory()
+            for memory in device.addressable_memories():
+                memory_id = _memory_id(memory)
+                d.memory_ids.append(memory_id)
+                memories.setdefault(memory_id, (memory, []))[1].append(device.id)
+                if memory == default:
+                    d.default_memory_id = memory_id
+            init.addressable_device_ids.append(device.id)
+            init.primary_device_ids.append(device.id)
+        for memory_id, (memory, device_ids) in sorted(memories.items()):
+            init.memories.add(id=memory_id, memory_space_kind=memory.kind, device_ids=device_ids,
+                              debug_string=repr(memory), to_string=str(memory))
+        _attributes(init.client_attributes, {"jitserve": "1", "jax_version": jax.__version__,
+                                             "jaxlib_version": jaxlib.__version__})
+
+    def _check_future(self, session: Session, body: Any, response: Any) -> None:
+        if body.future_handle not in session.futures:
+            raise IfrtFailure(NOT_FOUND, f"unknown future handle {body.future_handle}")
+        failure = session.futures.pop(body.future_handle)
+        if failure is not None:
+            raise failure
+        response.check_future_response.SetInParent()
+
+    def _check_value_ready(self, session: Session, body: Any, response: Any) -> None:
+        for handle in body.value_handles:
+            self._array(session, handle).block_until_ready()
+        response.check_value_ready_response.SetInParent()
+
+    def _host_array(self, buffer: np.ndarray, dtype: np.dtype[Any], shape: tuple[int, ...],
+                    strides: Any) -> np.ndarray:
+        """The array a host buffer holds, laid out as ``strides`` say (C order when none)."""
+        count = int(np.prod(shape, dtype=np.int64))
+        if strides is None:
+            if buffer.nbytes != count * dtype.itemsize:
+                raise IfrtFailure(INVALID_ARGUMENT, f"host buffer has {buffer.nbytes} bytes; "
+                                  f"{dtype}{list(shape)} needs {count * dtype.itemsize}")
+            return buffer.view(dtype).reshape(shape)
+        strides = tuple(int(s) for s in strides)
+        if len(strides) != len(shape) or any(s < 0 for s in strides):
+            raise IfrtFailure(INVALID_ARGUMENT, f"byte strides {list(strides)} do not fit {list(shape)}")
+        span = (sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize) if count else 0
+        if span > buffer.nbytes:
+            raise IfrtFailure(INVALID_ARGUMENT, f"host buffer of {buffer.nbytes} bytes is too small "
+                              f"for strides {list(strides)} over {list(shape)}")
+        return np.ndarray(shape, dtype, buffer=buffer[:span], strides=strides)
+
+    def _make_array(self, session: Session, body: Any, response: Any) -> None:
+        dtype, shape = self._dtype(body.dtype), tuple(body.shape.dims)
+        [device] = self._sharding_devices(body.sharding)
+        strides = body.byte_strides.strides if body.HasField("byte_strides") else None
+        host = self._host_array(self._host_buffer(body.host_buffer_handle), dtype, shape, strides)
+        array = self._device_put(host, device)
+        response.make_array_from_host_buffer_response.array_handle = self._put(
+            session, body.array_handle if body.HasField("array_handle") else 0, array)
+
+    def _make_arrays_from_shards(self, session: Session, body: Any, response: Any) -> None:
+        if body.array_handles and len(body.array_handles) != len(body.specs):
+            raise IfrtFailure(INVALID_ARGUMENT, "array_handles and specs differ in length")
+        made = []
+        for spec in body.specs:
+            [device] = self._sharding_devices(spec.array_spec.sharding)
+            if len(spec.host_buffers) != 1:
+                raise IfrtFailure(UNIMPLEMENTED, f"{len(spec.host_buffers)} host buffers for one "
+                                  "single-device array")
+            buf = spec.host_buffers[0]
+            strides = buf.byte_strides.strides if buf.HasField("byte_strides") else None
+            host = self._host_array(self._host_buffer(buf.host_buffer_handle), self._dtype(buf.dtype),
+                                    tuple(buf.shape.dims), strides)
+            made.append(self._device_put(host, device))
+        wanted = list(body.array_handles) or [0] * len(made)
+        out = response.make_arrays_from_host_buffer_shards_response
+        out.array_handles.extend(self._put(session, h, a) for h, a in zip(wanted, made))
+
+    def _make_error_arrays(self, session: Session, body: Any, response: Any) -> None:
+        failure = IfrtFailure(body.error.code or INTERNAL, body.error.message)
+        wanted = list(body.array_handles) or [0] * len(body.array_specs)
+        out = response.make_error_arrays_response
+        out.array_handles.extend(self._put(session, h, failure) for h in wanted)
+
+    def _assemble(self, session: Session, body: Any, response: Any) -> None:
+        arrays = [self._array(session, h) for h in body.single_device_array_handles]
+        if len(arrays) != 1:
+            raise IfrtFailure(UNIMPLEMENTED, f"assembling {len(arrays)} shards is not served yet: "
+                              "this server's runtimes hold one device each")
+        response.assemble_array_from_single_device_arrays_response.array_handle = self._put(
+            session, body.result_handle, arrays[0])
+
+    def _disassemble(self, session: Session, body: Any, response: Any) -> None:
+        array = self._array(session, body.array_handle)
+        shards = [s.data for s in array.addressable_shards]
+        wanted = list(body.result_handles) or [0] * len(shards)
+        if len(wanted) != len(shards):
+            raise IfrtFailure(INVALID_ARGUMENT, f"{len(wanted)} result handles for {len(shards)} shards")
+        out = response.disassemble_into_single_device_arrays_response
+        out.array_handles.extend(self._put(session, h, s) for h, s in zip(wanted, shards))
+
+    def _fully_replicated_shard(self, session: Session, body: Any, response: Any) -> None:
+        array = self._array(session, body.array_handle)
+        response.fully_replicated_shard_response.array_handle = self._put(
+            session, body.result_handle, array.addressable_shards[0].data)
+
+    def _copy_arrays(self, session: Session, body: Any, response: Any) -> None:
+        arrays = [self._array(session, h) for h in body.array_handles]
+        devices = [self._device(i) for i in body.device_ids]
+        if len(devices) > 1:
+            raise IfrtFailure(UNIMPLEMENTED, "copies onto several devices are not served yet")
+        made = [self._jax.device_put(a, devices[0]) if devices else a.copy() for a in arrays]
+        wanted = list(body.result_handles) or [0] * len(made)
+        out = response.copy_arrays_response
+        out.array_handles.extend(self._put(session, h, a) for h, a in zip(wanted, made))
+
+    def _copy_to_host(self, session: Session, body: Any, response: Any) -> None:
+        array = np.asarray(self._array(session, body.array_handle))
+        if body.HasField("byte_strides"):
+            strides = tuple(int(s) for s in body.byte_strides.strides)
+            if strides != array.strides:
+                count = array.size
+                span = (sum((n - 1) * s for n, s in zip(array.shape, strides))
+                        + array.itemsize) if count else 0
+                if any(s < 0 for s in strides) or len(strides) != array.ndim:
+                    raise IfrtFailure(INVALID_ARGUMENT, f"byte strides {list(strides)} do not fit "
+                                      f"{list(array.shape)}")
+                out = np.zeros(span, np.uint8)
+                np.ndarray(array.shape, array.dtype, buffer=out, strides=strides)[...] = array
+                session.host_out[body.host_buffer_handle] = out
+                response.copy_to_host_buffer_response.SetInParent()
+                return
+        session.host_out[body.host_buffer_handle] = np.ascontiguousarray(array).reshape(-1).view(
+            np.uint8)
+        response.copy_to_host_buffer_response.SetInParent()
+
+    def _delete_array(self, session: Session, body: Any, response: Any) -> None:
+        failure = None
+        for handle in body.array_handle:
+            try:
+                self._array(session, handle).delete()
+            except IfrtFailure as e:
+                failure = failure or e
+        future = next(session.handles)
+        session.futures[future] = failure
+        response.delete_array_response.deletion_future_handle = future
+
+    def _is_array_deleted(self, session: Session, body: Any, response: Any) -> None:
+        response.is_array_deleted_response.deleted = self._array(session, body.array_handle).is_deleted()
+
+    def _destruct_array(self, session: Session, body: Any, response: Any) -> None:
+        missing = [h for h in body.array_handle if session.arrays.pop(h, None) is None]
+        if missing:
+            raise IfrtFailure(NOT_FOUND, f"unknown array handle(s): {', '.join(map(str, missing))}")
+        response.destruct_array_response.SetInParent()
+
+    def _compile(self, session: Session, body: Any, response: Any) -> None:
+        from jitserve.compiler.errors import CompilerError
+        from jitserve.compiler.ifrt import program_bytes, sanitize_options
+
+        if body.host_callbacks:
+            raise IfrtFailure(UNIMPLEMENTED, "host callbacks (jax.debug.print, pure_callback, "
+                              "io_callback) are not served: a jitserve program runs no client code")
+        try:
+            options = sanitize_options(body.compile_options, self.compiler.server_options())
+            build = self._message("xla.CompileOptionsProto").FromString(options).executable_build_options
+            if build.num_replicas * build.num_partitions > len(self.devices):
+                raise IfrtFailure(RESOURCE_EXHAUSTED, f"the program asks for "
+                                  f"{build.num_replicas * build.num_partitions} devices; this "
+                                  f"server's runtimes hold {len(self.devices)} each")
+            lookup = self.compiler.lookup_module(program_bytes(body.program), options)
+        except CompilerError as e:
+            raise IfrtFailure(INVALID_ARGUMENT, f"jitserve refused the program ({e.code}): {e}") from None
+        session.compiles += 1
+        session.tiers.append(str(lookup.tier))
+        handle = next(session.handles)
+        session.executables[handle] = _Executable(lookup.executable, str(lookup.tier))
+        out = response.compile_response
+        out.loaded_executable_handle = handle
+        loaded = lookup.executable.loaded
+        out.name = str(getattr(loaded, "name", "") or "jit")
+        out.num_devices = len(self.devices)
+        out.device_ids.extend(d.id for d in self.devices)
+        out.addressable_device_ids.extend(d.id for d in self.devices)
+        try:
+            fingerprint = loaded.fingerprint
+            if fingerprint is not None:
+                out.fingerprint_value = bytes(fingerprint)
+        except Exception as e:  # noqa: BLE001 - reported in the answer's field
+            out.fingerprint_error.code, out.fingerprint_error.message = UNIMPLEMENTED, str(e)
+        ready = next(session.handles)
+        session.futures[ready] = None
+        out.ready_future_handle = ready
+
+    def _executable_metadata(self, session: Session, body: Any, response: Any) -> None:
+        loaded = self._executable(session, body.loaded_executable_handle).executable.loaded
+        out = response.loaded_executable_metadata_response
+        for name, shardings in (("parameter_shardings", loaded.get_parameter_shardings()),
+                                ("output_shardings", loaded.get_output_shardings())):
+            if shardings is not None:
+                target = getattr(out, name)
+                target.SetInParent()
+                for sharding in shardings:
+                    target.shardings.add().ParseFromString(sharding.SerializeToString())
+        for name, getter in (("parameter_layouts", loaded.get_parameter_layouts),
+                             ("output_layouts", loaded.get_output_layouts)):
+            try:
+                layouts = getter()
+            except Exception as e:  # noqa: BLE001 - reported in the answer's field
+                error = getattr(out, name + "_error")
+                error.code, error.message = UNIMPLEMENTED, str(e)
+                continue
+            target = getattr(out, name + "_list")
+            target.SetInParent()
+            for layout in layouts:
+                _layout_proto(layout._xla_layout(), target.layouts.add())
+        try:
+            for kinds in loaded.get_output_memory_kinds():
+                out.output_memory_kinds.memory_kind_lists.add().memory_kinds.extend(kinds)
+        except Exception as e:  # noqa: BLE001
+            out.output_memory_kinds.status.code = UNIMPLEMENTED
+            out.output_memory_kinds.status.message = str(e)
+        out.donated_input_indices_error.code = UNIMPLEMENTED
+        out.donated_input_indices_error.message = "not reported by jitserve"
+        stats = loaded.get_compiled_memory_stats()
+        memory = out.compiled_memory_stats
+        for field in ("generated_code_size_in_bytes", "argument_size_in_bytes",
+                      "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                      "host_generated_code_size_in_bytes", "host_argument_size_in_bytes",
+                      "host_output_size_in_bytes", "host_alias_size_in_bytes",
+                      "host_temp_size_in_bytes", "peak_memory_in_bytes"):
+            if field in memory.DESCRIPTOR.fields_by_name and hasattr(stats, field):
+                setattr(memory, field, int(getattr(stats, field)))
+        out.size_of_generated_code_in_bytes = int(loaded.size_of_generated_code_in_bytes())
+
+    def _execute(self, session: Session, body: Any, response: Any) -> None:
+        executable = self._executable(session, body.loaded_executable_handle).executable
+        args = [self._array(session, h) for h in body.args_handles]
+        if body.device_ids and [int(i) for i in body.device_ids] != [d.id for d in self.devices]:
+            raise IfrtFailure(INVALID_ARGUMENT, f"devices {list(body.device_ids)} are not this "
+                              "executable's")
+        try:
+            outputs = executable.run(args)
+            for output in outputs:
+                output.block_until_ready()
+        except Exception as e:  # noqa: BLE001
+            raise _classify(e) from None
+        session.executes += 1
+        out = response.loaded_executable_execute_response
+        wanted = list(body.result_array_handle)
+        if wanted and len(wanted) != len(outputs):
+            raise IfrtFailure(INVALID_ARGUMENT, f"{len(wanted)} result handles for {len(outputs)} outputs")
+        if body.execute_options.fill_status:
+            status = body.result_status_handle or next(session.handles)
+            session.results[status] = None
+            session.futures[status] = None
+            out.status_handle = status
+        handles = [self._put(session, h, o) for h, o in zip(wanted or [0] * len(outputs), outputs)]
+        if not wanted:
+            for handle, output in zip(handles, outputs):
+                o = out.outputs.add(array_handle=handle)
+                self._dtype_proto(np.dtype(output.dtype), o.dtype)
+                o.shape.dims.extend(output.shape)
+                self._single_sharding(next(iter(output.devices())), o.sharding)
+
+    def _fetch_execute_result(self, session: Session, body: Any, response: Any) -> None:
+        if body.result_status_handle not in session.results:
+            raise IfrtFailure(NOT_FOUND, f"unknown result status handle {body.result_status_handle}")
+        session.futures.pop(body.result_status_handle, None)
+        failure = session.results.pop(body.result_status_handle)
+        if failure is not None:
+            raise failure
+        response.loaded_executable_fetch_execute_result_response.SetInParent()
+
+    def _cost_analysis(self, session: Session, body: Any, response: Any) -> None:
+        executable = self._executable(session, body.loaded_executable_handle).executable
+        out = response.loaded_executable_cost_analysis_response
+        cost = executable.meta.get("cost")
+        if cost is None:
+            out.status.code, out.status.message = UNIMPLEMENTED, "XLA gave no cost analysis"
+            return
+        _attributes(out.attributes, {k: float(v) for k, v in cost.items()})
+
+    def _program_text(self, session: Session, body: Any, response: Any) -> None:
+        loaded = self._executable(session, body.loaded_executable_handle).executable.loaded
+        out = response.loaded_executable_human_readable_program_text_response
+        try:
+            out.human_readable_program_text = loaded.get_hlo_text()
+        except Exception as e:  # noqa: BLE001
+            out.status.code, out.status.message = UNIMPLEMENTED, str(e)
+
+    def _executable_delete(self, session: Session, body: Any, response: Any) -> None:
+        future = next(session.handles)
+        session.futures[future] = IfrtFailure(UNIMPLEMENTED, "LoadedExecutable::Delete is not served")
+        response.loaded_executable_delete_response.future_handle = future
+
+    def _executable_is_deleted(self, session: Session, body: Any, response: Any) -> None:
+        response.loaded_executable_is_deleted_response.is_deleted = False
+
+    def _executable_destruct(self, session: Session, body: Any, response: Any) -> None:
+        if session.executables.pop(body.loaded_executable_handle, None) is None:
+            raise IfrtFailure(NOT_FOUND, f"unknown loaded executable handle {body.loaded_executable_handle}")
+        response.loaded_executable_destruct_response.SetInParent()
+
+    def _default_device_assignment(self, session: Session, body: Any, response: Any) -> None:
+        replicas, partitions = int(body.num_replicas), int(body.num_partitions)
+        if replicas * partitions > len(self.devices) or replicas < 1 or partitions < 1:
+            raise IfrtFailure(RESOURCE_EXHAUSTED, f"{replicas} replicas x {partitions} partitions "
+                              f"do not fit this server's {len(self.devices)} device(s) per runtime")
+        assignment = response.get_default_device_assignment_response.device_assignment
+        assignment.replica_count, assignment.computation_count = replicas, partitions
+        for p in range(partitions):
+            assignment.computation_devices.add().replica_device_ids.extend(
+                self.devices[p * replicas + r].id for r in range(replicas))
+
+    def _default_layout(self, session: Session, body: Any, response: Any) -> None:
+        dtype = self._dtype(body.dtype)
+        device = self._device(body.device_id)
+        layout = self.backend.get_default_layout(dtype, tuple(body.dims), device)
+        response.get_default_layout_response.serialized_pjrt_layout = (
+            layout._xla_layout().to_string().encode())
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def _fail(response: Any, failure: IfrtFailure) -> None:
+    response.response_metadata.status.code = failure.code
+    response.response_metadata.status.message = str(failure)
+
+
+def _classify(e: Exception) -> IfrtFailure:
+    from jitserve.compiler.errors import first_line
+
+    text = first_line(e)
+    if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
+        return IfrtFailure(RESOURCE_EXHAUSTED, f"out of memory: {text}")
+    if isinstance(e, (ValueError, TypeError)):
+        return IfrtFailure(INVALID_ARGUMENT, text)
+    return IfrtFailure(INTERNAL, f"{type(e).__name__}: {text}")
+
+
+def _result_handles(request: Any, kind: str | None) -> list[int]:
+    """The client-chosen handles a request would fill: they hold its error if it fails."""
+    field = _RESULT_HANDLES.get(kind or "")
+    if field is None:
+        return []
+    value = getattr(getattr(request, kind or ""), field)
+    return [int(h) for h in value] if not isinstance(value, int) else [value] if value else []
+
+
+# Which field of a request holds the handles the client chose for what it makes.
+_RESULT_HANDLES = {
+    "make_array_from_host_buffer_request": "array_handle",
+    "make_arrays_from_host_buffer_shards_request": "array_handles",
+    "make_error_arrays_request": "array_handles",
+    "assemble_array_from_single_device_arrays_request": "result_handle",
+    "remap_arrays_request": "result_handles",
+    "bitcast_arrays_request": "result_handles",
+    "reshard_arrays_request": "result_handles",
+    "disassemble_into_single_device_arrays_request": "result_handles",
+    "copy_arrays_request": "result_handles",
+    "fully_replicated_shard_request": "result_handle",
+    "loaded_executable_execute_request": "result_array_handle",
+}
+
+
+def _attributes(proto: Any, values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        entry = proto.attributes[key]  # a map in this protocol's AttributeMapProto
+        if isinstance(value, bool):
+            entry.bool_value = value
+        elif isinstance(value, int):
+            entry.int64_value = value
+        elif isinstance(value, float):
+            entry.float_value = value
+        else:
+            entry.string_value = str(value).encode()
+
+
+def _layout_proto(layout: Any, proto: Any) -> None:
+    proto.minor_to_major.extend(int(d) for d in layout.minor_to_major())
+    for tile in getattr(layout, "tiling", lambda: ())() or ():
+        proto.tiles.add().dimensions.extend(int(d) for d in tile)
+    bits = layout.element_size_in_bits()
+    if bits:
+        proto.element_size_in_bits = int(bits)
+
+
+_MEMORY_ID = re.compile(r"\bid=(\d+)")
+
+
+def _memory_id(memory: Any) -> int:
+    match = _MEMORY_ID.search(repr(memory))
+    return int(match.group(1)) if match else 0
+
+
+def unpack_buffers(descs: Mapping[int, Any]) -> dict[int, np.ndarray]:
+    """The host buffers a batch carries, as byte arrays (views of the message or a segment)."""
+    handles = list(descs)
+    arrays = frames.unpack_arrays([descs[h] for h in handles])
+    return {h: a.reshape(-1).view(np.uint8) for h, a in zip(handles, arrays)}
+
