@@ -128,7 +128,15 @@ class IfrtService:
 
     async def session(self, requests: AsyncIterator[bytes],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        session = await self._open(context)
+        try:
+            session = await self._open(context)
+        except _SessionEnded as e:  # the first request (init) is answered with the reason:
+            async for data in requests:  # jaxlib's client shows that, not the status
+                with contextlib.suppress(Exception):
+                    op_id = message(_P + "IfrtRequest").FromString(data).request_metadata.op_id
+                    yield _error_response(op_id, e.code.value[0], str(e))
+                break
+            await context.abort(e.code, str(e))
         queue: asyncio.Queue[tuple[bytes, Any] | None] = asyncio.Queue()
         reader = asyncio.ensure_future(self._read(requests, queue))
         try:
@@ -185,11 +193,13 @@ class IfrtService:
         if API_KEY_ATTRIBUTE in attributes:
             key = attributes[API_KEY_ATTRIBUTE].string_value.decode("utf-8", "replace")
         try:
+            if key is None and self.settings.auth_enabled:
+                raise Unauthorized("this server needs an API key: the jitserve JAX backend sends "
+                                   "JITSERVE_API_KEY")
             owner = authenticate(key, self.settings) or ""
         except Unauthorized as e:
             self.metrics.ifrt_sessions_closed.labels("unauthenticated").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"{e} (the jitserve JAX backend sends JITSERVE_API_KEY)")
+            raise _SessionEnded(grpc.StatusCode.UNAUTHENTICATED, str(e), "unauthenticated") from None
         session_id = secrets.randbits(63) or 1
         runtime = self.runtimes.place(owner or None, f"{session_id:016x}")
         session = _Session(session_id, owner, runtime, protocol)

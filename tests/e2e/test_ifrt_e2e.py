@@ -1,0 +1,394 @@
+"""Unmodified JAX programs on a real ``jitserve serve``, through jaxlib's own IFRT proxy client.
+
+Each program runs as a subprocess with ``JAX_PLATFORMS=jitserve`` (``client/ifrt_plugin.py``)
+against one server started for this module, with API keys, two runtimes and a 3 s
+execution deadline. Wire-level tests speak the protocol with grpc's Python client and
+the message classes jitserve builds from jaxlib's descriptors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from e2e.conftest import _free_port, _serve, metric_total, wait_ready
+
+from jitserve.compiler.ifrt_protos import message
+
+KEYS = ("ifrt-alice-key-0123456789", "ifrt-bob-key-0123456789")
+P = "xla.ifrt.proxy."
+SESSION = "/xla.ifrt.proxy.GrpcIfrtService/IfrtSession"
+
+
+@pytest.fixture(scope="module")
+def ifrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A server with the IFRT proxy on: its HTTP url and its IFRT target."""
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_API_KEYS": ",".join(KEYS),
+           "JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "3",
+           "JITSERVE_IFRT_HOST_BUFFER_WAIT_S": "2", "JITSERVE_MAX_BODY_BYTES": str(64 << 20),
+           "JITSERVE_LOG_LEVEL": "info"}
+    for url in _serve(tmp_path_factory.mktemp("ifrt"), env):
+        wait_ready(url)
+        yield {"url": url, "target": f"127.0.0.1:{port}"}
+
+
+def run_program(ifrt: dict[str, str], source: str, tmp_path: Path, *, key: str | None = KEYS[0],
+                remote: bool = True, timeout: float = 180, stdin: Any = None,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as its own Python program: on the server (``JAX_PLATFORMS=jitserve``),
+    or locally on the CPU (``remote=False``) as the baseline."""
+    path = tmp_path / f"program_{abs(hash(source))}.py"
+    path.write_text(textwrap.dedent(source))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
+    if remote:
+        environ.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=ifrt["target"])
+        if key is not None:
+            environ["JITSERVE_API_KEY"] = key
+    else:
+        environ["JAX_PLATFORMS"] = "cpu"
+    environ.update(env or {})
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=environ,
+                          timeout=timeout, input=stdin)
+
+
+NUMERICS = """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_enable_x64", True)
+
+    out = {"platform": jax.devices()[0].platform, "named": str(jax.devices("cpu")[0].platform)}
+    x = jnp.arange(12.0).reshape(3, 4)
+    out["jit"] = np.asarray(jax.jit(lambda a: (a * 2).sum(axis=0))(x)).tolist()
+    out["grad"] = np.asarray(jax.grad(lambda a: (jnp.sin(a) ** 2).sum())(x)).tolist()
+    out["inv"] = np.asarray(jnp.linalg.inv(jnp.eye(3) * 2.0 + 0.5)).tolist()
+    out["eig"] = np.asarray(jnp.linalg.eigh(jnp.eye(3) * 3.0)[0]).tolist()
+    out["random"] = np.asarray(jax.random.normal(jax.random.key(0), (4,))).tolist()
+    out["scan"] = np.asarray(jax.lax.scan(lambda c, v: (c + v, c * v), 0.0, jnp.arange(5.0))[1]).tolist()
+    out["f64"] = str(jnp.asarray(np.float64(1) / 3).dtype)
+    out["c128"] = str(jnp.asarray(np.complex128(1 + 2j)) * 2)
+    out["int"] = np.asarray(jnp.arange(10, dtype=jnp.int8) * 3).tolist()
+    out["bool"] = np.asarray(jnp.arange(4) > 1).tolist()
+    out["bf16"] = np.asarray(jnp.ones(3, jnp.bfloat16) / 3).astype(np.float32).tolist()
+    out["broadcast"] = np.asarray(jnp.asarray(np.broadcast_to(np.arange(3.0), (2, 3)))).tolist()
+    out["reversed"] = np.asarray(jnp.asarray(np.arange(5.0)[::-1])).tolist()
+    big = np.random.default_rng(0).random((512, 1024))  # 4 MiB each way: shared memory
+    back = np.asarray(jax.device_put(big) * 2)
+    out["big"] = bool(np.array_equal(back, big * 2))
+    donated = jax.jit(lambda a: a + 1, donate_argnums=0)(jnp.ones(4))
+    out["donated"] = np.asarray(donated).tolist()
+    print(json.dumps(out))
+"""
+
+
+def test_an_unmodified_program_gives_local_jax_s_answers(ifrt: dict[str, str], tmp_path: Path) -> None:
+    remote = run_program(ifrt, NUMERICS, tmp_path)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    local = run_program(ifrt, NUMERICS, tmp_path, remote=False)
+    assert local.returncode == 0, local.stderr[-3000:]
+    got, want = json.loads(remote.stdout), json.loads(local.stdout)
+    assert got["platform"] == "cpu" and got["named"] == "cpu"
+    for name in want:
+        if isinstance(want[name], list):
+            np.testing.assert_allclose(np.asarray(got[name], float), np.asarray(want[name], float),
+                                       rtol=1e-6, err_msg=name)
+        else:
+            assert got[name] == want[name], name
+    # Nothing from the proxy client: no warnings, no stack trace at exit.
+    assert remote.stderr == "", remote.stderr[-3000:]
+
+
+def test_a_program_exits_with_its_own_status_and_says_nothing_from_the_proxy(
+        ifrt: dict[str, str], tmp_path: Path) -> None:
+    ended = run_program(ifrt, """
+        import jax, jax.numpy as jnp
+        y = jax.jit(lambda x: x + 1)(jnp.ones(3))
+        y.block_until_ready()
+        raise SystemExit(7)
+    """, tmp_path)
+    assert ended.returncode == 7 and ended.stderr == "", ended.stderr[-3000:]
+    failed = run_program(ifrt, """
+        import jax.numpy as jnp
+        x = jnp.ones(3) * 2
+        raise ValueError("the program's own error")
+    """, tmp_path)
+    assert failed.returncode == 1
+    assert failed.stderr.rstrip().endswith("ValueError: the program's own error"), failed.stderr
+    assert "IFRT" not in failed.stderr and "Stack trace" not in failed.stderr
+
+
+def test_a_second_run_is_served_from_the_cache(ifrt: dict[str, str], tmp_path: Path) -> None:
+    program = """
+        import jax, jax.numpy as jnp
+        f = jax.jit(lambda x, y: jnp.tanh(x @ y) * 17.25)
+        print(float(f(jnp.ones((8, 8)), jnp.ones((8, 8))).sum()))
+    """
+    before = metric_total(ifrt["url"], "jitserve_ifrt_compiles_total")
+    first = run_program(ifrt, program, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    compiled = _tier_count(ifrt["url"], "compiled")
+    assert metric_total(ifrt["url"], "jitserve_ifrt_compiles_total") > before
+    second = run_program(ifrt, program, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stdout == first.stdout
+    assert _tier_count(ifrt["url"], "compiled") == compiled  # every compile was a hit
+
+
+def _tier_count(url: str, tier: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'jitserve_ifrt_compiles_total{{tier="{tier}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_session_without_a_valid_key_is_refused(ifrt: dict[str, str], tmp_path: Path) -> None:
+    # jaxlib's client retries a refused connection until its timeout: a short one here.
+    for key, says in ((None, "needs an API key"), ("not-a-key", "the API key is not valid")):
+        refused = run_program(ifrt, "import jax\nprint(jax.devices())\n", tmp_path, key=key,
+                              env={"JITSERVE_IFRT_CONNECT_TIMEOUT_S": "2"})
+        assert refused.returncode != 0
+        assert "UNAUTHENTICATED" in refused.stderr and says in refused.stderr, refused.stderr[-2000:]
+
+
+def test_a_program_past_its_deadline_raises_naming_it_and_others_go_on(
+        ifrt: dict[str, str], tmp_path: Path) -> None:
+    looping = run_program(ifrt, """
+        import jax, jax.numpy as jnp
+        f = jax.jit(lambda x: jax.lax.while_loop(lambda c: c.sum() >= 0, lambda c: c + 1.0, x))
+        try:
+            f(jnp.ones(3)).block_until_ready()
+        except Exception as e:
+            print("RAISED", e)
+    """, tmp_path, key=KEYS[1])
+    assert "RAISED" in looping.stdout, (looping.stdout, looping.stderr[-2000:])
+    assert "DEADLINE_EXCEEDED" in looping.stdout and "JITSERVE_EXECUTION_TIMEOUT_S" in looping.stdout
+    assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
+    wait_ready(ifrt["url"])
+    fine = run_program(ifrt, "import jax.numpy as jnp\nprint(float((jnp.ones(3) * 2).sum()))\n",
+                       tmp_path)
+    assert fine.returncode == 0 and fine.stdout.strip() == "6.0", fine.stderr[-2000:]
+
+
+def test_a_runtime_killed_under_a_session_fails_its_program_and_a_new_session_works(
+        ifrt: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "waits.py"
+    path.write_text(textwrap.dedent("""
+        import sys, jax, jax.numpy as jnp, numpy as np
+        x = jnp.arange(4.0) * 2
+        x.block_until_ready()
+        print("READY", flush=True)
+        sys.stdin.readline()
+        try:
+            print(np.asarray(x + 1))
+        except Exception as e:
+            print("RAISED", e, flush=True)
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
+    env.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=ifrt["target"], JITSERVE_API_KEY=KEYS[0])
+    proc = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        for runtime in wait_ready(ifrt["url"]):  # every runtime: the session's is one of them
+            os.kill(runtime["pid"], signal.SIGKILL)
+        out, err = proc.communicate("go\n", timeout=120)
+    finally:
+        proc.kill()
+    assert "RAISED" in out, (out, err[-2000:])
+    assert "runtime" in out and "lost" in out
+    assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
+    wait_ready(ifrt["url"])
+    fine = run_program(ifrt, "import jax.numpy as jnp\nprint(float(jnp.arange(3.0).sum()))\n", tmp_path)
+    assert fine.returncode == 0 and fine.stdout.strip() == "3.0", fine.stderr[-2000:]
+
+
+def test_a_custom_call_off_the_allowlist_raises_jitserve_s_refusal(
+        ifrt: dict[str, str], tmp_path: Path) -> None:
+    refused = run_program(ifrt, """
+        import jax, jax.numpy as jnp
+        call = jax.ffi.ffi_call("jitserve_test_not_allowed", jax.ShapeDtypeStruct((3,), jnp.float32))
+        try:
+            jax.jit(call)(jnp.ones(3)).block_until_ready()
+        except Exception as e:
+            print("RAISED", e)
+        print(float(jnp.ones(2).sum()))
+    """, tmp_path)
+    assert "RAISED" in refused.stdout, (refused.stdout, refused.stderr[-2000:])
+    assert "jitserve refused the program" in refused.stdout
+    assert "jitserve_test_not_allowed" in refused.stdout
+    assert refused.stdout.strip().endswith("2.0")  # the session goes on
+
+
+# -- the wire ------------------------------------------------------------------------
+
+
+class Session:
+    """One IFRT session over grpc's Python client, request by request."""
+
+    def __init__(self, target: str, key: str | None = KEYS[0], protocol: int = 25) -> None:
+        self.channel = grpc.insecure_channel(target)
+        opening = message(P + "GrpcIfrtSessionMetadata")()
+        opening.version.protocol_version = protocol
+        opening.version.ifrt_serdes_version_number = 3
+        if key is not None:
+            opening.initialization_data.attributes["jitserve_api_key"].string_value = key.encode()
+        self._out: list[bytes | None] = []
+        import queue
+        import threading
+
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._lock = threading.Lock()
+        call = self.channel.stream_stream(SESSION)
+        self._responses = call(iter(self._queue.get, None), metadata=[
+            ("ifrt-proxy-grpc-ifrt-session-metadata-bin", opening.SerializeToString())])
+        self.op = 0
+        init = self.request(init_request={})
+        self.session_id = init.init_response.session_id
+
+    def send(self, data: bytes) -> Any:
+        self._queue.put(data)
+        return message(P + "IfrtResponse").FromString(next(self._responses))
+
+    def request(self, **fields: Any) -> Any:
+        self.op += 1
+        request = message(P + "IfrtRequest")(**fields)
+        request.request_metadata.op_id = self.op
+        return self.send(request.SerializeToString())
+
+    def store(self, handle: int, data: bytes) -> None:
+        meta = message(P + "GrpcHostBufferStoreMetadata")(session_id=self.session_id, handle=handle,
+                                                         buffer_size=len(data))
+        store = self.channel.stream_unary("/xla.ifrt.proxy.GrpcIfrtService/HostBufferStore")
+        store(iter([message(P + "GrpcHostBufferStoreRequest")(data=data).SerializeToString()]),
+              metadata=[("ifrt-proxy-grpc-host-buffer-store-metadata-bin", meta.SerializeToString())])
+
+    def make_array(self, handle: int, buffer: int, values: np.ndarray) -> Any:
+        single = message("xla.ifrt.SingleDeviceShardingProto")(device_id=0)
+        request = {"make_array_from_host_buffer_request": {
+            "dtype": {"kind": message("xla.ifrt.DTypeProto").Kind.Value("KIND_F32")},
+            "shape": {"dims": list(values.shape)}, "host_buffer_handle": buffer,
+            "array_handle": handle,
+            "sharding": {"serialized_sharding": {"type_name": "xla::ifrt::SingleDeviceSharding",
+                                                 "data": single.SerializeToString()}}}}
+        return self.request(**request)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self.channel.close()
+
+
+def _status(response: Any) -> tuple[int, str]:
+    status = response.response_metadata.status
+    return status.code, status.message
+
+
+def test_each_session_sees_only_its_own_arrays(ifrt: dict[str, str]) -> None:
+    alice, bob = Session(ifrt["target"], KEYS[0]), Session(ifrt["target"], KEYS[1])
+    try:
+        values = np.arange(4, dtype=np.float32)
+        alice.store(11, values.tobytes())
+        assert _status(alice.make_array(5, 11, values))[0] == 0
+        read = alice.request(copy_to_host_buffer_request={"array_handle": 5, "host_buffer_handle": 12})
+        assert _status(read)[0] == 0
+        lookup = alice.channel.unary_stream("/xla.ifrt.proxy.GrpcIfrtService/HostBufferLookup")
+        chunks = lookup(message(P + "GrpcHostBufferLookupRequest")(
+            session_id=alice.session_id, handle=12).SerializeToString())
+        data = b"".join(message(P + "GrpcHostBufferLookupResponse").FromString(c).data for c in chunks)
+        assert np.frombuffer(data, np.float32).tolist() == values.tolist()
+        # Bob names Alice's handle: his session has no such array.
+        code, text = _status(bob.request(copy_to_host_buffer_request={"array_handle": 5,
+                                                                      "host_buffer_handle": 13}))
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and "unknown array handle 5" in text
+        # ...nor can he read Alice's host buffers with his own session id.
+        with pytest.raises(grpc.RpcError) as refused:
+            list(lookup(message(P + "GrpcHostBufferLookupRequest")(
+                session_id=bob.session_id, handle=12).SerializeToString()))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        alice.close()
+        bob.close()
+
+
+def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, str]) -> None:
+    target = ifrt["target"]
+    channel = grpc.insecure_channel(target)
+    version = channel.unary_unary("/xla.ifrt.proxy.GrpcIfrtService/GetVersion")
+    old = message(P + "GrpcGetVersionRequest")()
+    old.min_version.protocol_version, old.max_version.protocol_version = 1, 3
+    with pytest.raises(grpc.RpcError) as refused:
+        version(old.SerializeToString())
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "16-25" in (refused.value.details() or "")
+    with pytest.raises(grpc.RpcError) as garbage:
+        version(b"\xff\xff\xff")
+    assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as bare:  # no session metadata
+        list(channel.stream_stream(SESSION)(iter([b""])))
+    assert bare.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as unknown:
+        list(channel.unary_stream("/xla.ifrt.proxy.GrpcIfrtService/HostBufferLookup")(
+            message(P + "GrpcHostBufferLookupRequest")(session_id=12345, handle=1).SerializeToString()))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    channel.close()
+
+    session = Session(target)
+    try:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert _status(session.send(b"\x0a\x02garbage"))[0] == invalid  # not an IfrtRequest
+        assert "names no operation" in _status(session.request())[1]  # a request of no type
+        code, text = _status(session.request(check_value_ready_request={"value_handles": [987654]}))
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and "987654" in text
+        code, text = _status(session.request(loaded_executable_execute_request={
+            "loaded_executable_handle": 42}))
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and "executable" in text
+        # A host buffer that never comes: a bounded wait, then NOT_FOUND, and its handle
+        # holds that error for whoever uses it next.
+        code, text = _status(session.make_array(7, 999, np.zeros(3, np.float32)))
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and "never arrived" in text
+        code, text = _status(session.request(check_value_ready_request={"value_handles": [7]}))
+        assert "failed earlier" in text
+        # A host buffer of the wrong size for its array.
+        session.store(21, b"\x00" * 5)
+        code, text = _status(session.make_array(8, 21, np.zeros(3, np.float32)))
+        assert code == invalid and "5 bytes" in text
+        # Compile of something that is not a program.
+        code, text = _status(session.request(compile_request={
+            "program": {"type_name": "xla::ifrt::XlaProgram", "data": b"not mlir"},
+            "compile_options": {"type_name": "xla::ifrt::XlaCompileOptions", "data": b""}}))
+        assert code == invalid and "refused the program" in text
+        assert _status(session.request(init_request={}))[0] == 0  # the session goes on
+    finally:
+        session.close()
+    assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
+
+
+def test_an_idle_session_is_closed_and_what_it_held_freed(tmp_path_factory: pytest.TempPathFactory
+                                                          ) -> None:
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_SESSION_IDLE_S": "1"}
+    for url in _serve(tmp_path_factory.mktemp("ifrt-idle"), env):
+        session = Session(f"127.0.0.1:{port}", key=None)
+        try:
+            deadline = time.monotonic() + 30
+            while metric_total(url, "jitserve_ifrt_sessions_closed_total") < 1:
+                assert time.monotonic() < deadline, "the idle session was not closed"
+                time.sleep(0.1)
+            with pytest.raises(grpc.RpcError) as ended:
+                session.request(init_request={})
+            assert ended.value.code() == grpc.StatusCode.ABORTED
+            assert "JITSERVE_IFRT_SESSION_IDLE_S" in (ended.value.details() or "")
+            assert metric_total(url, "jitserve_ifrt_sessions") == 0
+        finally:
+            session.close()
