@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,40 @@ def test_an_unmodified_program_gives_local_jax_s_answers(ifrt: dict[str, str], t
             assert got[name] == want[name], name
     # Nothing from the proxy client: no warnings, no stack trace at exit.
     assert remote.stderr == "", remote.stderr[-3000:]
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "ifrt.md"
+
+
+def _walkthrough() -> str:
+    """The python block under docs/ifrt.md's "Train a model, unmodified"."""
+    text = DOCS.read_text()
+    section = text[text.index("## Train a model, unmodified"):]
+    return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)  # type: ignore[union-attr]
+
+
+def test_the_docs_training_walkthrough_runs_unmodified_with_local_losses(
+        ifrt: dict[str, str], tmp_path: Path) -> None:
+    """The flax CNN with optax, as docs/ifrt.md writes it: the same losses as local jax.jit,
+    the server's compiles in its metrics, and a second run served from the cache."""
+    code = _walkthrough()
+    compiled_before = _tier_count(ifrt["url"], "compiled")
+    remote = run_program(ifrt, code, tmp_path, env={"STEPS": "4"})
+    assert remote.returncode == 0 and remote.stderr == "", remote.stderr[-3000:]
+    local = run_program(ifrt, code, tmp_path, remote=False, env={"STEPS": "4"})
+    assert local.returncode == 0, local.stderr[-3000:]
+
+    def losses(out: str) -> list[float]:
+        return [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+
+    assert len(losses(remote.stdout)) == 4
+    np.testing.assert_allclose(losses(remote.stdout), losses(local.stdout), rtol=1e-5)
+    compiled = _tier_count(ifrt["url"], "compiled")
+    assert compiled > compiled_before  # the server compiled the training step
+    again = run_program(ifrt, code, tmp_path, env={"STEPS": "4"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert losses(again.stdout) == losses(remote.stdout)
+    assert _tier_count(ifrt["url"], "compiled") == compiled  # all from the cache
 
 
 def test_a_program_exits_with_its_own_status_and_says_nothing_from_the_proxy(
