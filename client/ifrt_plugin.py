@@ -52,12 +52,45 @@ def initialize() -> None:
 
 
 def target() -> str:
-    """The server to connect to, as jaxlib's client wants it (``grpc://host:port``)."""
+    """The server to connect to, as jaxlib's client wants it (``grpc://host:port``).
+
+    A ``grpcs://host:port`` target (the server has ``JITSERVE_IFRT_TLS_CERT``) is reached
+    through a TLS forwarder on this machine's loopback (``jitserve.client._tls_forward``):
+    jaxlib's client itself speaks only plaintext or ALTS.
+    """
     value = os.environ.get("JITSERVE_IFRT_TARGET", "").strip()
     if not value:
         raise RuntimeError("JAX_PLATFORMS=jitserve needs JITSERVE_IFRT_TARGET=host:port "
                            "(a jitserve server's JITSERVE_IFRT_PORT)")
+    if value.startswith("grpcs://"):
+        host, _, port = value.removeprefix("grpcs://").rpartition(":")
+        return f"grpc://127.0.0.1:{_start_forwarder(host.strip('[]'), int(port))}"
     return value if "://" in value else f"grpc://{value}"
+
+
+def _start_forwarder(host: str, port: int) -> int:
+    """Start the TLS forwarder to ``host:port`` as a child process; its loopback port.
+
+    A process, not a thread: jaxlib's client waits for answers holding the GIL, so
+    a forwarder thread in this process could never pass them on. The child exits
+    when this process does (its stdin closes).
+    """
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "jitserve.client._tls_forward", host, str(port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline().strip()
+    if not line.isdigit():
+        child.kill()
+        raise RuntimeError(f"the TLS forwarder to {host}:{port} did not start")
+    _forwarders.append(child)  # its stdin stays open as long as this process lives
+    return int(line)
+
+
+_forwarders: list[Any] = []
 
 
 def _make_client() -> Any:

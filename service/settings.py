@@ -59,6 +59,22 @@ class Settings(BaseSettings):
     ifrt_session_idle_s: float = Field(600.0, gt=0)
     # How long a request waits for a host buffer the client has not finished sending.
     ifrt_host_buffer_wait_s: float = Field(60.0, gt=0)
+    # Bytes of host buffers one session may have waiting in the API process (sent, not
+    # yet used by a request; or made, not yet read): past it, a store is refused.
+    ifrt_max_host_bytes: int = Field(2 * GiB, gt=0)
+    # TLS for the IFRT port (PEM files): set both, or neither (plaintext, for loopback
+    # and private networks). Clients reach it as grpcs://host:port (docs/ifrt.md).
+    ifrt_tls_cert: Path | None = None
+    ifrt_tls_key: Path | None = None
+
+    @model_validator(mode="after")
+    def _check_ifrt_tls(self) -> Settings:
+        if (self.ifrt_tls_cert is None) != (self.ifrt_tls_key is None):
+            raise ValueError("set both JITSERVE_IFRT_TLS_CERT and JITSERVE_IFRT_TLS_KEY, or neither")
+        for path in (self.ifrt_tls_cert, self.ifrt_tls_key):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{path} (JITSERVE_IFRT_TLS_CERT/KEY) is not a readable file")
+        return self
     cache_dir: Path = DEFAULT_CACHE_DIR
     # The shared L2 cache of programs and executables (docs/redis.md); REDIS_URL is
     # the common name. Unset: everything stays on this host.

@@ -78,6 +78,7 @@ class _Session:
     host_out: dict[int, Any] = dataclasses.field(default_factory=dict)  # ndarray, or nbytes
     arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
     requests: int = 0
+    held: int = 0  # bytes of host_in, and of host_out's inline buffers
     bytes_in: int = 0
     bytes_out: int = 0
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
@@ -268,6 +269,7 @@ class IfrtService:
                 buffer = session.host_in.pop(handle, None)
                 session.arrived.pop(handle, None)
                 if buffer is not None:
+                    session.held -= len(buffer)
                     buffers[handle] = np.frombuffer(buffer, np.uint8)
             executes += kind == "loaded_executable_execute_request"
             compiles += kind == "compile_request"
@@ -280,6 +282,7 @@ class IfrtService:
                 self.metrics.ifrt_compiles.labels(tier).inc()
             for handle, desc in host.items():
                 session.host_out[int(handle)] = desc
+                session.held += len(desc.get("data", b""))
                 session.event(-int(handle)).set()
             it = iter(responses)
             for i, answer in enumerate(answers):
@@ -382,6 +385,11 @@ class IfrtService:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                 f"a host buffer of {meta.buffer_size:,} bytes is over this server's limit of "
                 f"{limit:,} (JITSERVE_MAX_BODY_BYTES)"))
+        if session.held + meta.buffer_size > self.settings.ifrt_max_host_bytes:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"this session holds {session.held:,} bytes of host buffers no request has used "
+                f"yet; {meta.buffer_size:,} more is over the limit of "
+                f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)"))
         data = bytearray()
         async for chunk in chunks:
             piece = message(_P + "GrpcHostBufferStoreRequest").FromString(chunk).data
@@ -396,6 +404,7 @@ class IfrtService:
                 f"{meta.buffer_size} its metadata announced"))
         if session.ended is None:
             session.host_in[meta.handle] = bytes(data)
+            session.held += len(data)
             session.event(meta.handle).set()
         return b""
 
@@ -410,6 +419,8 @@ class IfrtService:
                                        self.settings.ifrt_host_buffer_wait_s)
         desc = session.host_out.pop(handle, None)
         session.arrived.pop(-handle, None)
+        if desc is not None:
+            session.held -= len(desc.get("data", b""))
         if desc is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no host buffer {handle} in this session")
         array = await self._host_bytes(session, handle, desc, context)
@@ -445,8 +456,9 @@ class IfrtService:
     async def host_buffer_delete(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await self._parse("GrpcHostBufferDeleteRequest", data, context)
         session = await self._session_of(request.session_id, context)
-        session.host_in.pop(request.handle, None)
-        session.host_out.pop(request.handle, None)
+        stored = session.host_in.pop(request.handle, None)
+        made = session.host_out.pop(request.handle, None)
+        session.held -= len(stored or b"") + len((made or {}).get("data", b""))
         return bytes(message(_P + "GrpcHostBufferDeleteResponse")().SerializeToString())
 
     async def _session_of(self, session_id: int, context: grpc.aio.ServicerContext) -> _Session:
@@ -511,11 +523,17 @@ async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics
         "HostBufferDelete": raw("unary_unary_rpc_method_handler", service.host_buffer_delete),
     })])
     address = f"{settings.host}:{settings.ifrt_port}"
-    port = server.add_insecure_port(address)
+    if settings.ifrt_tls_cert is not None and settings.ifrt_tls_key is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(settings.ifrt_tls_key.read_bytes(), settings.ifrt_tls_cert.read_bytes())])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"cannot listen for the IFRT proxy on {address} (JITSERVE_IFRT_PORT)")
     await server.start()
     service.port = port  # type: ignore[attr-defined]
-    log.info("IFRT proxy (unmodified JAX programs) on %s:%d", settings.host, port,
-             extra={"fields": {"ifrt_port": port}})
+    tls = settings.ifrt_tls_cert is not None
+    log.info("IFRT proxy (unmodified JAX programs) on %s:%d (%s)", settings.host, port,
+             "TLS" if tls else "plaintext", extra={"fields": {"ifrt_port": port, "tls": tls}})
     return server, service

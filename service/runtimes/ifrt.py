@@ -643,14 +643,28 @@ def _fail(response: Any, failure: IfrtFailure) -> None:
 
 
 def _classify(e: Exception) -> IfrtFailure:
+    """The status of a failure that is not a refusal of ours: XLA's own code where its
+    message starts with one (``INVALID_ARGUMENT: ...``), INTERNAL only for the rest."""
     from jitserve.compiler.errors import first_line
 
     text = first_line(e)
     if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
         return IfrtFailure(RESOURCE_EXHAUSTED, f"out of memory: {text}")
-    if isinstance(e, (ValueError, TypeError)):
+    code = _STATUS_CODES.get(text.split(":", 1)[0].strip())
+    if code is not None:
+        return IfrtFailure(code, text.split(":", 1)[1].strip())
+    if isinstance(e, (ValueError, TypeError, IndexError, KeyError)):
         return IfrtFailure(INVALID_ARGUMENT, text)
     return IfrtFailure(INTERNAL, f"{type(e).__name__}: {text}")
+
+
+# absl status names as XLA's messages start with them, and their codes.
+_STATUS_CODES = {
+    "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12,
+    "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15, "UNAUTHENTICATED": 16,
+}
 
 
 def _result_handles(request: Any, kind: str | None) -> list[int]:

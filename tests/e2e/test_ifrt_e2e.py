@@ -409,13 +409,19 @@ def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, 
     assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
 
 
-def test_an_idle_session_is_closed_and_what_it_held_freed(tmp_path_factory: pytest.TempPathFactory
-                                                          ) -> None:
+def test_a_session_s_limits_host_bytes_held_and_idle_time(tmp_path_factory: pytest.TempPathFactory
+                                                            ) -> None:
     port = _free_port()
-    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_SESSION_IDLE_S": "1"}
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_SESSION_IDLE_S": "2",
+           "JITSERVE_IFRT_MAX_HOST_BYTES": "4096"}
     for url in _serve(tmp_path_factory.mktemp("ifrt-idle"), env):
         session = Session(f"127.0.0.1:{port}", key=None)
         try:
+            session.store(1, b"\x00" * 3000)  # held: no request has used it
+            with pytest.raises(grpc.RpcError) as full:
+                session.store(2, b"\x00" * 3000)
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "JITSERVE_IFRT_MAX_HOST_BYTES" in (full.value.details() or "")
             deadline = time.monotonic() + 30
             while metric_total(url, "jitserve_ifrt_sessions_closed_total") < 1:
                 assert time.monotonic() < deadline, "the idle session was not closed"
@@ -427,3 +433,37 @@ def test_an_idle_session_is_closed_and_what_it_held_freed(tmp_path_factory: pyte
             assert metric_total(url, "jitserve_ifrt_sessions") == 0
         finally:
             session.close()
+
+
+def _certificates(where: Path) -> tuple[Path, Path, Path]:
+    """A private CA, and a certificate it signed for localhost and 127.0.0.1: (ca, cert, key)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+            "-days", "2", "-subj", "/CN=jitserve test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=localhost")
+    (where / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")
+    return where / "ca.pem", where / "server.pem", where / "server.key"
+
+
+def test_tls_with_a_private_ca_through_the_backend_s_forwarder(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    ca, cert, key = _certificates(tmp_path_factory.mktemp("tls"))
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_TLS_CERT": str(cert),
+           "JITSERVE_IFRT_TLS_KEY": str(key)}
+    for _url in _serve(tmp_path_factory.mktemp("ifrt-tls"), env):
+        server = {"target": f"grpcs://localhost:{port}"}
+        secure = run_program(server, "import jax.numpy as jnp\nprint(float((jnp.ones(4) * 3).sum()))\n",
+                             tmp_path, key=None, env={"JITSERVE_IFRT_CA": str(ca)})
+        assert secure.returncode == 0 and secure.stdout.strip() == "12.0", secure.stderr[-3000:]
+        assert secure.stderr == ""
+        # Without the CA the server's certificate is not trusted, and plaintext is not served.
+        for target, extra in ((f"grpcs://localhost:{port}", {}), (f"127.0.0.1:{port}", {})):
+            refused = run_program({"target": target}, "import jax\nprint(jax.devices())\n", tmp_path,
+                                  key=None, env={"JITSERVE_IFRT_CONNECT_TIMEOUT_S": "2", **extra})
+            assert refused.returncode != 0 and "Unable to establish connection" in refused.stderr

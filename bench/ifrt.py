@@ -1,0 +1,118 @@
+"""Unmodified JAX programs through the IFRT proxy (docs/ifrt.md), against local jax in the same run.
+
+  I1  a small jitted call with ``block_until_ready``: median seconds through the proxy,
+      against local ``jax.jit`` and against ``Client.jit`` on the same server.
+  I2  the docs' CNN training loop (flax, optax), unmodified: steps per second through
+      the proxy against local ``jax.jit``, at batch 64 and 256 (target: 0.8x local at 256).
+  I3  ``jax.device_put`` and ``np.asarray`` of 256 MiB: GB/s each way (target: 1 GB/s).
+
+Each measurement runs in a fresh process (``bench/_ifrt_worker.py``): with
+``JAX_PLATFORMS=jitserve`` against one ``jitserve serve --ifrt-port`` started here, or
+with ``JAX_PLATFORMS=cpu`` as the baseline, taking turns. Results go to
+bench/results/ifrt.json.
+
+Run: ``.venv/bin/python bench/ifrt.py [--only I1 I2 I3] [--rounds N] [--mib 256]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
+
+from _servers import free_port, jitserve, write_results  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "_ifrt_worker.py"
+
+
+def measure(scenario: str, *args: int, target: str | None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JITSERVE_"))}
+    if target is None:
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=target)
+    done = subprocess.run([sys.executable, str(WORKER), scenario, *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{scenario} {args} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def client_jit_small(url: str, calls: int = 300) -> float:
+    """I1's call through ``Client.jit`` on the same server: median seconds."""
+    import numpy as np
+
+    from jitserve.client import Client
+
+    with Client(url, timeout=120) as client:
+        f = client.jit(lambda x: x * 2.0 + 1.0)
+        x = np.arange(16, dtype=np.float32)
+        for _ in range(20):
+            f(x).block_until_ready()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=["I1", "I2", "I3"])
+    parser.add_argument("--rounds", type=int, default=2, help="turns of proxy and local each")
+    parser.add_argument("--mib", type=int, default=256)
+    args = parser.parse_args()
+    port = free_port()
+    results: dict[str, Any] = {"rounds": args.rounds}
+    with jitserve(JITSERVE_IFRT_PORT=str(port), JITSERVE_RUNTIMES="1",
+                  JITSERVE_MAX_BODY_BYTES=str((args.mib + 64) << 20)) as (url, _):
+        target = f"127.0.0.1:{port}"
+        measure("small", target=target)  # compile once: later rounds hit the cache
+        if "I1" in args.only:
+            proxy, local = [], []
+            for _ in range(args.rounds):
+                proxy.append(measure("small", target=target)["median_s"])
+                local.append(measure("small", target=None)["median_s"])
+            sdk = client_jit_small(url)
+            p, lo = statistics.median(proxy), statistics.median(local)
+            results["I1_small_call"] = {"proxy_s": p, "local_s": lo, "client_jit_s": sdk,
+                                        "proxy_over_local": p / lo, "proxy_over_client_jit": p / sdk}
+            print(f"I1 small jitted call: proxy {p * 1e6:.0f} us, local jax.jit {lo * 1e6:.0f} us "
+                  f"({p / lo:.1f}x), Client.jit {sdk * 1e6:.0f} us ({p / sdk:.2f}x of it)")
+        if "I2" in args.only:
+            for batch in (64, 256):
+                measure("cnn", batch, 2, target=target)  # compile the step once
+                proxy, local = [], []
+                for _ in range(args.rounds):
+                    proxy.append(measure("cnn", batch, target=target)["steps_per_s"])
+                    local.append(measure("cnn", batch, target=None)["steps_per_s"])
+                p, lo = statistics.median(proxy), statistics.median(local)
+                results[f"I2_cnn_batch_{batch}"] = {"proxy_steps_per_s": p, "local_steps_per_s": lo,
+                                                    "ratio": p / lo}
+                print(f"I2 CNN batch {batch}: proxy {p:.1f} steps/s, local {lo:.1f} steps/s "
+                      f"({p / lo:.2f}x local)")
+        if "I3" in args.only:
+            runs = [measure("transfer", args.mib, target=target) for _ in range(args.rounds)]
+            put = statistics.median(r["put_gb_s"] for r in runs)
+            get = statistics.median(r["get_gb_s"] for r in runs)
+            local = measure("transfer", args.mib, target=None)
+            results["I3_transfer"] = {"mib": args.mib, "put_gb_s": put, "get_gb_s": get,
+                                      "local_put_gb_s": local["put_gb_s"],
+                                      "local_get_gb_s": local["get_gb_s"]}
+            print(f"I3 {args.mib} MiB: device_put {put:.2f} GB/s, np.asarray {get:.2f} GB/s "
+                  f"(local: {local['put_gb_s']:.1f} and {local['get_gb_s']:.1f} GB/s)")
+    write_results("ifrt", results)
+
+
+if __name__ == "__main__":
+    main()
