@@ -20,9 +20,8 @@ import numpy as np
 MiB = 1 << 20
 
 
-def small(calls: int = 300) -> dict[str, Any]:
-    f = jax.jit(lambda x: x * 2.0 + 1.0)
-    x = jnp.arange(16, dtype=jnp.float32)
+def median_call_s(f: Any, x: Any, calls: int) -> float:
+    """Median seconds of ``f(x).block_until_ready()``, after 20 warm-up calls."""
     for _ in range(20):
         f(x).block_until_ready()
     times = []
@@ -30,7 +29,12 @@ def small(calls: int = 300) -> dict[str, Any]:
         t0 = time.perf_counter()
         f(x).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "calls": calls}
+    return statistics.median(times)
+
+
+def small(calls: int = 300) -> dict[str, Any]:
+    f = jax.jit(lambda x: x * 2.0 + 1.0)
+    return {"median_s": median_call_s(f, jnp.arange(16, dtype=jnp.float32), calls), "calls": calls}
 
 
 def cnn(batch: int, steps: int = 12) -> dict[str, Any]:

@@ -22,7 +22,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,20 +49,13 @@ def measure(scenario: str, *args: int, target: str | None) -> dict[str, Any]:
 def client_jit_small(url: str, calls: int = 300) -> float:
     """I1's call through ``Client.jit`` on the same server: median seconds."""
     import numpy as np
+    from _ifrt_worker import median_call_s
 
     from jitserve.client import Client
 
     with Client(url, timeout=120) as client:
         f = client.jit(lambda x: x * 2.0 + 1.0)
-        x = np.arange(16, dtype=np.float32)
-        for _ in range(20):
-            f(x).block_until_ready()
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            f(x).block_until_ready()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return median_call_s(f, np.arange(16, dtype=np.float32), calls)
 
 
 def main() -> None:
