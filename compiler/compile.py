@@ -390,7 +390,7 @@ class Compiler:
         serialized: bytes = self._options.SerializeAsString()
         return serialized
 
-    def lookup_module(self, data: bytes, options: bytes) -> Lookup:
+    def lookup_module(self, data: bytes, options: bytes, *, compile: bool = True) -> Lookup | None:
         """The executable of a whole StableHLO module compiled with ``options``: an IFRT
         proxy client's program (``service.runtimes.ifrt``).
 
@@ -398,7 +398,8 @@ class Compiler:
         (``safety``: limits, op and custom-call allowlists); ``options``: a serialized
         ``CompileOptionsProto``, already sanitized. The key is the module's bytes, the
         options' digest and this backend's parts, so a second session, process or
-        replica finds it in the tiers.
+        replica finds it in the tiers. ``compile=False``: ``None`` rather than a
+        compile when no tier has it (a tenant out of compiles).
         """
         import hashlib
 
@@ -414,6 +415,10 @@ class Compiler:
         parts = key_parts(program_id=program_id, in_avals=in_avals, static_key="ifrt",
                           backend=backend)
         key = cache_key(parts)
+
+        if not compile:
+            cached = self._executables.cached(key)
+            return Lookup(cached, key, TierName.MEMORY, 0.0) if cached else self._from_tiers(key)
 
         def resolve() -> Lookup:
             hit = self._from_tiers(key)

@@ -203,7 +203,7 @@ MAY_IMPORT = {
     "calls": {"base", "calls", "runtimes"},
     "api": {"base", "api", "calls", "cluster", "runtimes"},
     "v2": {"base", "v2", "api", "calls", "runtimes"},
-    "ifrt": {"base", "ifrt", "api", "runtimes"},
+    "ifrt": {"base", "ifrt", "api", "calls", "runtimes"},
     "app": {"base", "app", "api", "calls", "cluster", "runtimes", "v2", "ifrt"},
     "cli": {"base", "cli", "app", "api", "calls", "cluster", "runtimes", "v2", "ifrt"},
     "__main__": {"cli"},

@@ -43,6 +43,7 @@ import numpy as np
 from jitserve.compiler.ifrt_protos import message
 
 from ..api.auth import authenticate
+from ..calls.quotas import Quotas
 from ..errors import Unauthorized
 from ..metrics import Metrics
 from ..runtimes.pool import RemoteError, Runtime, RuntimeLost, RuntimePool
@@ -108,6 +109,12 @@ class IfrtService:
         self.runtimes = runtimes
         self.metrics = metrics
         self.sessions: dict[int, _Session] = {}
+        # With API keys, a key's quotas, counted by the runtime that holds its sessions
+        # (placement is by key): device bytes and arrays over its IFRT arrays, and compiles.
+        quotas = Quotas.from_settings(settings, settings.compile_workers)
+        self.quotas = ({"device_bytes": quotas.device_bytes, "arrays": quotas.live_futures,
+                        "compiles_per_minute": quotas.compiles_per_minute}
+                       if settings.auth_enabled else None)
 
     # -- GetVersion ------------------------------------------------------------------
 
@@ -312,9 +319,11 @@ class IfrtService:
         timeout = (executes * settings.execution_timeout_s + compiles * settings.lookup_timeout_s
                    or settings.decode_timeout_s)
         try:
-            reply = await session.runtime.request(
-                Op.IFRT, {"session": session.id, "owner": session.owner, "requests": requests,
-                          "buffers": dict(zip(handles, descs))}, timeout_s=timeout)
+            message: dict[str, Any] = {"session": session.id, "owner": session.owner,
+                                       "requests": requests, "buffers": dict(zip(handles, descs))}
+            if self.quotas is not None:
+                message["quotas"] = self.quotas
+            reply = await session.runtime.request(Op.IFRT, message, timeout_s=timeout)
         except RuntimeLost as e:
             raise self._lost(session, e) from None
         except RemoteError as e:

@@ -583,7 +583,7 @@ class RuntimeServer:
         with self._ifrt_locks[int(m["session"])]:
             responses, made, tiers = self._sessions.serve(
                 int(m["session"]), str(m.get("owner", "")), list(m["requests"]),
-                unpack_buffers(m.get("buffers", {})))
+                unpack_buffers(m.get("buffers", {})), m.get("quotas"))
             host: dict[int, dict[str, Any]] = {}
             for handle, data in made.items():
                 if data.nbytes < frames.INLINE_MAX_BYTES:

@@ -19,9 +19,11 @@ sanitized options and backend in the tiers.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -87,6 +89,7 @@ class Session:
         self.session_id = session_id
         self.owner = owner
         self.arrays: dict[int, Any] = {}  # handle -> jax.Array, or the IfrtFailure that made it
+        self.sizes: dict[int, int] = {}  # handle -> device bytes it counts for its key
         self.executables: dict[int, _Executable] = {}
         self.futures: dict[int, IfrtFailure | None] = {}
         self.results: dict[int, IfrtFailure | None] = {}  # execute statuses (FetchExecuteResult)
@@ -112,6 +115,12 @@ class Sessions:
         self.devices = [compiler.device]  # this runtime's devices (one, today)
         self._by_id = {d.id: d for d in self.devices}
         self.sessions: dict[int, Session] = {}
+        # What each key holds here (all its sessions live in this runtime: placement is
+        # by key), against the quotas its batches carry: device bytes, arrays, compiles.
+        self.quotas: dict[str, Mapping[str, int]] = {}
+        self.held: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self.compiled_at: dict[str, collections.deque[float]] = collections.defaultdict(
+            collections.deque)
         self._handlers: dict[str, Callable[[Session, Any, Any], None]] = {
             "init_request": self._init,
             "check_future_request": self._check_future,
@@ -143,7 +152,7 @@ class Sessions:
     # -- the runtime's ops -------------------------------------------------------
 
     def serve(self, session_id: int, owner: str, requests: list[bytes],
-              buffers: Mapping[int, np.ndarray]
+              buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None
               ) -> tuple[list[bytes], dict[int, np.ndarray], list[str]]:
         """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
         responses, the host buffers their ``copy_to_host_buffer``s made, and the tier
@@ -153,6 +162,8 @@ class Sessions:
             session = self.sessions[session_id] = Session(session_id, owner)
         elif session.owner != owner:
             raise IfrtFailure(FAILED_PRECONDITION, "this session belongs to another key")
+        if quotas:
+            self.quotas[owner] = quotas
         before = set(session.host_out)
         responses = [self._one(session, data, buffers) for data in requests]
         made = {h: session.host_out[h] for h in session.host_out.keys() - before}
@@ -172,6 +183,8 @@ class Sessions:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return {}
+        for handle in list(session.sizes):
+            self._forget(session, handle)
         for array in session.arrays.values():
             if not isinstance(array, IfrtFailure):
                 try:
@@ -205,7 +218,7 @@ class Sessions:
         except Exception as e:  # noqa: BLE001 - every failure is the request's answer
             failure = e if isinstance(e, IfrtFailure) else _classify(e)
             for handle in _result_handles(request, kind):
-                session.arrays[handle] = failure
+                self._put(session, handle, failure)
             if kind == "loaded_executable_execute_request" and body.result_status_handle:
                 session.results[body.result_status_handle] = failure
                 session.futures[body.result_status_handle] = failure
@@ -224,11 +237,44 @@ class Sessions:
             raise IfrtFailure(found.code, f"array {handle} failed earlier: {found}")
         return found
 
-    def _put(self, session: Session, wanted: int, array: Any) -> int:
-        """Keep ``array`` under the client's handle ``wanted`` (or a new one, if 0)."""
+    def _put(self, session: Session, wanted: int, array: Any, nbytes: int | None = None) -> int:
+        """Keep ``array`` under the client's handle ``wanted`` (or a new one, if 0), counted
+        for its key: ``nbytes`` of device memory (default: the array's own; 0 for a view
+        of buffers another handle counts) and one array."""
         handle = wanted or next(session.handles)
+        if handle in session.arrays:
+            self._forget(session, handle)
+        if nbytes is None:
+            nbytes = 0 if isinstance(array, IfrtFailure) else int(array.nbytes)
         session.arrays[handle] = array
+        session.sizes[handle] = nbytes
+        held = self.held[session.owner]
+        held[0] += nbytes
+        held[1] += 1
         return handle
+
+    def _forget(self, session: Session, handle: int) -> None:
+        """Stop counting ``handle`` for its key (destructed, or its session closed)."""
+        nbytes = session.sizes.pop(handle, None)
+        if nbytes is not None:
+            held = self.held[session.owner]
+            held[0] -= nbytes
+            held[1] -= 1
+
+    def _room(self, session: Session, nbytes: int, arrays: int = 1) -> None:
+        """Refuse what would take ``session``'s key past a quota (with API keys on)."""
+        quotas = self.quotas.get(session.owner)
+        if not quotas:
+            return
+        held_bytes, held_arrays = self.held[session.owner]
+        if held_bytes + nbytes > quotas["device_bytes"]:
+            raise IfrtFailure(RESOURCE_EXHAUSTED, (
+                f"quota device_bytes: this key holds {held_bytes:,} device bytes; {nbytes:,} more "
+                f"is over its quota of {quotas['device_bytes']:,} (JITSERVE_TENANT_MAX_DEVICE_BYTES)"))
+        if held_arrays + arrays > quotas["arrays"]:
+            raise IfrtFailure(RESOURCE_EXHAUSTED, (
+                f"quota live_arrays: this key holds {held_arrays:,} arrays; its quota is "
+                f"{quotas['arrays']:,} (JITSERVE_TENANT_MAX_LIVE_FUTURES)"))
 
     def _executable(self, session: Session, handle: int) -> _Executable:
         found = session.executables.get(handle)
@@ -367,6 +413,7 @@ class Sessions:
         [device] = self._sharding_devices(body.sharding)
         strides = body.byte_strides.strides if body.HasField("byte_strides") else None
         host = self._host_array(self._host_buffer(body.host_buffer_handle), dtype, shape, strides)
+        self._room(session, host.nbytes)
         array = self._device_put(host, device)
         response.make_array_from_host_buffer_response.array_handle = self._put(
             session, body.array_handle if body.HasField("array_handle") else 0, array)
@@ -374,7 +421,7 @@ class Sessions:
     def _make_arrays_from_shards(self, session: Session, body: Any, response: Any) -> None:
         if body.array_handles and len(body.array_handles) != len(body.specs):
             raise IfrtFailure(INVALID_ARGUMENT, "array_handles and specs differ in length")
-        made = []
+        made: list[Any] = []
         for spec in body.specs:
             [device] = self._sharding_devices(spec.array_spec.sharding)
             if len(spec.host_buffers) != 1:
@@ -384,6 +431,7 @@ class Sessions:
             strides = buf.byte_strides.strides if buf.HasField("byte_strides") else None
             host = self._host_array(self._host_buffer(buf.host_buffer_handle), self._dtype(buf.dtype),
                                     tuple(buf.shape.dims), strides)
+            self._room(session, host.nbytes + sum(int(a.nbytes) for a in made), len(made) + 1)
             made.append(self._device_put(host, device))
         wanted = list(body.array_handles) or [0] * len(made)
         out = response.make_arrays_from_host_buffer_shards_response
@@ -400,8 +448,9 @@ class Sessions:
         if len(arrays) != 1:
             raise IfrtFailure(UNIMPLEMENTED, f"assembling {len(arrays)} shards is not served yet: "
                               "this server's runtimes hold one device each")
+        self._room(session, 0)
         response.assemble_array_from_single_device_arrays_response.array_handle = self._put(
-            session, body.result_handle, arrays[0])
+            session, body.result_handle, arrays[0], nbytes=0)
 
     def _disassemble(self, session: Session, body: Any, response: Any) -> None:
         array = self._array(session, body.array_handle)
@@ -410,18 +459,21 @@ class Sessions:
         if len(wanted) != len(shards):
             raise IfrtFailure(INVALID_ARGUMENT, f"{len(wanted)} result handles for {len(shards)} shards")
         out = response.disassemble_into_single_device_arrays_response
-        out.array_handles.extend(self._put(session, h, s) for h, s in zip(wanted, shards))
+        self._room(session, 0, len(shards))
+        out.array_handles.extend(self._put(session, h, s, nbytes=0) for h, s in zip(wanted, shards))
 
     def _fully_replicated_shard(self, session: Session, body: Any, response: Any) -> None:
         array = self._array(session, body.array_handle)
+        self._room(session, 0)
         response.fully_replicated_shard_response.array_handle = self._put(
-            session, body.result_handle, array.addressable_shards[0].data)
+            session, body.result_handle, array.addressable_shards[0].data, nbytes=0)
 
     def _copy_arrays(self, session: Session, body: Any, response: Any) -> None:
         arrays = [self._array(session, h) for h in body.array_handles]
         devices = [self._device(i) for i in body.device_ids]
         if len(devices) > 1:
             raise IfrtFailure(UNIMPLEMENTED, "copies onto several devices are not served yet")
+        self._room(session, sum(int(a.nbytes) for a in arrays), len(arrays))
         made = [self._jax.device_put(a, devices[0]) if devices else a.copy() for a in arrays]
         wanted = list(body.result_handles) or [0] * len(made)
         out = response.copy_arrays_response
@@ -454,6 +506,10 @@ class Sessions:
                 self._array(session, handle).delete()
             except IfrtFailure as e:
                 failure = failure or e
+                continue
+            freed = session.sizes.get(handle, 0)  # the handle stays, its memory does not
+            session.sizes[handle] = 0
+            self.held[session.owner][0] -= freed
         future = next(session.handles)
         session.futures[future] = failure
         response.delete_array_response.deletion_future_handle = future
@@ -463,6 +519,8 @@ class Sessions:
 
     def _destruct_array(self, session: Session, body: Any, response: Any) -> None:
         missing = [h for h in body.array_handle if session.arrays.pop(h, None) is None]
+        for handle in body.array_handle:
+            self._forget(session, handle)
         if missing:
             raise IfrtFailure(NOT_FOUND, f"unknown array handle(s): {', '.join(map(str, missing))}")
         response.destruct_array_response.SetInParent()
@@ -481,9 +539,18 @@ class Sessions:
                 raise IfrtFailure(RESOURCE_EXHAUSTED, f"the program asks for "
                                   f"{build.num_replicas * build.num_partitions} devices; this "
                                   f"server's runtimes hold {len(self.devices)} each")
-            lookup = self.compiler.lookup_module(program_bytes(body.program), options)
+            may_compile = self._may_compile(session.owner)
+            lookup = self.compiler.lookup_module(program_bytes(body.program), options,
+                                                 compile=may_compile)
         except CompilerError as e:
             raise IfrtFailure(INVALID_ARGUMENT, f"jitserve refused the program ({e.code}): {e}") from None
+        if lookup is None:
+            raise IfrtFailure(RESOURCE_EXHAUSTED, (
+                f"quota compiles_per_minute: this key started "
+                f"{self.quotas[session.owner]['compiles_per_minute']} compiles in the last minute "
+                "(JITSERVE_TENANT_COMPILES_PER_MINUTE); programs already compiled still run"))
+        if str(lookup.tier) == "compiled":
+            self.compiled_at[session.owner].append(time.monotonic())
         session.compiles += 1
         session.tiers.append(str(lookup.tier))
         handle = next(session.handles)
@@ -504,6 +571,16 @@ class Sessions:
         ready = next(session.handles)
         session.futures[ready] = None
         out.ready_future_handle = ready
+
+    def _may_compile(self, owner: str) -> bool:
+        """Whether ``owner`` may start a compile now: under its compiles in a sliding minute."""
+        quotas = self.quotas.get(owner)
+        if not quotas:
+            return True
+        window = self.compiled_at[owner]
+        while window and window[0] < time.monotonic() - 60:
+            window.popleft()
+        return len(window) < quotas["compiles_per_minute"]
 
     def _executable_metadata(self, session: Session, body: Any, response: Any) -> None:
         loaded = self._executable(session, body.loaded_executable_handle).executable.loaded
@@ -549,6 +626,8 @@ class Sessions:
     def _execute(self, session: Session, body: Any, response: Any) -> None:
         executable = self._executable(session, body.loaded_executable_handle).executable
         args = [self._array(session, h) for h in body.args_handles]
+        out_nbytes = executable.out_nbytes
+        self._room(session, out_nbytes or 0, len(executable.out_avals))
         if body.device_ids and [int(i) for i in body.device_ids] != [d.id for d in self.devices]:
             raise IfrtFailure(INVALID_ARGUMENT, f"devices {list(body.device_ids)} are not this "
                               "executable's")

@@ -301,6 +301,8 @@ class IfrtRequest(TypedDict):
     owner: str  # the key digest the session belongs to ("" without keys)
     requests: list[bytes]  # serialized ``xla.ifrt.proxy.IfrtRequest``s
     buffers: dict[int, ArrayDesc]  # host buffers the requests name, as uint8 arrays
+    # the key's quotas (device_bytes, arrays, compiles_per_minute); absent without keys
+    quotas: NotRequired[dict[str, int]]
 
 
 class IfrtAnswer(TypedDict):

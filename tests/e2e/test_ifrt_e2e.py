@@ -467,3 +467,39 @@ def test_tls_with_a_private_ca_through_the_backend_s_forwarder(
             refused = run_program({"target": target}, "import jax\nprint(jax.devices())\n", tmp_path,
                                   key=None, env={"JITSERVE_IFRT_CONNECT_TIMEOUT_S": "2", **extra})
             assert refused.returncode != 0 and "Unable to establish connection" in refused.stderr
+
+
+def test_quotas_are_per_key(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Device bytes and compiles per minute, counted per key: one key past its quotas
+    gets errors that name them; the other key's programs run."""
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_API_KEYS": ",".join(KEYS),
+           "JITSERVE_TENANT_MAX_DEVICE_BYTES": str(16 << 20),
+           "JITSERVE_TENANT_COMPILES_PER_MINUTE": "4", "JITSERVE_MAX_BODY_BYTES": str(64 << 20)}
+    for _url in _serve(tmp_path_factory.mktemp("ifrt-quotas"), env):
+        server = {"target": f"127.0.0.1:{port}"}
+        greedy = run_program(server, """
+            import jax, jax.numpy as jnp, numpy as np
+            held = [jax.device_put(np.ones(1 << 20, np.float32)) for _ in range(3)]  # 12 MiB
+            jax.block_until_ready(held)
+            try:
+                jax.device_put(np.ones(2 << 20, np.float32)).block_until_ready()  # 8 MiB more
+            except Exception as e:
+                print("BYTES", e)
+            del held
+            for i in range(8):
+                try:
+                    jax.jit(lambda x, i=i: x * (i + 1.5))(np.ones(3, np.float32)).block_until_ready()
+                except Exception as e:
+                    print("COMPILES", e)
+                    break
+        """, tmp_path, key=KEYS[1])
+        assert "BYTES" in greedy.stdout and "quota device_bytes" in greedy.stdout, (
+            greedy.stdout, greedy.stderr[-2000:])
+        assert "COMPILES" in greedy.stdout and "quota compiles_per_minute" in greedy.stdout
+        other = run_program(server, """
+            import jax, numpy as np
+            x = jax.device_put(np.ones(3 << 20, np.float32))  # 12 MiB: within its own quota
+            print(float(jax.jit(lambda v: v.sum())(x)))
+        """, tmp_path, key=KEYS[0])
+        assert other.returncode == 0 and other.stdout.strip() == str(float(3 << 20)), other.stderr[-2000:]
