@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -46,6 +46,7 @@ from ..api.auth import authenticate
 from ..calls.quotas import Quotas
 from ..errors import Unauthorized
 from ..metrics import Metrics
+from ..runtimes import frames
 from ..runtimes.pool import RemoteError, Runtime, RuntimeLost, RuntimePool
 from ..runtimes.protocol import Op
 from ..settings import Settings
@@ -75,7 +76,7 @@ class _Session:
     protocol: int
     opened: float = dataclasses.field(default_factory=time.monotonic)
     generation: int | None = None  # the runtime process that holds it, from its first batch
-    host_in: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    host_in: dict[int, _Stored] = dataclasses.field(default_factory=dict)
     host_out: dict[int, Any] = dataclasses.field(default_factory=dict)  # ndarray, or nbytes
     arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
     requests: int = 0
@@ -90,6 +91,23 @@ class _Session:
         if event is None:
             event = self.arrived[handle] = asyncio.Event()
         return event
+
+
+@dataclasses.dataclass(eq=False)
+class _Stored:
+    """A host buffer the client stored: small ones as bytes, big ones in a shared-memory
+    segment of the pool's cache, written in place as the chunks come and read in place by
+    the runtime (one copy on the way in)."""
+
+    size: int
+    data: bytes = b""
+    segment: Any = None  # frames.Segment
+
+    def desc(self) -> dict[str, Any]:
+        """The uint8 array the runtime reads (``frames.ArrayDesc``)."""
+        if self.segment is None:
+            return {"dtype": "uint8", "shape": [self.size], "data": self.data}
+        return {"dtype": "uint8", "shape": [self.size], "shm": self.segment.name, "offset": 0}
 
 
 class _SessionEnded(Exception):
@@ -260,7 +278,7 @@ class IfrtService:
         answers: list[bytes | None] = [None] * len(batch)
         sent: list[bytes] = []
         kinds: list[str] = []
-        buffers: dict[int, np.ndarray] = {}
+        buffers: dict[int, _Stored] = {}
         executes = compiles = 0
         for i, (data, request) in enumerate(batch):
             kind = request.WhichOneof("request") if request is not None else None
@@ -273,11 +291,11 @@ class IfrtService:
                 continue
             for handle in _host_buffers_named(request, kind):
                 await self._wait_for_buffer(session, handle)
-                buffer = session.host_in.pop(handle, None)
+                stored = session.host_in.pop(handle, None)
                 session.arrived.pop(handle, None)
-                if buffer is not None:
-                    session.held -= len(buffer)
-                    buffers[handle] = np.frombuffer(buffer, np.uint8)
+                if stored is not None:
+                    session.held -= stored.size
+                    buffers[handle] = stored
             executes += kind == "loaded_executable_execute_request"
             compiles += kind == "compile_request"
             sent.append(data)
@@ -309,18 +327,15 @@ class IfrtService:
                                    self.settings.ifrt_host_buffer_wait_s)
 
     async def _to_runtime(self, session: _Session, requests: list[bytes],
-                          buffers: dict[int, np.ndarray], executes: int, compiles: int
+                          buffers: dict[int, _Stored], executes: int, compiles: int
                           ) -> tuple[list[bytes], dict[int, Any], list[str]]:
-        from ..runtimes import frames
-
         settings = self.settings
-        handles = list(buffers)
-        descs, segment = frames.pack_arrays([buffers[h] for h in handles], self.runtimes.segments)
         timeout = (executes * settings.execution_timeout_s + compiles * settings.lookup_timeout_s
                    or settings.decode_timeout_s)
         try:
             message: dict[str, Any] = {"session": session.id, "owner": session.owner,
-                                       "requests": requests, "buffers": dict(zip(handles, descs))}
+                                       "requests": requests,
+                                       "buffers": {h: b.desc() for h, b in buffers.items()}}
             if self.quotas is not None:
                 message["quotas"] = self.quotas
             reply = await session.runtime.request(Op.IFRT, message, timeout_s=timeout)
@@ -329,9 +344,10 @@ class IfrtService:
         except RemoteError as e:
             raise _SessionEnded(grpc.StatusCode.INTERNAL, f"jitserve's runtime refused the "
                                 f"batch: {e}", "refused") from None
-        finally:
-            if segment is not None:
-                self.runtimes.segments.give_back(segment)
+        finally:  # the runtime has copied what it kept (or is gone)
+            for stored in buffers.values():
+                if stored.segment is not None:
+                    self.runtimes.segments.give_back(stored.segment)
         generation = reply.get("generation")
         if session.generation is None:
             session.generation = generation
@@ -339,8 +355,9 @@ class IfrtService:
             raise _SessionEnded(grpc.StatusCode.UNAVAILABLE, (
                 f"runtime {session.runtime.index} restarted ({session.runtime.last_exit or 'lost'}): "
                 "this session's arrays and executables are gone"), "runtime_lost")
-        session.bytes_in += sum(int(b.nbytes) for b in buffers.values())
-        self.metrics.ifrt_bytes.labels("in").inc(sum(int(b.nbytes) for b in buffers.values()))
+        moved = sum(b.size for b in buffers.values())
+        session.bytes_in += moved
+        self.metrics.ifrt_bytes.labels("in").inc(moved)
         return list(reply["responses"]), dict(reply.get("host", {})), list(reply.get("compiles", ()))
 
     def _lost(self, session: _Session, e: RuntimeLost) -> _SessionEnded:
@@ -399,23 +416,45 @@ class IfrtService:
                 f"this session holds {session.held:,} bytes of host buffers no request has used "
                 f"yet; {meta.buffer_size:,} more is over the limit of "
                 f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)"))
-        data = bytearray()
-        async for chunk in chunks:
-            piece = message(_P + "GrpcHostBufferStoreRequest").FromString(chunk).data
-            if len(data) + len(piece) > meta.buffer_size:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                    f"host buffer {meta.handle} is longer than the {meta.buffer_size} bytes "
-                    "its metadata announced"))
-            data += piece
-        if len(data) != meta.buffer_size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                f"host buffer {meta.handle} has {len(data)} bytes, not the "
-                f"{meta.buffer_size} its metadata announced"))
+        stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
         if session.ended is None:
-            session.host_in[meta.handle] = bytes(data)
-            session.held += len(data)
+            session.host_in[meta.handle] = stored
+            session.held += stored.size
             session.event(meta.handle).set()
+        elif stored.segment is not None:
+            self.runtimes.segments.give_back(stored.segment)
         return b""
+
+    async def _receive(self, handle: int, size: int, chunks: AsyncIterator[bytes],
+                       context: grpc.aio.ServicerContext) -> _Stored:
+        """A host buffer of ``size`` bytes from its chunks, written where it will be read."""
+        stored = _Stored(size)
+        if size >= frames.INLINE_MAX_BYTES:
+            stored.segment = self.runtimes.segments.take(size)
+            target = memoryview(stored.segment.map)
+        else:
+            target = memoryview(bytearray(size))
+        offset = 0
+        try:
+            async for chunk in chunks:
+                piece = _chunk_data(chunk)
+                if offset + len(piece) > size:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                        f"host buffer {handle} is longer than the {size} bytes its metadata "
+                        "announced"))
+                target[offset:offset + len(piece)] = piece
+                offset += len(piece)
+            if offset != size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"host buffer {handle} has {offset} bytes, not the {size} its metadata "
+                    "announced"))
+        except BaseException:
+            if stored.segment is not None:
+                self.runtimes.segments.give_back(stored.segment)
+            raise
+        if stored.segment is None:
+            stored.data = bytes(target)
+        return stored
 
     async def host_buffer_lookup(self, data: bytes,
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -432,42 +471,47 @@ class IfrtService:
             session.held -= len(desc.get("data", b""))
         if desc is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no host buffer {handle} in this session")
-        array = await self._host_bytes(session, handle, desc, context)
-        session.bytes_out += array.nbytes
-        self.metrics.ifrt_bytes.labels("out").inc(array.nbytes)
-        view = memoryview(array.reshape(-1).view(np.uint8).data)
-        reply = message(_P + "GrpcHostBufferLookupResponse")
-        if not len(view):
-            yield bytes(reply().SerializeToString())
-        for start in range(0, len(view), _CHUNK):
-            yield bytes(reply(data=bytes(view[start:start + _CHUNK])).SerializeToString())
-
-    async def _host_bytes(self, session: _Session, handle: int, desc: dict[str, Any],
-                          context: grpc.aio.ServicerContext) -> np.ndarray:
-        from ..runtimes import frames
-
-        if "nbytes" not in desc:
-            return frames.unpack_arrays([desc])[0]
-        segment = self.runtimes.segments.take(int(desc["nbytes"]))
+        if "nbytes" not in desc:  # small: it came with the batch's answer
+            small = memoryview(frames.unpack_arrays([desc])[0].reshape(-1).view(np.uint8).data)
+            for chunk in self._chunks(session, small):
+                yield chunk
+            return
+        size = int(desc["nbytes"])
+        segment = self.runtimes.segments.take(size)
         try:
-            reply = await session.runtime.request(Op.IFRT_READ, {
-                "session": session.id, "handle": handle,
-                "into": {"shm": segment.name, "offsets": [0]}},
-                timeout_s=self.settings.decode_timeout_s)
-            [array] = frames.unpack_arrays(reply["arrays"], {segment.name: segment.map})
-            return np.array(array, copy=True)
-        except RemoteError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"host buffer {handle} is gone: {e}")
-            raise
+            try:
+                reply = await session.runtime.request(Op.IFRT_READ, {
+                    "session": session.id, "handle": handle,
+                    "into": {"shm": segment.name, "offsets": [0]}},
+                    timeout_s=self.settings.decode_timeout_s)
+            except RemoteError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"host buffer {handle} is gone: {e}")
+            if [d.get("shm") for d in reply["arrays"]] != [segment.name]:
+                await context.abort(grpc.StatusCode.INTERNAL, "a runtime answered a read elsewhere")
+            for chunk in self._chunks(session, memoryview(segment.map)[:size]):
+                yield chunk
         finally:
             self.runtimes.segments.give_back(segment)
+
+    def _chunks(self, session: _Session, data: memoryview) -> Iterator[bytes]:
+        """``data`` as ``GrpcHostBufferLookupResponse`` messages of ``_CHUNK`` bytes, each
+        written out by hand: one copy of the bytes, not protobuf's two."""
+        session.bytes_out += len(data)
+        self.metrics.ifrt_bytes.labels("out").inc(len(data))
+        if not len(data):
+            yield b""
+        for start in range(0, len(data), _CHUNK):
+            piece = data[start:start + _CHUNK]
+            yield b"".join((b"\x0a", _varint(len(piece)), piece))
 
     async def host_buffer_delete(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await self._parse("GrpcHostBufferDeleteRequest", data, context)
         session = await self._session_of(request.session_id, context)
         stored = session.host_in.pop(request.handle, None)
         made = session.host_out.pop(request.handle, None)
-        session.held -= len(stored or b"") + len((made or {}).get("data", b""))
+        session.held -= (stored.size if stored else 0) + len((made or {}).get("data", b""))
+        if stored is not None and stored.segment is not None:
+            self.runtimes.segments.give_back(stored.segment)
         return bytes(message(_P + "GrpcHostBufferDeleteResponse")().SerializeToString())
 
     async def _session_of(self, session_id: int, context: grpc.aio.ServicerContext) -> _Session:
@@ -483,6 +527,34 @@ class IfrtService:
             return message(_P + name).FromString(data)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a {name}")
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _chunk_data(chunk: bytes) -> memoryview:
+    """The ``data`` of a ``GrpcHostBufferStoreRequest`` without copying it: its one field,
+    read by hand where the message is just that field (as the client sends it)."""
+    if chunk[:1] == b"\x0a":
+        length, start, shift = 0, 1, 0
+        while start < len(chunk) and shift < 64:
+            byte = chunk[start]
+            length |= (byte & 0x7F) << shift
+            start += 1
+            shift += 7
+            if not byte & 0x80:
+                if start + length == len(chunk):
+                    return memoryview(chunk)[start:]
+                break
+    return memoryview(message(_P + "GrpcHostBufferStoreRequest").FromString(chunk).data)
 
 
 def _host_buffers_named(request: Any, kind: str) -> list[int]:
