@@ -591,6 +591,10 @@ async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics
         ("grpc.max_receive_message_length", min(settings.max_body_bytes + (1 << 20), 2**31 - 1)),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a stale server on the port is an error, not a split
+        # Host buffers are hundreds of MiB: let the client send them in big HTTP/2 frames
+        # (the default is 16 KiB), and start with big flow-control windows.
+        ("grpc.http2.max_frame_size", (1 << 24) - 1),
+        ("grpc.http2.bdp_probe", 1),
     ])
 
     def raw(kind: str, fn: Any) -> grpc.RpcMethodHandler:
