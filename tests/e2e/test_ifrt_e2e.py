@@ -249,7 +249,7 @@ def test_a_runtime_killed_under_a_session_fails_its_program_and_a_new_session_wo
     assert fine.returncode == 0 and fine.stdout.strip() == "3.0", fine.stderr[-2000:]
 
 
-def test_a_custom_call_off_the_allowlist_raises_jitserve_s_refusal(
+def test_refused_programs_raise_jitserve_s_refusal_and_the_session_goes_on(
         ifrt: dict[str, str], tmp_path: Path) -> None:
     refused = run_program(ifrt, """
         import jax, jax.numpy as jnp
@@ -258,11 +258,16 @@ def test_a_custom_call_off_the_allowlist_raises_jitserve_s_refusal(
             jax.jit(call)(jnp.ones(3)).block_until_ready()
         except Exception as e:
             print("RAISED", e)
+        try:  # a module with a 64 GiB tensor: over the per-tensor limit, never compiled
+            jax.jit(lambda x: jnp.zeros((1 << 20, 1 << 14), jnp.float32).sum() + x)(1.0)
+        except Exception as e:
+            print("TOO BIG", e)
         print(float(jnp.ones(2).sum()))
     """, tmp_path)
     assert "RAISED" in refused.stdout, (refused.stdout, refused.stderr[-2000:])
     assert "jitserve refused the program" in refused.stdout
     assert "jitserve_test_not_allowed" in refused.stdout
+    assert "TOO BIG" in refused.stdout and "over the limit" in refused.stdout
     assert refused.stdout.strip().endswith("2.0")  # the session goes on
 
 
