@@ -407,7 +407,9 @@ class Compiler:
         with stablehlo.new_context() as ctx:
             module = stablehlo.parse_module(data, ctx, limits)
             check_module(module, limits, static=True)
-            in_avals, out_avals = stablehlo.main_signature(module)
+            in_avals, out_avals = stablehlo.main_signature(module, tokens=True)
+            out_tokens = [i for i, t in enumerate(stablehlo.main_result_types(module))
+                          if str(t) == "!stablehlo.token"]
             bytecode = stablehlo.to_bytecode(module)
         program_id = hashlib.sha256(data).hexdigest()
         backend = dataclasses.replace(self._key_backend,
@@ -434,8 +436,8 @@ class Compiler:
                 meta = {**self._expected_meta(key), "program_id": program_id, "format": "ifrt",
                         "static_key": "ifrt", "in_avals": [a.to_json() for a in in_avals],
                         "out_avals": [a.to_json() for a in out_avals], "out_tree": None,
-                        "created": time.time(), "key_parts": dict(parts),
-                        "recompiled_because": None}
+                        "out_tokens": out_tokens, "created": time.time(),
+                        "key_parts": dict(parts), "recompiled_because": None}
                 meta["compile_seconds"] = seconds = time.perf_counter() - start
                 executable = Executable(self._deserialize(serialized), key, meta, len(serialized))
                 self._executables.put(key, encode_entry(key, Entry(serialized, meta), self._secret),

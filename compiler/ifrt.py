@@ -37,6 +37,20 @@ ALLOWED_DEBUG_OPTIONS = frozenset({
 })
 # CompileOptionsProto fields a client chooses.
 _ALLOWED_TOP = frozenset({"argument_layouts", "parameter_is_tupled_arguments", "profile_version"})
+# ``jax.jit(..., compiler_options={...})`` arrives as ``env_option_overrides``, which XLA
+# applies by name: these (and ALLOWED_DEBUG_OPTIONS) are kept, for XLA to check their
+# values; a name XLA knows but that is not here is refused, and one it does not know is
+# refused as XLA would ("No such compile option").
+ALLOWED_OVERRIDES = ALLOWED_DEBUG_OPTIONS | frozenset({
+    "xla_embed_ir_in_executable", "xla_llvm_disable_expensive_passes",
+    "xla_backend_optimization_level", "exec_time_optimization_effort", "memory_fitting_effort",
+    "optimization_level", "memory_fitting_level", "xla_gpu_auto_spmd_partitioning_memory_budget_ratio",
+    # a cap on dumps, which cannot happen: xla_dump_to is not allowed
+    "xla_dump_max_hlo_modules",
+})
+# Override names XLA reads from ExecutableBuildOptions rather than DebugOptions.
+_BUILD_OVERRIDES = frozenset({"exec_time_optimization_effort", "memory_fitting_effort",
+                              "optimization_level", "memory_fitting_level"})
 _SERIALIZED_PROGRAM_TYPES = frozenset({"xla::ifrt::XlaProgram", "xla::ifrt::HloProgram"})
 _SERIALIZED_OPTIONS_TYPES = frozenset({"xla::ifrt::XlaCompileOptions"})
 
@@ -65,6 +79,14 @@ def sanitize_options(serialized: Any, server_options: bytes) -> bytes:
         raise InvalidProgram(f"compile options do not parse: {e}") from None
     ours = message("xla.CompileOptionsProto").FromString(server_options)
     _copy(theirs, ours, _ALLOWED_TOP)
+    debug_fields = ours.executable_build_options.debug_options.DESCRIPTOR.fields_by_name
+    for name in theirs.env_option_overrides:
+        if name not in debug_fields and name not in _BUILD_OVERRIDES:
+            raise InvalidProgram(f"No such compile option: '{name}'")
+        if name not in ALLOWED_OVERRIDES:
+            raise InvalidProgram(f"compile option '{name}' is not allowed on this server "
+                                 f"(allowed: {', '.join(sorted(ALLOWED_OVERRIDES))})")
+        ours.env_option_overrides[name].CopyFrom(theirs.env_option_overrides[name])
     _copy(theirs.executable_build_options, ours.executable_build_options, ALLOWED_BUILD_OPTIONS)
     _copy(theirs.executable_build_options.debug_options,
           ours.executable_build_options.debug_options, ALLOWED_DEBUG_OPTIONS)

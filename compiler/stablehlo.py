@@ -36,6 +36,8 @@ from jitserve.wire import DTYPES, Aval
 
 __all__ = [
     "MLIR_BYTECODE_MAGIC",
+    "TOKEN_AVAL",
+    "main_result_types",
     "main_signature",
     "new_context",
     "parse_module",
@@ -73,11 +75,26 @@ def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
         raise InvalidProgram(f"cannot parse the program as StableHLO: {message_of(e)}") from None
 
 
-def main_signature(module: ir.Module) -> tuple[tuple[Aval, ...], tuple[Aval, ...]]:
-    """The input and output avals of ``@main``; dynamic dimensions are ``None``."""
+def main_signature(module: ir.Module, *, tokens: bool = False
+                   ) -> tuple[tuple[Aval, ...], tuple[Aval, ...]]:
+    """The input and output avals of ``@main``; dynamic dimensions are ``None``.
+
+    ``tokens``: a ``!stablehlo.token`` (which jax's own programs pass and return: ordered
+    effects, ``jax.lax.create_token``) is ``TOKEN_AVAL``, an array of no bytes, rather than
+    refused.
+    """
     ftype = _function_type(_main(module))
-    return (tuple(_aval(t, "input") for t in ftype.inputs),
-            tuple(_aval(t, "output") for t in ftype.results))
+    return (tuple(_aval(t, "input", tokens) for t in ftype.inputs),
+            tuple(_aval(t, "output", tokens) for t in ftype.results))
+
+
+def main_result_types(module: ir.Module) -> list[ir.Type]:
+    """The MLIR types of ``@main``'s results."""
+    return list(_function_type(_main(module)).results)
+
+
+# What a token stands for in a signature (``main_signature(tokens=True)``): no bytes.
+TOKEN_AVAL = Aval((0,), "bool")
 
 
 def specialize(module: ir.Module, in_avals: Sequence[Aval],
@@ -171,7 +188,9 @@ def _dtype_by_ir_name() -> dict[str, str]:
         return {str(mlir.dtype_to_ir_type(dt)): name for name, dt in DTYPES.items()}
 
 
-def _aval(t: ir.Type, where: str) -> Aval:
+def _aval(t: ir.Type, where: str, tokens: bool = False) -> Aval:
+    if tokens and str(t) == "!stablehlo.token":
+        return TOKEN_AVAL
     if not isinstance(t, ir.RankedTensorType):
         raise InvalidProgram(f"@main {where} of type {t} is not a ranked tensor")
     dtype = _dtype_by_ir_name().get(str(t.element_type))

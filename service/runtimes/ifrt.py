@@ -647,13 +647,19 @@ class Sessions:
             session.results[status] = None
             session.futures[status] = None
             out.status_handle = status
-        handles = [self._put(session, h, o) for h, o in zip(wanted or [0] * len(outputs), outputs)]
+        tokens = set(executable.meta.get("out_tokens", ()))  # ordered effects, create_token
+        handles = [self._put(session, h, o, 0 if i in tokens else None)
+                   for i, (h, o) in enumerate(zip(wanted or [0] * len(outputs), outputs))]
         if not wanted:
-            for handle, output in zip(handles, outputs):
+            for i, (handle, output) in enumerate(zip(handles, outputs)):
                 o = out.outputs.add(array_handle=handle)
-                self._dtype_proto(np.dtype(output.dtype), o.dtype)
-                o.shape.dims.extend(output.shape)
-                self._single_sharding(next(iter(output.devices())), o.sharding)
+                if i in tokens:
+                    o.dtype.kind = o.dtype.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_name[
+                        "KIND_TOKEN"].number
+                else:
+                    self._dtype_proto(np.dtype(output.dtype), o.dtype)
+                    o.shape.dims.extend(output.shape)
+                self._single_sharding(self.devices[0], o.sharding)
 
     def _fetch_execute_result(self, session: Session, body: Any, response: Any) -> None:
         if body.result_status_handle not in session.results:

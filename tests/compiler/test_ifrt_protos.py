@@ -44,7 +44,6 @@ def _client_options(**build: object) -> object:
     debug.xla_dump_to = "/tmp/steal"
     debug.xla_gpu_per_fusion_autotune_cache_dir = "/etc"
     debug.xla_cpu_enable_fast_math = True
-    options.env_option_overrides["xla_dump_to"].string_field = "/tmp/steal"
     options.executable_build_options.fdo_profile = b"profile"
     options.executable_build_options.run_backend_only = True
     options.executable_build_options.num_partitions = 1
@@ -80,3 +79,25 @@ def test_options_and_programs_of_other_kinds_are_refused() -> None:
         sanitize_options(garbage, _server_options())
     with pytest.raises(InvalidProgram, match="at least 1"):
         sanitize_options(_client_options(num_partitions=0), _server_options())
+
+
+def _with_override(name: str, value: bool) -> object:
+    options = message("xla.CompileOptionsProto")()
+    options.executable_build_options.num_partitions = options.executable_build_options.num_replicas = 1
+    options.env_option_overrides[name].bool_field = value
+    serialized = message("xla.ifrt.Serialized")(type_name="xla::ifrt::XlaCompileOptions")
+    serialized.data = message("xla.ifrt.XlaCompileOptionsProto")(compile_options=options).SerializeToString()
+    return serialized
+
+
+def test_compiler_options_of_jax_jit_are_kept_checked_or_refused() -> None:
+    """``jax.jit(f, compiler_options=...)`` arrives as overrides: allowed ones go on to XLA
+    (which checks their values), unknown names are refused as XLA would, and known ones
+    off the allowlist are refused by name."""
+    kept = message("xla.CompileOptionsProto").FromString(
+        sanitize_options(_with_override("xla_embed_ir_in_executable", True), _server_options()))
+    assert kept.env_option_overrides["xla_embed_ir_in_executable"].bool_field is True
+    with pytest.raises(InvalidProgram, match="No such compile option: 'invalid_key'"):
+        sanitize_options(_with_override("invalid_key", True), _server_options())
+    with pytest.raises(InvalidProgram, match="'xla_dump_to' is not allowed"):
+        sanitize_options(_with_override("xla_dump_to", True), _server_options())

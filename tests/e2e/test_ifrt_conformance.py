@@ -1,0 +1,52 @@
+"""JAX's own test files through jitserve, against local runs (``tests/ifrt_conformance``).
+
+A fixed share of each file runs in CI (``SHARE``: the tests whose names hash to 0 modulo
+it, the same ones every run); ``bench/conformance.py`` runs the whole files. A test that
+passes locally and not through jitserve fails this test unless it is on
+``tests/ifrt_conformance/expected_failures.txt`` with its reason. The server answers no
+request INTERNAL over the run, and its ``/healthz`` stays 200.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e.conftest import _free_port, _serve, wait_ready
+from ifrt_conformance.runner import FILES, JAX_TESTS, compare, expected_failures, run_file
+
+# One test in SHARE of each file: the whole five files take about 25 minutes on two cores,
+# through jitserve and locally; this share keeps CI's run to a few.
+SHARE = 8
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
+              pytest.mark.skipif(not (JAX_TESTS / "tests").is_dir(),
+                                 reason=f"JAX's test files are not at {JAX_TESTS}")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_MAX_BODY_BYTES": str(256 << 20)}
+    for url in _serve(tmp_path_factory.mktemp("conformance"), env):
+        wait_ready(url)
+        yield {"url": url, "target": f"127.0.0.1:{port}"}
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_jax_s_own_tests_pass_through_jitserve_as_locally(server: dict[str, str], name: str,
+                                                         tmp_path: Path) -> None:
+    local = run_file(name, tmp_path / "local.xml", target=None, share=SHARE)
+    remote = run_file(name, tmp_path / "remote.xml", target=server["target"], share=SHARE)
+    result = compare(name, local, remote, expected_failures())
+    assert result.local_passed > 0, f"no test of {name} ran locally"
+    assert not result.new, (
+        f"{len(result.new)} tests of {name} pass locally but not through jitserve, and are not "
+        f"on tests/ifrt_conformance/expected_failures.txt: {result.new}")
+    assert httpx.get(f"{server['url']}/healthz", timeout=10).status_code == 200
+    internal = [line for line in httpx.get(f"{server['url']}/metrics", timeout=10).text.splitlines()
+                if line.startswith("jitserve_ifrt_requests_total{") and 'status="INTERNAL"' in line
+                and not line.endswith(" 0.0")]
+    assert not internal, internal

@@ -1,0 +1,1 @@
+"""JAX's own test files through jitserve's IFRT proxy, compared with local runs (``runner``)."""
