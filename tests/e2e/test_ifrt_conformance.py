@@ -17,9 +17,9 @@ import pytest
 from e2e.conftest import _free_port, _serve, wait_ready
 from ifrt_conformance.runner import FILES, JAX_TESTS, compare, expected_failures, run_file
 
-# One test in SHARE of each file: the whole five files take about 25 minutes on two cores,
-# through jitserve and locally; this share keeps CI's run to a few.
-SHARE = 8
+# One test in SHARE of each file: the whole five files take about 45 minutes on two cores,
+# through jitserve and locally; this share keeps CI's run to about four.
+SHARE = 12
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
               pytest.mark.skipif(not (JAX_TESTS / "tests").is_dir(),
