@@ -74,14 +74,6 @@ def _dtype_table() -> dict[str, Any]:
     return _DTYPES
 
 
-class _Executable:
-    """A compiled program of a session, and what its first run showed of its outputs."""
-
-    def __init__(self, executable: Any, tier: str) -> None:
-        self.executable = executable  # compiler.compile.Executable
-        self.tier = tier
-
-
 class Session:
     """One client's arrays, executables and futures (``Sessions`` serves it)."""
 
@@ -90,7 +82,10 @@ class Session:
         self.owner = owner
         self.arrays: dict[int, Any] = {}  # handle -> jax.Array, or the IfrtFailure that made it
         self.sizes: dict[int, int] = {}  # handle -> device bytes it counts for its key
-        self.executables: dict[int, _Executable] = {}
+        self.executables: dict[int, Any] = {}  # handle -> compiler.compile.Executable
+        # The host buffers of the batch being served (its own: two sessions' batches run
+        # on two threads at once).
+        self.inbox: Mapping[int, np.ndarray] = {}
         self.futures: dict[int, IfrtFailure | None] = {}
         self.results: dict[int, IfrtFailure | None] = {}  # execute statuses (FetchExecuteResult)
         self.host_out: dict[int, np.ndarray] = {}  # copy_to_host results until they are read
@@ -165,7 +160,11 @@ class Sessions:
         if quotas:
             self.quotas[owner] = quotas
         before = set(session.host_out)
-        responses = [self._one(session, data, buffers) for data in requests]
+        session.inbox = buffers
+        try:
+            responses = [self._one(session, data) for data in requests]
+        finally:
+            session.inbox = {}
         made = {h: session.host_out[h] for h in session.host_out.keys() - before}
         tiers, session.tiers = session.tiers, []
         return responses, made, tiers
@@ -196,7 +195,7 @@ class Sessions:
 
     # -- one request ---------------------------------------------------------------
 
-    def _one(self, session: Session, data: bytes, buffers: Mapping[int, np.ndarray]) -> bytes:
+    def _one(self, session: Session, data: bytes) -> bytes:
         request = self._message(_P + "IfrtRequest")()
         response = self._message(_P + "IfrtResponse")()
         try:
@@ -211,7 +210,6 @@ class Sessions:
             if handler is None:
                 raise IfrtFailure(UNIMPLEMENTED, f"jitserve does not serve {kind or 'an empty request'}")
             body = getattr(request, kind or "")
-            self._buffers = buffers
             handler(session, body, response)
             if response.WhichOneof("response") is None:  # an answer with nothing to say
                 getattr(response, kind.removesuffix("_request") + "_response").SetInParent()
@@ -276,14 +274,14 @@ class Sessions:
                 f"quota live_arrays: this key holds {held_arrays:,} arrays; its quota is "
                 f"{quotas['arrays']:,} (JITSERVE_TENANT_MAX_LIVE_FUTURES)"))
 
-    def _executable(self, session: Session, handle: int) -> _Executable:
+    def _executable(self, session: Session, handle: int) -> Any:
         found = session.executables.get(handle)
         if found is None:
             raise IfrtFailure(NOT_FOUND, f"unknown loaded executable handle {handle}")
         return found
 
-    def _host_buffer(self, handle: int) -> np.ndarray:
-        buffer = self._buffers.get(handle)
+    def _host_buffer(self, session: Session, handle: int) -> np.ndarray:
+        buffer = session.inbox.get(handle)
         if buffer is None:
             raise IfrtFailure(NOT_FOUND, f"host buffer {handle} never arrived")
         return buffer
@@ -412,7 +410,7 @@ class Sessions:
         dtype, shape = self._dtype(body.dtype), tuple(body.shape.dims)
         [device] = self._sharding_devices(body.sharding)
         strides = body.byte_strides.strides if body.HasField("byte_strides") else None
-        host = self._host_array(self._host_buffer(body.host_buffer_handle), dtype, shape, strides)
+        host = self._host_array(self._host_buffer(session, body.host_buffer_handle), dtype, shape, strides)
         self._room(session, host.nbytes)
         array = self._device_put(host, device)
         response.make_array_from_host_buffer_response.array_handle = self._put(
@@ -429,8 +427,8 @@ class Sessions:
                                   "single-device array")
             buf = spec.host_buffers[0]
             strides = buf.byte_strides.strides if buf.HasField("byte_strides") else None
-            host = self._host_array(self._host_buffer(buf.host_buffer_handle), self._dtype(buf.dtype),
-                                    tuple(buf.shape.dims), strides)
+            host = self._host_array(self._host_buffer(session, buf.host_buffer_handle),
+                                    self._dtype(buf.dtype), tuple(buf.shape.dims), strides)
             self._room(session, host.nbytes + sum(int(a.nbytes) for a in made), len(made) + 1)
             made.append(self._device_put(host, device))
         wanted = list(body.array_handles) or [0] * len(made)
@@ -554,7 +552,7 @@ class Sessions:
         session.compiles += 1
         session.tiers.append(str(lookup.tier))
         handle = next(session.handles)
-        session.executables[handle] = _Executable(lookup.executable, str(lookup.tier))
+        session.executables[handle] = lookup.executable
         out = response.compile_response
         out.loaded_executable_handle = handle
         loaded = lookup.executable.loaded
@@ -583,7 +581,7 @@ class Sessions:
         return len(window) < quotas["compiles_per_minute"]
 
     def _executable_metadata(self, session: Session, body: Any, response: Any) -> None:
-        loaded = self._executable(session, body.loaded_executable_handle).executable.loaded
+        loaded = self._executable(session, body.loaded_executable_handle).loaded
         out = response.loaded_executable_metadata_response
         for name, shardings in (("parameter_shardings", loaded.get_parameter_shardings()),
                                 ("output_shardings", loaded.get_output_shardings())):
@@ -624,7 +622,7 @@ class Sessions:
         out.size_of_generated_code_in_bytes = int(loaded.size_of_generated_code_in_bytes())
 
     def _execute(self, session: Session, body: Any, response: Any) -> None:
-        executable = self._executable(session, body.loaded_executable_handle).executable
+        executable = self._executable(session, body.loaded_executable_handle)
         args = [self._array(session, h) for h in body.args_handles]
         out_nbytes = executable.out_nbytes
         self._room(session, out_nbytes or 0, len(executable.out_avals))
@@ -671,7 +669,7 @@ class Sessions:
         response.loaded_executable_fetch_execute_result_response.SetInParent()
 
     def _cost_analysis(self, session: Session, body: Any, response: Any) -> None:
-        executable = self._executable(session, body.loaded_executable_handle).executable
+        executable = self._executable(session, body.loaded_executable_handle)
         out = response.loaded_executable_cost_analysis_response
         cost = executable.meta.get("cost")
         if cost is None:
@@ -680,7 +678,7 @@ class Sessions:
         _attributes(out.attributes, {k: float(v) for k, v in cost.items()})
 
     def _program_text(self, session: Session, body: Any, response: Any) -> None:
-        loaded = self._executable(session, body.loaded_executable_handle).executable.loaded
+        loaded = self._executable(session, body.loaded_executable_handle).loaded
         out = response.loaded_executable_human_readable_program_text_response
         try:
             out.human_readable_program_text = loaded.get_hlo_text()
