@@ -31,6 +31,8 @@ Names (the Grafana dashboard and the acceptance tests read these)::
                                               request_timeout (an upload's, a lookup's), cancel,
                                               signal (a crash: SIGSEGV, SIGKILL, ...), exit
     jitserve_runtime_start_failures_total     runtime processes that died before ready
+    jitserve_runs_resent_total                runs sent again: their runtime was lost
+                                              while they were queued there
     jitserve_runtime_restart_seconds          the last restart, from exit to ready
     jitserve_runtime_moves_total              outputs moved between runtimes (a call on
     jitserve_runtime_move_bytes_total         one took a future that lives on another)
@@ -134,6 +136,9 @@ class Metrics:
         self.runtimes_count = Gauge("jitserve_runtimes", "runtime processes", registry=r)
         self.runtime_restarts = Counter("jitserve_runtime_restarts",
                                         "runtime restarts by reason", ["reason"], registry=r)
+        self.runs_resent = Counter("jitserve_runs_resent",
+                                   "runs sent again after their runtime was lost before they began",
+                                   registry=r)
         self.runtime_start_failures = Counter("jitserve_runtime_start_failures",
                                               "runtimes that died before ready", registry=r)
         self.runtime_restart_seconds = Gauge("jitserve_runtime_restart_seconds",
@@ -223,6 +228,10 @@ class Metrics:
     def transferred(self, direction: str, nbytes: int) -> None:
         """Count array bytes moved ``"in"`` (requests) or ``"out"`` (responses)."""
         self.count(self.transfer_bytes, direction, amount=nbytes)
+
+    def run_resent(self) -> None:
+        """Count a run sent again: its runtime was lost before the run began there."""
+        self.runs_resent.inc()
 
     def replica_lost(self) -> None:
         """Count a replica noticed lost."""

@@ -45,6 +45,7 @@ class ErrorCode(enum.StrEnum):
     # the server
     EXECUTION_TIMEOUT = "execution_timeout"
     RUNTIME_CRASHED = "runtime_crashed"
+    RUNTIME_STOPPED = "runtime_stopped"
     REPLICA_LOST = "replica_lost"
     OUT_OF_MEMORY = "out_of_memory"
     UNAVAILABLE = "unavailable"
@@ -83,6 +84,9 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
     # A future's failure, also the answer where a call waited for it.
     ErrorCode.EXECUTION_TIMEOUT: 504,
     ErrorCode.RUNTIME_CRASHED: 502,
+    # Stopped with its runtime, which the server killed for another's sake: a run
+    # beside it passed its deadline, or every run there was cancelled.
+    ErrorCode.RUNTIME_STOPPED: 502,
     # The replica that held a future's data stopped (crashed, or drained and left).
     ErrorCode.REPLICA_LOST: 502,
     ErrorCode.OUT_OF_MEMORY: 422,

@@ -17,7 +17,14 @@ The runtime reports ``started`` (the future turns ``running`` and its deadline
 starts), then the output handles; the outputs stay on that runtime.
 
 Cancel: a run not yet sent is dropped; one that is running is stopped (its
-runtime killed and restarted) only when nothing else is in flight there.
+runtime killed and restarted) once every run that has started there has been
+cancelled (``Runtime.stop_call``).
+
+A run still queued on a runtime that is lost (killed for another run's deadline
+or cancel, or crashed) never began: it is sent again (``_RESENDS`` times at most,
+once after a crash, which it may have caused), to the runtime placement gives it
+now, when its arguments do not name buffers of the lost process. Only runs that
+were running there fail, each with the code that says why.
 
 Device memory: a future reserves its declared outputs in the ``FutureStore``, but
 a run also allocates intermediates (XLA's temp buffers: a loop's carry, say) that
@@ -52,6 +59,7 @@ from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
 from ..metrics import Metrics
 from ..runtimes import (
     Buffer,
+    NotStarted,
     Op,
     RemoteError,
     Runtime,
@@ -79,8 +87,12 @@ class FutureRef:
 Arg = np.ndarray | Buffer | FutureRef
 
 # Codes a runtime's failure of a run keeps; anything else is "future_failed".
-_RUN_CODES = frozenset({"execution_timeout", "runtime_crashed", "out_of_memory",
-                        "future_cancelled", "future_expired", "unavailable"})
+_RUN_CODES = frozenset({"execution_timeout", "runtime_crashed", "runtime_stopped",
+                        "out_of_memory", "future_cancelled", "future_expired", "unavailable"})
+# How often a run that never began is sent again when its runtime is stopped under it
+# (by another's deadline or cancel); after a crash, once: a second loss says the run
+# itself is the likely cause (its inputs' transfer, its load).
+_RESENDS = 3
 
 
 def run_error(e: RemoteError) -> tuple[str, str]:
@@ -139,10 +151,11 @@ class ExecutionJob:
         """Stop a running execution; ``None`` if it was stopped, else why it cannot be."""
         if self.runtime.stop_call(self):
             return None
-        others = len(self.runtime.in_flight()) - 1
+        others = self.runtime.running_besides(self)
         return (f"it keeps running: its runtime {self.runtime.index} has {others} other "
-                "execution(s) in flight, which stopping it would take down; it ends by "
-                "itself or at its deadline, and its outputs are dropped")
+                "running execution(s) not cancelled, which stopping it would take down; "
+                "it stops when they are cancelled too, or ends by itself or at its "
+                "deadline, and its outputs are dropped")
 
     @property
     def sent(self) -> bool:
@@ -314,8 +327,8 @@ class Executor:
             message = _run_message(program, executable, options, descs)
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
                 job.start()
-                reply = await runtime.request(Op.RUN, message, timeout_s=timeout_s, tag=job,
-                                              on_started=self._on_started(fut))
+                reply = await self._request_run(job, message, timeout_s)
+            runtime = job.runtime
             answered = True
         except (asyncio.CancelledError, _Cancelled):
             return  # the store already marked it cancelled
@@ -335,6 +348,33 @@ class Executor:
                     self._runtimes.segments.give_back(segment)
                 else:  # the runtime may still read it: unlinked, left to it
                     segment.destroy()
+
+    async def _request_run(self, job: ExecutionJob, message: RunRequest,
+                           timeout_s: float, resends: int = 0) -> dict[str, Any]:
+        """Send ``job``'s run and wait for its answer; sent again, placed anew, while
+        its runtime is lost before the run begins there (``NotStarted``)."""
+        while True:
+            try:
+                return await job.runtime.request(Op.RUN, message, timeout_s=timeout_s,
+                                                 tag=job, on_started=self._on_started(job.future))
+            except NotStarted as e:
+                resends += 1
+                if not self._may_resend(job, message, e, resends):
+                    raise
+                job.runtime = job.future.runtime = self._runtimes.replace(
+                    job.future.owner, job.runtime, message["executable_id"])
+                self._metrics.run_resent()
+                log.info("run of future %s sent again to runtime %d: %s", job.future.future_id,
+                         job.runtime.index, e)
+
+    @staticmethod
+    def _may_resend(job: ExecutionJob, message: RunRequest, e: NotStarted,
+                    resends: int) -> bool:
+        """Whether ``job``'s run, lost before it began, goes again: it still has a
+        caller, and ``_resendable``."""
+        if job.future.removed is not None or job.future.status.is_final:
+            return False
+        return _resendable(message, e, resends)
 
     def _send_now(self, job: ExecutionJob, program: Program, executable: RemoteExecutable,
                   options: CallOptions, timeout_s: float) -> bool:
@@ -369,7 +409,8 @@ class Executor:
             return False
         try:
             runtime.send_then(Op.RUN, message,
-                              lambda reply, error: self._answered(job, temp, reply, error),
+                              lambda reply, error: self._answered(job, temp, message, timeout_s,
+                                                                  reply, error),
                               timeout_s=timeout_s, tag=job,
                               on_started=self._on_started(job.future))
         except RuntimeLost:  # restarting: the task waits for it
@@ -382,10 +423,21 @@ class Executor:
         job.args = None
         return True
 
-    def _answered(self, job: ExecutionJob, temp: int, reply: dict[str, Any] | None,
-                  error: BaseException | None) -> None:
-        """Settle the future of a run ``_send_now`` sent."""
+    def _answered(self, job: ExecutionJob, temp: int, message: RunRequest, timeout_s: float,
+                  reply: dict[str, Any] | None, error: BaseException | None) -> None:
+        """Settle the future of a run ``_send_now`` sent (or send it again, in a task,
+        when its runtime was lost before it began)."""
         fut = job.future
+        if isinstance(error, NotStarted) and self._may_resend(job, message, error, 1):
+            self._budget.give(temp)
+            job.runtime = fut.runtime = self._runtimes.replace(fut.owner, job.runtime,
+                                                              message["executable_id"])
+            self._metrics.run_resent()
+            task = asyncio.get_running_loop().create_task(
+                self._resend(job, temp, message, timeout_s))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         try:
             self._budget.give(temp)
             if error is not None:
@@ -396,6 +448,26 @@ class Executor:
                 self._done(fut, job.runtime, reply)
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(fut, e)
+        finally:
+            self._let_go(job)
+
+    async def _resend(self, job: ExecutionJob, temp: int, message: RunRequest,
+                      timeout_s: float) -> None:
+        """The rest of a ``_send_now`` run that its runtime lost before it began."""
+        fut = job.future
+        try:
+            async with self._budget.hold(temp):
+                reply = await self._request_run(job, message, timeout_s, resends=1)
+        except asyncio.CancelledError:
+            if not fut.status.is_final:
+                self._futures.fail(fut, "unavailable", "the server is shutting down")
+            raise
+        except RemoteError as e:
+            self._failed(fut, e)
+        except Exception as e:  # a bug here: the future still ends, and says so
+            self._broken(fut, e)
+        else:
+            self._done(fut, job.runtime, reply)
         finally:
             self._let_go(job)
 
@@ -451,12 +523,21 @@ class Executor:
             message: RunRequest = {**_run_message(program, executable, options, descs),
                                    "split": list(rows)}
             async with self._budget.hold(memory.temp_bytes if memory is not None else 0):
-                try:
-                    reply = await runtime.request(Op.RUN, message, timeout_s=timeout,
-                                                  on_started=on_started)
-                except RemoteError:
-                    answered = True
-                    raise
+                resends = 0
+                while True:
+                    try:
+                        reply = await runtime.request(Op.RUN, message, timeout_s=timeout,
+                                                      on_started=on_started)
+                        break
+                    except NotStarted as e:  # queued there when it was lost: again, there
+                        resends += 1
+                        if not _resendable(message, e, resends):
+                            answered = True
+                            raise
+                        self._metrics.run_resent()
+                    except RemoteError:
+                        answered = True
+                        raise
             answered = True
         finally:
             if segment is not None:
@@ -549,6 +630,15 @@ def _run_message(program: Program, executable: RemoteExecutable, options: CallOp
     return {"executable_id": executable.executable_id, "program_id": program.program_id,
             "static_key": options.static_key, "donate": list(options.donate),
             "avals": [a.to_json() for a in executable.in_avals], "args": descs}
+
+
+def _resendable(message: RunRequest, e: NotStarted, resends: int) -> bool:
+    """Whether a run its runtime lost before it began may go again, for the
+    ``resends``-th time: its arguments are all in the message (none is a buffer the
+    lost process held), and it was not resent too often."""
+    if any("handle" in a for a in message["args"]):
+        return False
+    return resends <= (_RESENDS if e.code == "runtime_stopped" else 1)
 
 
 def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:

@@ -395,7 +395,7 @@ class FutureStore:
         for fut in lost:
             fut.outputs = fut.host = None  # nothing to free: the process that held them is gone
             fut.status = FutureStatus.FAILED
-            fut.error = {"code": "runtime_crashed",
+            fut.error = {"code": getattr(runtime, "last_exit_code", "runtime_crashed"),
                          "message": f"its outputs were lost: runtime {runtime.index} {why}"}
             self._settle(fut)
             fut._notify()

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
-from .pool import Buffer, RemoteError, Runtime, RuntimeLost, RuntimePool
+from .pool import Buffer, NotStarted, RemoteError, Runtime, RuntimeLost, RuntimePool
 from .protocol import Config, Op
 
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["Buffer", "Op", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
+__all__ = ["Buffer", "NotStarted", "Op", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
            "platform_kind"]
 
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm6_plugin")

@@ -10,9 +10,15 @@ most 30 s) and its state says so (``/readyz``).
 
 Deadlines: a run's deadline starts when the runtime reports it ``started``; a
 watchdog thread kills a runtime with a run past its deadline. That run fails
-with ``execution_timeout``; other runs it had in flight fail with
-``runtime_crashed``, saying why the runtime was restarted. Requests other than
-runs (decode, lookup) have a deadline from when they are sent.
+with ``execution_timeout``; other runs that had started there fail with
+``runtime_stopped`` (``runtime_crashed`` is for a process that died by itself),
+saying why the runtime was restarted. Runs that were only queued there had not
+begun: they fail with ``NotStarted``, which their sender may send again
+(``calls.executor``). Requests other than runs (decode, lookup) have a deadline
+from when they are sent.
+
+Cancel (``stop_call``): a running execution is stopped by killing its runtime,
+once every run that has started there has been cancelled.
 
 Replies are read on the event loop that serves the pool's callers when the pool
 is started with one (``start(loop)``: an app's own pool), and otherwise by each
@@ -47,7 +53,7 @@ from . import frames
 from .pipes import LoopReader, PipeWriter
 from .protocol import Config, FetchRequest, Kind, Op
 
-__all__ = ["Buffer", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
+__all__ = ["Buffer", "NotStarted", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
 
 log = logging.getLogger("jitserve.runtimes")
 
@@ -77,6 +83,16 @@ class RuntimeLost(RemoteError):
     """The runtime exited (or was stopped) before it answered."""
 
 
+class NotStarted(RuntimeLost):
+    """The runtime was lost while a run waited there, before it began: nothing of it
+    ran, and it may be sent again (``code``: what it fails with if it is not)."""
+
+
+# Why the supervisor killed a runtime, when it did so on purpose: the requests in
+# flight there were stopped with it (``runtime_stopped``), not crashed.
+_DELIBERATE = frozenset({"timeout", "request_timeout", "cancel"})
+
+
 @dataclasses.dataclass(eq=False)
 class Buffer:
     """An output that lives on a runtime, under ``handle``, until it is freed."""
@@ -103,6 +119,7 @@ class _Call:
     tag: object = None
     deadline: float | None = None
     stop: str | None = None  # "timeout" | "cancel": why this call's runtime was killed
+    started: bool = False  # a run the runtime said ``started`` for
 
 
 def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
@@ -151,6 +168,8 @@ class Runtime:
         self.restarts = 0
         self.start_failures = 0
         self.last_exit: str | None = None
+        self.last_exit_code = "runtime_crashed"  # or "runtime_stopped": killed on purpose
+        self.runs = 0  # runs in flight here (queued or running): placement's load
         self.backoff_until = 0.0
         self._pool = pool
         self._lock = threading.Lock()
@@ -230,6 +249,8 @@ class Runtime:
                 raise RuntimeLost("runtime_crashed", f"runtime {self.index} is restarting; retry")
             rid = next(self._ids)
             self._pending[rid] = call
+            if op == _RUN:
+                self.runs += 1
             writer = self._writer
             frees, self._frees = self._frees, []
             self._frees_loop = None  # if it fires, it finds none
@@ -240,7 +261,8 @@ class Runtime:
             writer.write(frames.pack({"id": rid, "op": op, **message}))
         except (OSError, ValueError):
             with self._lock:
-                self._pending.pop(rid, None)
+                if self._pending.pop(rid, None) is not None and op == _RUN:
+                    self.runs -= 1
             raise RuntimeLost("runtime_crashed",
                               f"runtime {self.index} exited before it took the request") from None
 
@@ -297,17 +319,30 @@ class Runtime:
             return list(self._pending.values())
 
     def stop_call(self, tag: object) -> bool:
-        """Kill the runtime to stop the call sent with ``tag`` (a cancel); whether it did.
+        """Cancel the run sent with ``tag``; whether it is stopped now.
 
-        Only when that call is the one thing in flight there.
+        A running program cannot be interrupted: the runtime is killed (and
+        restarted), once every run that has started there has been cancelled.
+        Until then the run is marked, and the last cancel of them stops them all.
+        Runs only queued there are sent again (``NotStarted``); other requests fail
+        with ``runtime_stopped``.
         """
         with self._lock:
-            calls = list(self._pending.values())
-            if len(calls) != 1 or calls[0].tag is not tag:
+            call = next((c for c in self._pending.values() if c.tag is tag), None)
+            if call is None:
                 return False
-            calls[0].stop = "cancel"
+            call.stop = call.stop or "cancel"
+            running = [c for c in self._pending.values() if c.op == _RUN and c.started]
+            if any(c.stop != "cancel" for c in running):
+                return False
         self.kill("cancel")
         return True
+
+    def running_besides(self, tag: object) -> int:
+        """How many runs that have started here, other than ``tag``'s, are not cancelled."""
+        with self._lock:
+            return sum(c.op == _RUN and c.started and c.tag is not tag and c.stop != "cancel"
+                       for c in self._pending.values())
 
     def kill(self, reason: str) -> None:
         """SIGKILL the current process; the supervisor restarts it.
@@ -451,8 +486,13 @@ class Runtime:
             except TypeError:  # an id no request has, not even hashable: dropped like any
                 return
             message["generation"] = self.generation
-            if call is not None and kind == _STARTED and call.timeout_s is not None:
-                call.deadline = time.monotonic() + call.timeout_s
+            if call is not None:
+                if kind == _STARTED:
+                    call.started = True
+                    if call.timeout_s is not None:
+                        call.deadline = time.monotonic() + call.timeout_s
+                elif call.op == _RUN:
+                    self.runs -= 1
         if call is None:
             return
         if kind == _STARTED:
@@ -479,18 +519,24 @@ class Runtime:
             pid, self.pid = self.pid, None
             calls = list(self._pending.values())
             self._pending.clear()
+            self.runs = 0
         why = _exit_reason(code, self._kill_reason, self._late_op)
-        self.last_exit = why
+        lost = "runtime_stopped" if self._kill_reason in _DELIBERATE else "runtime_crashed"
+        self.last_exit, self.last_exit_code = why, lost
         self.restarts += 1
         self._pool.ended(self, pid, self._kill_reason or _reason_label(code), why)
         for call in calls:
+            error: RuntimeLost
             if call.stop == "timeout":
                 error = RuntimeLost("execution_timeout", _timeout_message(call))
             elif call.stop == "cancel":
                 error = RuntimeLost("future_cancelled", "deleted while it ran: its runtime "
                                     f"{self.index} was stopped and restarted")
+            elif call.op == _RUN and not call.started:
+                error = NotStarted(lost, f"runtime {self.index} {why}, before this run "
+                                         "began there")
             else:  # ``why`` says what killed it (a late run, a request's timeout) or how it ended
-                error = RuntimeLost("runtime_crashed", f"runtime {self.index} {why}")
+                error = RuntimeLost(lost, f"runtime {self.index} {why}")
             _post(call.loop, call.settle, None, error)
         self._pool.lost(self, self.generation, why)
 
@@ -548,7 +594,10 @@ class RuntimePool:
     calls, so a key's runaway program can only take its own futures and those of
     keys that share its runtime. Without API keys, calls go by executable (a
     call on futures goes where the first of them lives), so different programs
-    use every runtime.
+    use every runtime and an executable's runs find it loaded; but a call whose
+    runtime has no free run slot (``executor_threads`` runs in flight: a long
+    loop, say) goes to the least busy runtime instead, rather than wait behind
+    them.
     """
 
     def __init__(self, count: int, config: Config, env: dict[str, str], *,
@@ -559,6 +608,7 @@ class RuntimePool:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._config = config
         self._env = env
+        self._run_slots = int(config.get("settings", {}).get("executor_threads", 1))
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.runtimes = [Runtime(i, self) for i in range(count)]
@@ -618,7 +668,7 @@ class RuntimePool:
                 spread = int(hint[:8] or "0", 16)
             except ValueError:  # not an id of ours: still a place, never a failure
                 spread = zlib.crc32(hint.encode("utf-8", "replace"))
-            return self.runtimes[spread % len(self.runtimes)]
+            return self.least_busy(self.runtimes[spread % len(self.runtimes)])
         with self._lock:
             index = self._owners.get(owner)
             if index is None:
@@ -626,6 +676,23 @@ class RuntimePool:
                 self._owners[owner] = index
                 self._assigned[index] += 1
         return self.runtimes[index]
+
+    def replace(self, owner: str | None, lost: Runtime, hint: str = "") -> Runtime:
+        """Where a run goes again after ``lost`` lost it before it began: an API key's
+        own runtime (``lost`` itself, restarted), else the least busy one up."""
+        if owner is not None or len(self.runtimes) == 1:
+            return self.place(owner, hint)
+        return self.least_busy(lost)
+
+    def least_busy(self, preferred: Runtime) -> Runtime:
+        """``preferred`` if it is up with a run slot free, else the runtime with the
+        fewest runs in flight (those up first; ties go to ``preferred``, then the
+        next after it)."""
+        if preferred.state == "up" and preferred.runs < self._run_slots:
+            return preferred
+        n = len(self.runtimes)
+        return min(self.runtimes, key=lambda r: (r.state != "up", r.runs,
+                                                 (r.index - preferred.index) % n))
 
     # -- buffers -----------------------------------------------------------------
 

@@ -170,7 +170,7 @@ def test_delete_beside_other_executions_says_why_it_cannot_stop(start_server) ->
             time.sleep(0.05)
     # Two in flight on one runtime: stopping one would take the other down too.
     refused = c.http.delete(f"/v1/futures/{first}").json()
-    assert refused["status"] == "running" and "1 other execution" in refused["detail"]
+    assert refused["status"] == "running" and "1 other running execution" in refused["detail"]
     assert c.http.get(f"/v1/futures/{first}").status_code == 404  # dropped all the same
     view = c.final(second, within_s=30)  # the deadline ends both
     assert view["error"]["code"] == "execution_timeout"
