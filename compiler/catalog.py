@@ -64,7 +64,9 @@ def parse_cursor(cursor: str | None) -> int:
     """The position a listing's ``next_cursor`` stands for; ``ValueError`` for any other string."""
     if cursor is None or cursor == "":
         return 0
-    if not (cursor.isascii() and cursor.isdigit()):  # "³".isdigit() is true
+    # "³".isdigit() is true; Redis's SCAN cursor is an unsigned 64-bit integer, and
+    # it answers a bigger one with an error that is no fault of the shared cache.
+    if not (cursor.isascii() and cursor.isdigit()) or int(cursor) >= 1 << 64:
         raise ValueError(f"cursor {cursor!r:.40} is not one this listing returned")
     return int(cursor)
 

@@ -304,8 +304,9 @@ def test_listing_pages_through_every_entry(make_tiers: MakeTiers, raw: redis.Red
     assert set(seen) == keys - {orphan}
     assert pages >= 2
     assert not raw.exists(rkey(redis_prefix, "meta", orphan))  # cleaned up
-    with pytest.raises(ValueError, match="cursor"):
-        tiers.catalog.list_entries("not-a-cursor")
+    for bad in ("not-a-cursor", str(1 << 64), "9" * 40):  # past SCAN's 64 bits too
+        with pytest.raises(ValueError, match="cursor"):
+            tiers.catalog.list_entries(bad)
 
 
 def test_works_under_maxmemory_allkeys_lru(redis_server: Callable[..., RedisServer],

@@ -112,6 +112,9 @@ def test_compiled_on_a_is_a_redis_hit_on_b(start_server: StartServer, redis_url:
 
     page = httpx.get(f"{b}/v1/executables", timeout=10).json()
     assert page["next_cursor"] is None and len(page["executables"]) == 1
+    # A cursor past SCAN's 64 bits is the caller's mistake, not the cache's outage.
+    bad = httpx.get(f"{b}/v1/executables", params={"cursor": str(1 << 64)}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request", bad.text
     record = page["executables"][0]
     assert record["source"] == "redis" and record["hits"] == 1 and record["program_id"] == pid
     assert record["compile_seconds"] > 0 and 0 < record["size"] and 0 < record["raw_size"]
