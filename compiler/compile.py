@@ -344,19 +344,31 @@ class Compiler:
         return decode_program(data, format, platform=self.platform, limits=self.config.limits)
 
     def lookup(self, program: Program, in_avals: Sequence[Aval] | None = None,
-               static_key: str = "", donate: Sequence[int] = ()) -> Lookup:
+               static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> Lookup:
         """The executable of ``program`` for ``in_avals`` (default: the program's own).
 
         ``donate``: the inputs the executable may consume (XLA buffer donation, as
         ``jax.jit``'s ``donate_argnums``): an output of the same type reuses its
         buffer. A run must pass it a buffer nobody else holds.
+
+        ``scope``: the tenant asking, when tenants do not share executables: its keys
+        are its own (``keys.key_parts``), so nothing it observes (tier, timings,
+        recompile reasons) depends on another tenant's calls. An executable of no
+        scope (one the operator warmed) serves it too: that says nothing of others.
         """
         concrete = self._concrete_avals(program, in_avals)
         donate = check_donate(donate, len(concrete))
-        parts = self._parts(program, concrete, static_key, donate)
+        parts = self._parts(program, concrete, static_key, donate, scope)
         key = cache_key(parts)
 
         def resolve() -> Lookup:
+            if scope:
+                public = self._key(program, concrete, static_key, donate)
+                hit = self._executables.cached(public)
+                found = (Lookup(hit, public, TierName.MEMORY, 0.0) if hit is not None
+                         else self._from_tiers(public))
+                if found is not None:
+                    return found
             lookup = self._resolve(program, concrete, static_key, donate, key, parts)
             self._history.record(program.program_id, key, parts,
                                  lookup.executable.meta.get("created"))
@@ -390,7 +402,8 @@ class Compiler:
         serialized: bytes = self._options.SerializeAsString()
         return serialized
 
-    def lookup_module(self, data: bytes, options: bytes, *, compile: bool = True) -> Lookup | None:
+    def lookup_module(self, data: bytes, options: bytes, *, compile: bool = True,
+                      scope: str = "") -> Lookup | None:
         """The executable of a whole StableHLO module compiled with ``options``: an IFRT
         proxy client's program (``service.runtimes.ifrt``).
 
@@ -399,7 +412,8 @@ class Compiler:
         ``CompileOptionsProto``, already sanitized. The key is the module's bytes, the
         options' digest and this backend's parts, so a second session, process or
         replica finds it in the tiers. ``compile=False``: ``None`` rather than a
-        compile when no tier has it (a tenant out of compiles).
+        compile when no tier has it (a tenant out of compiles). ``scope``: the
+        tenant's, as ``lookup``'s.
         """
         import hashlib
 
@@ -415,7 +429,7 @@ class Compiler:
         backend = dataclasses.replace(self._key_backend,
                                       options_digest=hashlib.sha256(options).hexdigest())
         parts = key_parts(program_id=program_id, in_avals=in_avals, static_key="ifrt",
-                          backend=backend)
+                          backend=backend, scope=scope)
         key = cache_key(parts)
 
         if not compile:
@@ -447,17 +461,23 @@ class Compiler:
         return self._single_flight(key, resolve)
 
     def executable_id(self, program: Program, in_avals: Sequence[Aval] | None = None,
-                      static_key: str = "", donate: Sequence[int] = ()) -> str:
-        """The cache key ``lookup`` would use, without looking anything up."""
+                      static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> str:
+        """The cache key ``lookup`` would compile under, without looking anything up."""
         concrete = self._concrete_avals(program, in_avals)
-        return self._key(program, concrete, static_key, check_donate(donate, len(concrete)))
+        return self._key(program, concrete, static_key, check_donate(donate, len(concrete)),
+                         scope)
 
     def cached(self, program: Program, in_avals: Sequence[Aval] | None = None,
-               static_key: str = "", donate: Sequence[int] = ()) -> Lookup | None:
+               static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> Lookup | None:
         """``lookup`` from L1 alone, or ``None``: never blocks, so an event loop may call it."""
-        key = self.executable_id(program, in_avals, static_key, donate)
-        hit = self._executables.cached(key)
-        return None if hit is None else Lookup(hit, key, TierName.MEMORY, 0.0)
+        keys = [self.executable_id(program, in_avals, static_key, donate, scope)]
+        if scope:  # as ``lookup``: the operator's own (warmed) executable serves too
+            keys.append(self.executable_id(program, in_avals, static_key, donate))
+        for key in keys:
+            hit = self._executables.cached(key)
+            if hit is not None:
+                return Lookup(hit, key, TierName.MEMORY, 0.0)
+        return None
 
     def load(self, executable_id: str) -> Lookup | None:
         """The executable ``executable_id`` from L1 or an L2 tier, or ``None`` if none has it.
@@ -510,13 +530,14 @@ class Compiler:
     # -- internals -----------------------------------------------------------------
 
     def _key(self, program: Program, concrete: Sequence[Aval], static_key: str,
-             donate: tuple[int, ...]) -> str:
-        return cache_key(self._parts(program, concrete, static_key, donate))
+             donate: tuple[int, ...], scope: str = "") -> str:
+        return cache_key(self._parts(program, concrete, static_key, donate, scope))
 
     def _parts(self, program: Program, concrete: Sequence[Aval], static_key: str,
-               donate: tuple[int, ...]) -> list[tuple[str, str]]:
+               donate: tuple[int, ...], scope: str = "") -> list[tuple[str, str]]:
         return key_parts(program_id=program.program_id, in_avals=concrete,
-                         static_key=static_key, backend=self._key_backend, donate=donate)
+                         static_key=static_key, backend=self._key_backend, donate=donate,
+                         scope=scope)
 
     def _recompile_reasons(self, program_id: str, key: str,
                            parts: Sequence[tuple[str, str]]) -> list[str] | None:
@@ -528,8 +549,13 @@ class Compiler:
             for other, (at, other_parts) in self._shared.executables.history(program_id).items():
                 if other != key:
                     previous.setdefault(other, (at, other_parts))
-        recent_first = sorted(previous.values(), key=lambda item: item[0], reverse=True)
-        return nearest_reasons([p for _, p in recent_first], dict(parts))
+        # Only the same tenant's keys: another's calls are none of this one's business.
+        current = dict(parts)
+        scope = current.get("tenant", "")
+        recent_first = sorted((item for item in previous.values()
+                               if item[1].get("tenant", "") == scope),
+                              key=lambda item: item[0], reverse=True)
+        return nearest_reasons([p for _, p in recent_first], current)
 
     def _concrete_avals(self, program: Program, in_avals: Sequence[Aval] | None) -> tuple[Aval, ...]:
         if in_avals is None:

@@ -115,16 +115,23 @@ def xla_flags(environ: Mapping[str, str] | None = None) -> str:
 
 
 def key_parts(*, program_id: str, in_avals: Sequence[Aval], static_key: str,
-              backend: Backend, donate: Sequence[int] = ()) -> list[tuple[str, str]]:
-    """The named parts of a key, in a fixed order (donated inputs only when there are some,
-    so that the keys of calls without donation stay what they were)."""
+              backend: Backend, donate: Sequence[int] = (),
+              scope: str = "") -> list[tuple[str, str]]:
+    """The named parts of a key, in a fixed order (donated inputs and the tenant's
+    scope only when there are some, so that other keys stay what they were).
+
+    ``scope``: the tenant whose executables these are, when tenants do not share
+    compiled code (``service.calls.tenants``): each has keys of its own.
+    """
     donated = [("donate", ",".join(map(str, donate)))] if donate else []
+    scoped = [("tenant", scope)] if scope else []
     return [
         ("schema", str(KEY_SCHEMA_VERSION)),
         ("program", program_id),
         ("in_avals", ";".join(f"{a}{'~weak' if a.weak_type else ''}" for a in in_avals)),
         ("static", static_key),
         *donated,
+        *scoped,
         ("compile_options", backend.options_digest),
         ("platform", f"{backend.platform} {backend.platform_version}"),
         ("runtime_type", backend.runtime_type),

@@ -183,7 +183,8 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     loop = asyncio.get_running_loop()
     workers = settings.compile_workers
     quotas = Quotas.from_settings(settings, workers)
-    tenants = Tenants(quotas, scoped=settings.auth_enabled)
+    tenants = Tenants(quotas, scoped=settings.auth_enabled,
+                      share_executables=settings.tenant_share_executables)
     scheduler = FairScheduler(workers, quotas.compile_slots) if tenants.scoped else None
     # The store tells the replicas' mirror of each change, and the mirror asks the store
     # for its live futures when Redis comes back, and fails them if this replica was

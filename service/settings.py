@@ -174,6 +174,11 @@ class Settings(BaseSettings):
     tenant_max_program_bytes: int | None = Field(None, gt=0)
     # Share of the compile workers one key's compiles may hold at once (rounded up).
     tenant_compile_share: float = Field(0.5, gt=0, le=1)
+    # Let API keys share compiled executables (one compile per signature for all keys).
+    # Off: each key compiles and caches its own, so no key can tell from a cache tier,
+    # a timing, a recompile reason or a record what another key ran (docs/api.md,
+    # "Tenants"). On only where keys trust each other.
+    tenant_share_executables: bool = False
 
     # Memory and connections (docs/service.md, "Memory" and "Connections").
     # Freed heap memory kept for reuse is capped (service/memory.py): 1 GiB keeps

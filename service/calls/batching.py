@@ -184,8 +184,10 @@ class Batcher:
 
     def __init__(self, compile: Compile, runtimes: RuntimePool, futures: FutureStore,
                  executor: Executor, metrics: Metrics, *,
-                 shared: SharedConfigs | None = None) -> None:
+                 shared: SharedConfigs | None = None,
+                 scope: Callable[[str | None], str] = lambda owner: "") -> None:
         self._compile = compile
+        self._scope = scope  # an owner's executables' scope (Tenants.scope)
         self._runtimes = runtimes
         self._futures = futures
         self._executor = executor
@@ -271,8 +273,8 @@ class Batcher:
             self._flush(key)
             queue = None
         if queue is None:
-            queue = self._queues[key] = _Queue(program, owner, CallOptions(static_key),
-                                               timeout_s, config)
+            options = CallOptions(static_key, scope=self._scope(owner))
+            queue = self._queues[key] = _Queue(program, owner, options, timeout_s, config)
             delay = config.max_delay_ms / 1000
             queue.timer = asyncio.get_running_loop().call_later(delay, self._flush, key)
         queue.members.append(member)

@@ -167,7 +167,7 @@ class Calls:
         self._tasks: set[asyncio.Task[None]] = set()
         # Dynamic batching of the programs callers opted in (service/calls/batching.py).
         self.batcher = Batcher(self.compile, runtimes, futures, executor, metrics,
-                               shared=shared_batching)
+                               shared=shared_batching, scope=self._tenants.scope)
 
     async def compile(self, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions = _NO_OPTIONS, owner: str | None = None,
@@ -177,6 +177,9 @@ class Calls:
         ``key``: their ``call_key``, when the caller has it. ``QuotaExceeded`` when
         ``owner`` would pass its executables or compiles quota.
         """
+        scope = self._tenants.scope(owner)
+        if options.scope != scope:  # the caller's own executables (Tenants.scope)
+            options, key = dataclasses.replace(options, scope=scope), None
         key = key or call_key(program.program_id, in_avals, options)
         known = self._index.get(key)
         if known is not None:  # no round trip: the runs name the executable
@@ -200,6 +203,8 @@ class Calls:
             "program_id": program.program_id, "static_key": options.static_key,
             "donate": list(options.donate),
             "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
+        if options.scope:
+            message["scope"] = options.scope
         if self._scheduler is None or owner is None or not self._tenants.scoped:
             return _lookup_of(await self._ask(runtime, {**message, "compile": True}, program))
         probe = await self._ask(runtime, {**message, "compile": False}, program)
@@ -240,7 +245,8 @@ class Calls:
         arguments the run may consume (``jax.jit``'s ``donate_argnums``, on the
         flat arguments); the outputs they name are released for the caller.
         """
-        options = CallOptions(static_key, check_donate(donate, len(args)))
+        options = CallOptions(static_key, check_donate(donate, len(args)),
+                              self._tenants.scope(owner))
         if not options.donate:  # opted in (service.calls.batching)
             await self.batcher.refresh(owner, program.program_id)
             batched = self.batcher.offer(program, args, static_key, owner, timeout_s)

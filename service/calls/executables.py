@@ -23,10 +23,12 @@ __all__ = ["CallKey", "CallOptions", "ExecutableIndex", "Resolved", "RemoteExecu
 @dataclasses.dataclass(frozen=True)
 class CallOptions:
     """What picks an executable besides the inputs' avals: the caller's static key,
-    and the inputs a run may consume (``donate``, sorted input indices)."""
+    the inputs a run may consume (``donate``, sorted input indices), and the
+    tenant's scope (``Tenants.scope``: its own keys, unless keys share executables)."""
 
     static_key: str = ""
     donate: tuple[int, ...] = ()
+    scope: str = ""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,14 +66,14 @@ class Resolved:
     compile_seconds: float
 
 
-CallKey = tuple[str, "tuple[Aval, ...] | None", str, tuple[int, ...]]
+CallKey = tuple[str, "tuple[Aval, ...] | None", str, tuple[int, ...], str]
 
 
 def call_key(program_id: str, in_avals: Sequence[Aval] | None, options: CallOptions) -> CallKey:
     """What an ``ExecutableIndex`` knows a call by (avals compare by shape, dtype and
     weak type: a tuple, not JSON, since every call looks one up)."""
     return (program_id, None if in_avals is None else tuple(in_avals), options.static_key,
-            options.donate)
+            options.donate, options.scope)
 
 
 class ExecutableIndex:

@@ -627,9 +627,13 @@ class Executor:
 def _run_message(program: Program, executable: RemoteExecutable, options: CallOptions,
                  descs: list[dict[str, Any]]) -> RunRequest:
     """The ``run`` request for ``executable`` on the arguments ``descs`` describe."""
-    return {"executable_id": executable.executable_id, "program_id": program.program_id,
-            "static_key": options.static_key, "donate": list(options.donate),
-            "avals": [a.to_json() for a in executable.in_avals], "args": descs}
+    message: RunRequest = {
+        "executable_id": executable.executable_id, "program_id": program.program_id,
+        "static_key": options.static_key, "donate": list(options.donate),
+        "avals": [a.to_json() for a in executable.in_avals], "args": descs}
+    if options.scope:
+        message["scope"] = options.scope
+    return message
 
 
 def _resendable(message: RunRequest, e: NotStarted, resends: int) -> bool:

@@ -24,10 +24,19 @@ stored, so nothing is decoded twice). See docs/service.md.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from .quotas import CompileBudget, QuotaExceeded, Quotas
 
-__all__ = ["Tenants"]
+__all__ = ["Tenants", "scope_of"]
+
+
+def scope_of(owner: str | None, *, scoped: bool, shared: bool) -> str:
+    """The part that keeps ``owner``'s executables its own (``compiler.keys.key_parts``):
+    ``""`` (the one shared cache) without keys, or when keys share executables."""
+    if not scoped or shared or not owner:
+        return ""
+    return hashlib.sha256(b"jitserve tenant scope\0" + owner.encode()).hexdigest()[:32]
 
 
 @dataclasses.dataclass
@@ -46,14 +55,28 @@ class Tenants:
       quotas: every tenant's quotas (enforced only when ``scoped``); none if omitted.
       scoped: whether tenants are kept apart (API keys on). ``False``: one tenant
         that sees everything stored, and no quotas.
+      share_executables: whether tenants share compiled executables
+        (``JITSERVE_TENANT_SHARE_EXECUTABLES``); by default each has keys of its own
+        (``scope``), so that a cache hit says nothing about another tenant.
     """
 
-    def __init__(self, quotas: Quotas | None = None, *, scoped: bool = False) -> None:
+    def __init__(self, quotas: Quotas | None = None, *, scoped: bool = False,
+                 share_executables: bool = False) -> None:
         self.quotas = quotas = quotas or Quotas.unlimited()
         self.scoped = scoped
+        self.share_executables = share_executables
+        self._scopes: dict[str | None, str] = {}  # every call asks: hashed once per key
         self.compiles = CompileBudget(quotas.compiles_per_minute)
         self._holdings: dict[str, _Holdings] = {}
         self._deleted: set[str] = set()  # unscoped: programs deleted and not uploaded since
+
+    def scope(self, owner: str | None) -> str:
+        """The key part of ``owner``'s executables (``scope_of``)."""
+        scope = self._scopes.get(owner)
+        if scope is None:
+            scope = self._scopes[owner] = scope_of(owner, scoped=self.scoped,
+                                                   shared=self.share_executables)
+        return scope
 
     def sees_everything(self, owner: str | None) -> bool:
         """Whether nothing is scoped for ``owner`` (no API keys): it sees all that is stored."""

@@ -44,6 +44,7 @@ from jitserve.compiler.ifrt_protos import message
 
 from ..api.auth import authenticate
 from ..calls.quotas import Quotas
+from ..calls.tenants import scope_of
 from ..errors import Unauthorized
 from ..metrics import Metrics
 from ..runtimes import frames
@@ -334,6 +335,8 @@ class IfrtService:
                    or settings.decode_timeout_s)
         try:
             message: dict[str, Any] = {"session": session.id, "owner": session.owner,
+                                       "scope": scope_of(session.owner, scoped=settings.auth_enabled,
+                                                         shared=settings.tenant_share_executables),
                                        "requests": requests,
                                        "buffers": {h: b.desc() for h, b in buffers.items()}}
             if self.quotas is not None:

@@ -369,13 +369,14 @@ class RuntimeServer:
         program = self._program(m["program_id"])
         docs = m.get("avals")
         avals = None if docs is None else [Aval.from_json(a) for a in docs]
-        static_key, donate = m.get("static_key", ""), m.get("donate", ())
+        static_key, donate, scope = m.get("static_key", ""), m.get("donate", ()), m.get("scope", "")
         if not m.get("compile", True):
-            key = self.compiler.executable_id(program, avals, static_key, donate)
-            if (self.compiler.cached(program, avals, static_key, donate) is None
-                    and not self._in_l2(key)):
+            key = self.compiler.executable_id(program, avals, static_key, donate, scope)
+            public = self.compiler.executable_id(program, avals, static_key, donate) if scope else key
+            if (self.compiler.cached(program, avals, static_key, donate, scope) is None
+                    and not self._in_l2(key) and not self._in_l2(public)):
                 return {"miss": key}
-        lookup = self.compiler.lookup(program, avals, static_key, donate)
+        lookup = self.compiler.lookup(program, avals, static_key, donate, scope)
         return {"executable": _lookup_json(lookup)}
 
     def _in_l2(self, key: str) -> bool:
@@ -399,7 +400,7 @@ class RuntimeServer:
             docs = m.get("avals")
             avals = None if docs is None else [Aval.from_json(a) for a in docs]
             exe = self.compiler.lookup(program, avals, m.get("static_key", ""),
-                                       m.get("donate", ())).executable
+                                       m.get("donate", ()), m.get("scope", "")).executable
         return exe
 
     # -- runs and buffers --------------------------------------------------------
@@ -583,7 +584,7 @@ class RuntimeServer:
         with self._ifrt_locks[int(m["session"])]:
             responses, made, tiers = self._sessions.serve(
                 int(m["session"]), str(m.get("owner", "")), list(m["requests"]),
-                unpack_buffers(m.get("buffers", {})), m.get("quotas"))
+                unpack_buffers(m.get("buffers", {})), m.get("quotas"), str(m.get("scope", "")))
             host: dict[int, dict[str, Any]] = {}
             for handle, data in made.items():
                 if data.nbytes < frames.INLINE_MAX_BYTES:

@@ -77,9 +77,10 @@ def _dtype_table() -> dict[str, Any]:
 class Session:
     """One client's arrays, executables and futures (``Sessions`` serves it)."""
 
-    def __init__(self, session_id: int, owner: str) -> None:
+    def __init__(self, session_id: int, owner: str, scope: str = "") -> None:
         self.session_id = session_id
         self.owner = owner
+        self.scope = scope  # its executables' keys, when keys share none (Compiler.lookup)
         self.arrays: dict[int, Any] = {}  # handle -> jax.Array, or the IfrtFailure that made it
         self.sizes: dict[int, int] = {}  # handle -> device bytes it counts for its key
         self.executables: dict[int, Any] = {}  # handle -> compiler.compile.Executable
@@ -147,14 +148,14 @@ class Sessions:
     # -- the runtime's ops -------------------------------------------------------
 
     def serve(self, session_id: int, owner: str, requests: list[bytes],
-              buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None
-              ) -> tuple[list[bytes], dict[int, np.ndarray], list[str]]:
+              buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None,
+              scope: str = "") -> tuple[list[bytes], dict[int, np.ndarray], list[str]]:
         """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
         responses, the host buffers their ``copy_to_host_buffer``s made, and the tier
         each compile was served from."""
         session = self.sessions.get(session_id)
         if session is None:
-            session = self.sessions[session_id] = Session(session_id, owner)
+            session = self.sessions[session_id] = Session(session_id, owner, scope)
         elif session.owner != owner:
             raise IfrtFailure(FAILED_PRECONDITION, "this session belongs to another key")
         if quotas:
@@ -539,7 +540,7 @@ class Sessions:
                                   f"server's runtimes hold {len(self.devices)} each")
             may_compile = self._may_compile(session.owner)
             lookup = self.compiler.lookup_module(program_bytes(body.program), options,
-                                                 compile=may_compile)
+                                                 compile=may_compile, scope=session.scope)
         except CompilerError as e:
             raise IfrtFailure(INVALID_ARGUMENT, f"jitserve refused the program ({e.code}): {e}") from None
         if lookup is None:

@@ -215,6 +215,7 @@ class LookupRequest(TypedDict):
     donate: list[int]
     avals: list[AvalDoc] | None  # ``None``: the program's own
     compile: NotRequired[bool]  # ``False``: answer ``miss`` rather than compile (default ``True``)
+    scope: NotRequired[str]  # the tenant's keys, when tenants share no executables
 
 
 class LookupAnswer(TypedDict, total=False):
@@ -233,6 +234,7 @@ class RunRequest(TypedDict):
     avals: list[AvalDoc]
     args: list[ArgDesc]
     split: NotRequired[list[int]]  # a batch's rows per call (``calls.batching``)
+    scope: NotRequired[str]  # as ``LookupRequest``'s, to compile again under
 
 
 class RunAnswer(TypedDict):
@@ -299,6 +301,7 @@ class IfrtRequest(TypedDict):
 
     session: int  # the session's id (the one its InitResponse names)
     owner: str  # the key digest the session belongs to ("" without keys)
+    scope: NotRequired[str]  # its executables' keys (``LookupRequest``); "" when shared
     requests: list[bytes]  # serialized ``xla.ifrt.proxy.IfrtRequest``s
     buffers: dict[int, ArrayDesc]  # host buffers the requests name, as uint8 arrays
     # the key's quotas (device_bytes, arrays, compiles_per_minute); absent without keys

@@ -107,6 +107,16 @@ def test_warm_fills_the_disk_tier(tmp_path: Path) -> None:
     listed = subprocess.run([*JITSERVE, "cache", "ls", "--cache-dir", str(cache)],
                             capture_output=True, text=True, env=_env(), timeout=60).stdout
     assert sum(line.startswith("executables") for line in listed.splitlines()) == 2
+    # With API keys, each key's executables are its own; those the operator warmed
+    # serve every key (they say nothing about another key's calls).
+    key = "warm-test-key-0123456789"
+    with contextlib.contextmanager(_serve)(tmp_path, {"JITSERVE_API_KEYS": key}) as url, \
+            httpx.Client(base_url=url, timeout=60,
+                         headers={"authorization": f"Bearer {key}"}) as http:
+        pid = http.post("/v1/programs", content=_program()).json()["program_id"]
+        r = http.post(f"/v1/programs/{pid}/compile",
+                      json={"in_avals": [{"shape": [16], "dtype": "float32"}]})
+        assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
 
 
 def test_warm_refuses_a_bad_manifest_before_starting(tmp_path: Path) -> None:

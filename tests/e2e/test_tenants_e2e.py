@@ -150,10 +150,70 @@ def test_executables_are_listed_and_read_per_key(callers: Any) -> None:
               bob.http.get(f"/v1/executables/{UNKNOWN}"), hers, UNKNOWN)
     assert hers in alice.executables() and his not in alice.executables()
     assert his in bob.executables() and hers not in bob.executables()
-    # The same bytes uploaded by Alice too: the cached executable is hers once she runs it.
-    r = alice.execute(alice.pid(shared), wait=None).json()
-    assert r["executable_id"] == his and r["tier"] == "memory"
-    assert his in alice.executables()
+    # The same bytes uploaded by Alice too: she compiles an executable of her own
+    # (keys share none by default), and his stays out of her sight.
+    r = alice.compile(alice.pid(shared)).json()
+    assert r["executable_id"] != his and r["tier"] == "compiled"
+    assert r["executable_id"] in alice.executables() and his not in alice.executables()
+
+
+SECRET = "B-customer-acme-token-9f31"
+
+
+@functools.cache
+def _poly() -> bytes:
+    """sin(x) * 2 on float32[n], n symbolic: one program, any length."""
+    spec = jax.ShapeDtypeStruct(export.symbolic_shape("n"), np.float32)
+    return bytes(export.export(jax.jit(lambda x: jnp.sin(x) * 2))(spec).serialize())
+
+
+def _compile(c: Caller, pid: str, n: int, static_key: str = "") -> dict[str, Any]:
+    r = c.http.post(f"/v1/programs/{pid}/compile", json={
+        "in_avals": [{"shape": [n], "dtype": "float32"}], "static_key": static_key})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_a_key_probing_anothers_signatures_learns_nothing(callers: Any) -> None:
+    """Issue 40's reproduction: Bob compiles a public program at float32[8] with a
+    secret static key; Alice, with the same bytes, sees neither his shapes nor his
+    key in her recompile reasons, and compiling exactly his signature is a compile
+    of her own (tier, id, times, record), not a hit that confirms her guess."""
+    alice, bob = callers
+    pid = bob.pid(_poly())
+    his = _compile(bob, pid, 8, SECRET)
+    assert his["tier"] == "compiled"
+    assert alice.pid(_poly()) == pid
+    first = _compile(alice, pid, 16)
+    assert first["tier"] == "compiled" and first["recompiled_because"] is None, first
+    before = time.time()
+    guess = _compile(alice, pid, 8, SECRET)
+    assert guess["tier"] == "compiled" and guess["executable_id"] != his["executable_id"]
+    # Her reasons compare with her own earlier compile only.
+    assert guess["recompiled_because"] == [
+        "shape: arg 0 float32[16] -> float32[8]", f"static: static '' -> '{SECRET}'"]
+    record = alice.http.get(f"/v1/executables/{guess['executable_id']}").json()
+    assert record["created"] >= before - 1 and record["recompiled_because"] == guess[
+        "recompiled_because"]
+    assert his["executable_id"] not in alice.executables()
+    # Bob's own view is unchanged by hers: his next compile compares with his keys.
+    again = _compile(bob, pid, 32, SECRET)
+    assert again["recompiled_because"] == ["shape: arg 0 float32[8] -> float32[32]"]
+
+
+def test_keys_may_share_executables_when_the_operator_says_so(
+        start_server: Callable[..., str], auth_keys: tuple[str, ...]) -> None:
+    url = start_server({"JITSERVE_API_KEYS": ",".join(auth_keys[:2]),
+                        "JITSERVE_TENANT_SHARE_EXECUTABLES": "true"})
+    alice, bob = Caller(url, auth_keys[0]), Caller(url, auth_keys[1])
+    try:
+        pid = bob.pid(_poly())
+        his = _compile(bob, pid, 8, SECRET)
+        mine = _compile(alice, alice.pid(_poly()), 8, SECRET)
+        assert mine["executable_id"] == his["executable_id"] and mine["tier"] == "memory"
+    finally:
+        alice.http.close()
+        bob.http.close()
 
 
 def test_delete_takes_the_program_from_one_key_only(callers: Any) -> None:
