@@ -10,7 +10,8 @@ Names (the Grafana dashboard and the acceptance tests read these)::
     jitserve_executions_total{status}         done | failed | cancelled
     jitserve_execute_seconds                  histogram of run time on the device
     jitserve_futures{state}                   live futures by state
-    jitserve_device_bytes_in_use              output bytes held by live futures
+    jitserve_device_bytes_in_use              output bytes held by live futures, and
+                                              host inputs of calls not yet finished
     jitserve_transfer_bytes_total{direction}  array bytes decoded from requests (in)
                                               and encoded into responses (out)
     jitserve_redis_errors_total               failed Redis commands and probes

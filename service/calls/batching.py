@@ -263,7 +263,9 @@ class Batcher:
         assert program.out_avals is not None  # batch_dimension checked
         out_avals = [Aval((rows, *a.shape[1:]), a.dtype, a.weak_type) for a in program.out_avals]
         future = self._futures.create(owner=owner, executable_id="", out_avals=out_avals,
-                                      out_tree=program.out_tree)
+                                      out_tree=program.out_tree,
+                                      input_bytes=sum(a.nbytes for a in args
+                                                      if isinstance(a, np.ndarray)))
         member = _Member(future, list(args), rows)
         future.job = member
         examples = tuple((a.shape[1:], a.dtype.str) for a in args)

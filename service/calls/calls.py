@@ -251,7 +251,7 @@ class Calls:
             await self.batcher.refresh(owner, program.program_id)
             batched = self.batcher.offer(program, args, static_key, owner, timeout_s)
             if batched is not None:
-                self._transferred(args)
+                self._transferred(_host_bytes(args))
                 return Call(batched, "batched")
         resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
         avals = [aval for _, aval in resolved]
@@ -273,11 +273,12 @@ class Calls:
             self._executor.admit(exe)  # its intermediates count too (executor.py)
             fut = self._futures.create(
                 owner=owner, executable_id=lookup.executable_id, out_avals=exe.out_avals,
-                out_tree=exe.out_tree, compile_s=lookup.compile_seconds)
+                out_tree=exe.out_tree, compile_s=lookup.compile_seconds,
+                input_bytes=(nbytes := _host_bytes(inputs)))
         except BaseException:
             self._executor.drop(inputs)
             raise
-        self._transferred(inputs)
+        self._transferred(nbytes)
         self._give_up(args, options.donate, owner)
         self._executor.submit(fut, runtime, program, exe, options, inputs, timeout_s)
         return Call(fut, lookup.tier)
@@ -295,10 +296,11 @@ class Calls:
         """A ``compiling`` future whose lookup, then run, go on in a task."""
         assert program.out_avals is not None
         check_inputs(program.in_avals, avals)
+        nbytes = _host_bytes(inputs)
         fut = self._futures.create(owner=owner, executable_id="", out_avals=program.out_avals,
-                                   out_tree=None, compiling=True)
+                                   out_tree=None, compiling=True, input_bytes=nbytes)
         fut.job = _CompileJob()
-        self._transferred(inputs)
+        self._transferred(nbytes)
         task = asyncio.get_running_loop().create_task(self._compile_then_run(
             fut, program, avals, options, owner, runtime, inputs, timeout_s))
         self._tasks.add(task)
@@ -339,7 +341,7 @@ class Calls:
             host.append(a)
         fut = self._futures.create(owner=owner, executable_id="",
                                    out_avals=[Aval.of(a) for a in host], out_tree=None)
-        self._transferred(host)
+        self._transferred(_host_bytes(host))
         try:
             await self._executor.put(fut, self._runtimes.place(owner, secrets.token_hex(4)), host)
         except RemoteError as e:
@@ -372,9 +374,8 @@ class Calls:
         self._metrics.transferred("out", sum(a.nbytes for a in host))
         return host
 
-    def _transferred(self, inputs: Sequence[Arg]) -> None:
-        self._metrics.transferred("in", sum(a.nbytes for a in inputs
-                                            if isinstance(a, np.ndarray)))
+    def _transferred(self, nbytes: int) -> None:
+        self._metrics.transferred("in", nbytes)
 
     async def close(self) -> None:
         """Stop the compiles in progress (shutdown)."""
@@ -468,6 +469,11 @@ def _lookup_of(reply: dict[str, Any]) -> Resolved:
     doc = reply["executable"]
     exe = RemoteExecutable.from_json(doc)
     return Resolved(exe, exe.executable_id, doc["tier"], float(doc["compile_seconds"]))
+
+
+def _host_bytes(args: Sequence[Any]) -> int:
+    """The bytes of the host arrays among ``args`` (the rest live on runtimes)."""
+    return sum(a.nbytes for a in args if isinstance(a, np.ndarray))
 
 
 def _describe(value: Any) -> str:

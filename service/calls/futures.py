@@ -75,7 +75,10 @@ class Future:
       executable_id: what runs.
       out_avals, out_tree: the outputs' avals and pytree structure.
       created, expires_at: wall-clock seconds since the epoch.
-      reserved_bytes: device bytes counted against the store's limit.
+      reserved_bytes: device bytes counted against the store's limit (and its
+        owner's quota): its outputs', and until it ends its host inputs'.
+      input_bytes: of those, the host inputs' (the call's arrays, held by the
+        server from when it accepted the call until the run ends).
       status, outputs, error, timings: progress; ``outputs`` only when done (an
         entry is ``None`` once that output is freed).
       host: small outputs' host copies, which came with the run's answer.
@@ -93,6 +96,7 @@ class Future:
     created: float
     expires_at: float
     reserved_bytes: int
+    input_bytes: int = 0
     status: FutureStatus = FutureStatus.PENDING
     outputs: list[Any] | None = None
     host: list[Any] | None = None
@@ -219,16 +223,24 @@ class FutureStore:
         self._overdue: dict[str, Future] = {}
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
-               out_tree: Any, compile_s: float = 0.0, compiling: bool = False) -> Future:
-        """A new pending (or ``compiling``) future; ``TooManyRequests`` when a limit is reached."""
-        need = sum(a.nbytes for a in out_avals)
+               out_tree: Any, compile_s: float = 0.0, compiling: bool = False,
+               input_bytes: int = 0) -> Future:
+        """A new pending (or ``compiling``) future; ``TooManyRequests`` when a limit is reached.
+
+        ``input_bytes``: the call's host arrays, which the server holds for it (in its
+        memory, then a segment, then on the device) until the run ends: they count
+        with its outputs against the device bytes, the server's and the owner's, from
+        now on, so that calls queued behind others cannot hold unbounded memory.
+        """
+        need = sum(a.nbytes for a in out_avals) + input_bytes
         if not self._fits(need, owner):
             self.sweep()  # expired futures may make room; sweeping every call would cost O(n)
         self._check_owner_limits(need, owner)
         self._check_limits(need)
         now = self._clock()
         fut = Future(self.id_prefix + secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
-                     out_tree, now, now + self.ttl_s, need, timings=Timings(compile_s=compile_s))
+                     out_tree, now, now + self.ttl_s, need, input_bytes,
+                     timings=Timings(compile_s=compile_s))
         if compiling:
             fut.status = FutureStatus.COMPILING
         self._futures[fut.future_id] = fut
@@ -279,8 +291,9 @@ class FutureStore:
         live, held = self._live_of[owner], self._bytes_of[owner]
         cap = self.owner_max_device_bytes
         if cap is not None and need > cap:
-            raise LimitExceeded(f"the outputs need {need:,} bytes of device memory, over this "
-                                f"API key's quota of {cap:,} (JITSERVE_TENANT_MAX_DEVICE_BYTES)")
+            raise LimitExceeded(f"the call's outputs and inputs need {need:,} bytes of device "
+                                f"memory, over this API key's quota of {cap:,} "
+                                "(JITSERVE_TENANT_MAX_DEVICE_BYTES)")
         if self.owner_max_live is not None and live >= self.owner_max_live:
             raise QuotaExceeded(
                 "live_futures", f"this API key has {live} live futures, its quota "
@@ -294,8 +307,8 @@ class FutureStore:
 
     def _check_limits(self, need: int) -> None:
         if need > self.max_device_bytes:
-            raise LimitExceeded(f"the outputs need {need:,} bytes of device memory, over the "
-                                f"server's limit of {self.max_device_bytes:,}")
+            raise LimitExceeded(f"the call's outputs and inputs need {need:,} bytes of device "
+                                f"memory, over the server's limit of {self.max_device_bytes:,}")
         if len(self._futures) >= self.max_live:
             raise TooManyRequests(f"{len(self._futures)} futures are alive, the server's limit; "
                                   "fetch and DELETE finished ones", self._retry_after())
@@ -424,6 +437,9 @@ class FutureStore:
     def _finish(self, fut: Future, status: FutureStatus) -> None:
         fut.status = status
         fut.job = None
+        if fut.input_bytes:  # the run is over: nothing holds its inputs any more
+            self._unreserve(fut, fut.input_bytes)
+            fut.input_bytes = 0
         fut._notify()
         self._changed(fut)
         if self.on_final is not None:

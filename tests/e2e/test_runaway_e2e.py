@@ -43,8 +43,9 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 class Caller:
-    def __init__(self, url: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=60)
+    def __init__(self, url: str, key: str | None = None) -> None:
+        headers = {} if key is None else {"authorization": f"Bearer {key}"}
+        self.http = httpx.Client(base_url=url, timeout=60, headers=headers)
 
     def upload(self, program: bytes) -> str:
         r = self.http.post("/v1/programs", content=program,
@@ -52,10 +53,13 @@ class Caller:
         assert r.status_code in (200, 201), r.text
         return str(r.json()["program_id"])
 
-    def execute(self, pid: str, x: float, **extra: Any) -> str:
-        r = self.http.post(f"/v1/programs/{pid}/execute",
-                           content=wire.packb({"args": [np.float32(x)], **extra}),
-                           headers={"content-type": wire.MSGPACK})
+    def submit(self, pid: str, x: Any, **extra: Any) -> httpx.Response:
+        return self.http.post(f"/v1/programs/{pid}/execute",
+                              content=wire.packb({"args": [x], **extra}),
+                              headers={"content-type": wire.MSGPACK})
+
+    def execute(self, pid: str, x: Any, **extra: Any) -> str:
+        r = self.submit(pid, np.float32(x) if isinstance(x, (int, float)) else x, **extra)
         assert r.status_code in (200, 202), r.text
         return str(r.json()["future_id"])
 
@@ -169,3 +173,41 @@ def test_runs_queued_behind_a_late_run_go_again(start_server: Callable[..., str]
         assert metric_total(url, "jitserve_runs_resent_total") == 3
     finally:
         c.close()
+
+
+def test_inputs_of_queued_calls_count_against_the_keys_device_bytes(
+        start_server: Callable[..., str]) -> None:
+    """A key fills its runtime with loops, then queues calls with 1 MiB inputs: the
+    server holds those bytes for it, so they count against its device-bytes quota
+    (4 MiB) from the moment each call is accepted, and show in the gauge."""
+    key = "runaway-key-0123456789"
+    url = start_server({"JITSERVE_API_KEYS": key, "JITSERVE_RUNTIMES": "1",
+                        "JITSERVE_EXECUTOR_THREADS": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "120",
+                        "JITSERVE_TENANT_MAX_DEVICE_BYTES": str(4 << 20),
+                        "JITSERVE_MAX_BODY_BYTES": str(4 << 20)})
+    c = Caller(url, key)
+    try:
+        n = (1 << 20) // 4
+        total = c.upload(_export_1d(lambda x: x.sum(), n))
+        endless = c.upload(ENDLESS)
+        x = np.ones(n, np.float32)
+        assert c.value(c.execute(total, x)) == n  # compiled before the runtime fills
+        loops = [c.execute(endless, i) for i in range(2)]
+        c.wait_running(*loops)
+        queued = [c.execute(total, x) for _ in range(3)]
+        refused = c.submit(total, x)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["quota"] == "device_bytes"
+        assert metric_total(url, "jitserve_device_bytes_in_use") >= 3 << 20
+        for fid in loops:  # the last delete stops the runtime; the queued calls go again
+            c.http.delete(f"/v1/futures/{fid}")
+        assert [c.value(f) for f in queued] == [n] * 3
+        assert metric_total(url, "jitserve_device_bytes_in_use") < 1 << 20  # inputs let go
+        assert c.value(c.execute(total, x)) == n
+    finally:
+        c.close()
+
+
+def _export_1d(fn: Callable[..., Any], n: int) -> bytes:
+    spec = jax.ShapeDtypeStruct((n,), np.float32)
+    return bytes(export.export(jax.jit(fn))(spec).serialize())

@@ -156,8 +156,9 @@ async def test_too_many_live_futures_is_429(make_api, x) -> None:
 
 
 async def test_device_bytes_limit_is_429(make_api, x) -> None:
-    # Each add_mul call holds 2 outputs of 24 bytes.
-    async with make_api(max_device_bytes=100) as api:
+    # Each add_mul call holds 2 outputs of 24 bytes, and its 2 inputs of 24 bytes until
+    # its run ends: 96 bytes to be accepted, 48 once done.
+    async with make_api(max_device_bytes=150) as api:
         pid = await api.upload("add_mul")
         assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
         assert (await api.execute(pid, [x, x], wait=30_000)).status_code == 200
