@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from jitserve.compiler import CacheUnavailable
 from jitserve.compiler.errors import CompilerError
@@ -209,8 +210,26 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     fallback = ErrorCode.BAD_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
     code = _HTTP_CODES.get(exc.status_code, fallback)
-    return _response(code, str(exc.detail), dict(exc.headers or {}) or None,
-                     status=exc.status_code)
+    headers = dict(exc.headers or {})
+    message = str(exc.detail)
+    if exc.status_code == 405:
+        # Starlette names the methods of the first route whose path matched; a path
+        # has one route per method here (GET and DELETE /v1/programs/{id}).
+        allowed = _allowed_methods(request)
+        headers["Allow"] = ", ".join(allowed)
+        message = f"{request.method} is not allowed here; allowed: {', '.join(allowed)}"
+    return _response(code, message, headers or None, status=exc.status_code)
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app serves at ``request``'s path (asked of each
+    route as that method: included routers answer ``matches`` but list no methods)."""
+    routes = request.app.router.routes
+    return [m for m in _METHODS
+            if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]
 
 
 # nginx's status for a request whose client went away before the answer.

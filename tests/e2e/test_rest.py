@@ -225,3 +225,11 @@ def test_cli_help_and_bad_config() -> None:
                          text=True, timeout=60,
                          env={"JITSERVE_API_KEYS": "changeme", "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "placeholder" in bad.stderr
+
+
+def test_a_wrong_method_is_405_naming_every_method_of_the_path(http: httpx.Client) -> None:
+    # GET and DELETE /v1/programs/{id} are two routes: Allow names both.
+    r = http.put(f"/v1/programs/{'0' * 64}")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert {"GET", "DELETE"} <= set(r.headers["allow"].split(", ")), r.headers
+    assert "PUT is not allowed here" in r.json()["error"]["message"]
