@@ -319,6 +319,10 @@ class FutureView(BaseModel):
     status: str
     out_avals: list[AvalJSON]
     out_tree: Any = None
+    executable_id: str = Field("", description="what runs; \"\" while compiling (and for "
+                                               "a batched call or put arrays)")
+    tier: str = Field("", description="where the executable came from (memory, disk, redis, "
+                                      "compiled), or pending (compiling), batched, put")
     error: dict[str, Any] | None
     timings: TimingsView
     created: float
@@ -332,7 +336,8 @@ class FutureView(BaseModel):
             compile_s = max(time.time() - fut.created, 0.0)
         return cls(future_id=fut.future_id, status=fut.status.value,
                    out_avals=[a.to_json() for a in fut.out_avals], out_tree=fut.out_tree,
-                   error=fut.error, created=fut.created, expires_at=fut.expires_at,
+                   executable_id=fut.executable_id, tier=fut.tier, error=fut.error,
+                   created=fut.created, expires_at=fut.expires_at,
                    timings=TimingsView(queued_s=t.queued_s, compile_s=compile_s, run_s=t.run_s))
 
 

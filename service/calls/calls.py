@@ -252,6 +252,7 @@ class Calls:
             batched = self.batcher.offer(program, args, static_key, owner, timeout_s)
             if batched is not None:
                 self._transferred(_host_bytes(args))
+                batched.tier = "batched"
                 return Call(batched, "batched")
         resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
         avals = [aval for _, aval in resolved]
@@ -266,6 +267,7 @@ class Calls:
                 fut = self._compiling(program, avals, options, owner, runtime, inputs,
                                       timeout_s)
                 self._give_up(args, options.donate, owner)
+                fut.tier = "pending"
                 return Call(fut, "pending")
             lookup = await self.compile(program, avals, options, owner, runtime, key)
             exe = lookup.executable
@@ -280,6 +282,7 @@ class Calls:
             raise
         self._transferred(nbytes)
         self._give_up(args, options.donate, owner)
+        fut.tier = str(lookup.tier)
         self._executor.submit(fut, runtime, program, exe, options, inputs, timeout_s)
         return Call(fut, lookup.tier)
 
@@ -328,7 +331,8 @@ class Calls:
         if fut.status.is_final:  # cancelled while it compiled
             self._executor.drop(inputs)
             return
-        self._futures.compiled(fut, lookup.executable_id, exe.out_tree, lookup.compile_seconds)
+        self._futures.compiled(fut, lookup.executable_id, exe.out_tree, lookup.compile_seconds,
+                               str(lookup.tier))
         self._executor.submit(fut, runtime, program, exe, options, inputs, timeout_s)
 
     async def put(self, arrays: Sequence[Any], owner: str | None) -> Future:
@@ -341,6 +345,7 @@ class Calls:
             host.append(a)
         fut = self._futures.create(owner=owner, executable_id="",
                                    out_avals=[Aval.of(a) for a in host], out_tree=None)
+        fut.tier = "put"
         self._transferred(_host_bytes(host))
         try:
             await self._executor.put(fut, self._runtimes.place(owner, secrets.token_hex(4)), host)

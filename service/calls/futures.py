@@ -97,6 +97,7 @@ class Future:
     expires_at: float
     reserved_bytes: int
     input_bytes: int = 0
+    tier: str = ""  # where its executable came from: a TierName, "pending", "batched", "put"
     status: FutureStatus = FutureStatus.PENDING
     outputs: list[Any] | None = None
     host: list[Any] | None = None
@@ -340,10 +341,12 @@ class FutureStore:
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
         return fut
 
-    def compiled(self, fut: Future, executable_id: str, out_tree: Any, compile_s: float) -> None:
-        """The executable is ready: the future waits for its run."""
+    def compiled(self, fut: Future, executable_id: str, out_tree: Any, compile_s: float,
+                 tier: str = "") -> None:
+        """The executable is ready (from ``tier``): the future waits for its run."""
         if fut.status is FutureStatus.COMPILING:
             fut.executable_id = executable_id
+            fut.tier = tier or fut.tier
             fut.out_tree = out_tree
             fut.timings.compile_s = compile_s
             fut.status = FutureStatus.PENDING

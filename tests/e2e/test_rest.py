@@ -233,3 +233,19 @@ def test_a_wrong_method_is_405_naming_every_method_of_the_path(http: httpx.Clien
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert {"GET", "DELETE"} <= set(r.headers["allow"].split(", ")), r.headers
     assert "PUT is not allowed here" in r.json()["error"]["message"]
+
+
+def test_a_future_compiled_on_demand_names_its_executable_and_tier(http: httpx.Client) -> None:
+    spec = jax.ShapeDtypeStruct((5,), np.float32)
+    data = bytes(export.export(jax.jit(lambda x: x * 7 - 1))(spec).serialize())
+    pid = http.post("/v1/programs", content=data,
+                    headers={"content-type": wire.OCTET_STREAM}).json()["program_id"]
+    accepted = _execute(http, pid, [np.ones(5, np.float32)]).json()
+    assert accepted["status"] == "compiling" and accepted["executable_id"] == ""
+    view = http.get(f"/v1/futures/{accepted['future_id']}").json()
+    deadline = time.monotonic() + 60
+    while view["status"] == "compiling":  # docs/api.md: the document has them once compiled
+        assert time.monotonic() < deadline
+        view = http.get(f"/v1/futures/{accepted['future_id']}", params={"wait": 5000}).json()
+    assert re.fullmatch(r"[0-9a-f]{64}", view["executable_id"]), view
+    assert view["tier"] == "compiled", view
