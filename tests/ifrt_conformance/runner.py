@@ -21,7 +21,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["FILES", "JAX_TESTS", "Comparison", "compare", "expected_failures", "run_file"]
+__all__ = ["FILES", "JAX_TESTS", "Comparison", "baseline", "compare", "expected_failures",
+           "run_file", "write_baseline"]
 
 HERE = Path(__file__).resolve().parent
 JAX_TESTS = Path(os.environ.get("JITSERVE_JAX_TESTS", HERE.parents[2] / "shared" / "jax-tests"))
@@ -58,6 +59,49 @@ def run_file(name: str, junit: Path, *, target: str | None, share: int = 1,
          "--rootdir", str(JAX_TESTS), f"--junitxml={junit}", str(JAX_TESTS / "tests" / name)],
         env=env, cwd=junit.parent, capture_output=True, text=True, timeout=timeout)
     return _outcomes(junit, name)
+
+
+# The local runs' outcomes, kept so that CI runs each file only through jitserve:
+# valid while the test file, jax, jaxlib, numpy, Python and the share are what they
+# were (``_fingerprint``); else the file runs locally again. Regenerate with
+# ``python tests/ifrt_conformance/runner.py --baseline [--share N]``.
+BASELINE = HERE / "local_baseline.json"
+
+
+def _fingerprint(name: str, share: int) -> str:
+    import hashlib
+    import importlib.metadata as md
+
+    h = hashlib.sha256((JAX_TESTS / "tests" / name).read_bytes())
+    for dist in ("jax", "jaxlib", "numpy"):
+        h.update(f"{dist}={md.version(dist)};".encode())
+    h.update(f"python={sys.version_info[:2]};share={share}".encode())
+    return h.hexdigest()
+
+
+def baseline(name: str, share: int) -> dict[str, str] | None:
+    """The kept local outcomes of ``name`` at ``share``, if they still hold here; else ``None``."""
+    import json
+
+    if not BASELINE.exists():
+        return None
+    entry = json.loads(BASELINE.read_text()).get(f"{name}@{share}")
+    if entry is None or entry["fingerprint"] != _fingerprint(name, share):
+        return None
+    return dict(entry["outcomes"])
+
+
+def write_baseline(names: tuple[str, ...], share: int, tmp: Path) -> None:
+    """Run ``names`` locally at ``share`` and keep their outcomes in ``BASELINE``."""
+    import json
+
+    kept = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
+    for name in names:
+        outcomes = run_file(name, tmp / f"{name}.xml", target=None, share=share)
+        kept[f"{name}@{share}"] = {"fingerprint": _fingerprint(name, share),
+                                   "outcomes": dict(sorted(outcomes.items()))}
+        print(f"{name}: {sum(o == 'passed' for o in outcomes.values())} of {len(outcomes)} pass")
+    BASELINE.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
 
 
 def _outcomes(junit: Path, name: str) -> dict[str, str]:
@@ -110,3 +154,16 @@ def _listed(test: str, expected: dict[str, str]) -> bool:
     """Whether ``test`` is on the list: by its id, or by a pattern (an id ending in ``*``)."""
     return test in expected or any(
         p.endswith("*") and re.fullmatch(re.escape(p[:-1]) + ".*", test) for p in expected)
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="keep the local runs' outcomes (BASELINE)")
+    parser.add_argument("--baseline", action="store_true", required=True)
+    parser.add_argument("--share", type=int, default=12)
+    parser.add_argument("--files", nargs="*", default=list(FILES))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        write_baseline(tuple(args.files), args.share, Path(d))
