@@ -157,6 +157,9 @@ class _Member:
         return ("it runs in one execution with other calls (dynamic batching), which "
                 "stopping it would take down; its outputs are dropped when it ends")
 
+    def unqueue(self) -> bool:  # its run is the batch's, which other calls share
+        return False
+
 
 @dataclasses.dataclass
 class _Queue:

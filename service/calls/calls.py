@@ -95,6 +95,9 @@ class _CompileJob:
     def stop(self) -> str | None:  # never running: the store cancels it instead
         return "it is still compiling"
 
+    def unqueue(self) -> bool:  # never sent: ``cancel`` did it
+        return False
+
 
 class RuntimeRefusal(CompilerError):
     """A runtime's refusal of a program, with the code it gave (or one for its death)."""

@@ -157,6 +157,12 @@ class ExecutionJob:
                 "it stops when they are cancelled too, or ends by itself or at its "
                 "deadline, and its outputs are dropped")
 
+    def unqueue(self) -> bool:
+        """Take a run that was sent but waits in its runtime's queue out of it; whether
+        the runtime was asked (it answers the run ``future_cancelled`` if it had not
+        begun)."""
+        return self._started and self.runtime.unqueue(self)
+
     @property
     def sent(self) -> bool:
         """Whether the run has been (or is being) sent to its runtime."""

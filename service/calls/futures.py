@@ -55,6 +55,11 @@ class Job(Protocol):
         """Stop the running execution; ``None`` if it was stopped, else why it cannot be."""
         ...
 
+    def unqueue(self) -> bool:
+        """Take an execution sent to its runtime, but waiting there, out of its queue;
+        whether that was asked."""
+        ...
+
 
 @dataclasses.dataclass
 class Timings:
@@ -392,6 +397,9 @@ class FutureStore:
         detail = None
         if fut.status in _NOT_STARTED and fut.job is not None and fut.job.cancel():
             fut.error = {"code": "future_cancelled", "message": "deleted before it ran"}
+            self._finish(fut, FutureStatus.CANCELLED)
+        elif fut.status is FutureStatus.PENDING and fut.job is not None and fut.job.unqueue():
+            fut.error = {"code": "future_cancelled", "message": "deleted while it waited to run"}
             self._finish(fut, FutureStatus.CANCELLED)
         elif stop and fut.status is FutureStatus.RUNNING and fut.job is not None:
             detail = fut.job.stop()

@@ -329,13 +329,29 @@ class Runtime:
         """
         with self._lock:
             call = next((c for c in self._pending.values() if c.tag is tag), None)
-            if call is None:
+            if call is None or not call.started:  # ended, or not begun (nothing to stop)
                 return False
             call.stop = call.stop or "cancel"
             running = [c for c in self._pending.values() if c.op == _RUN and c.started]
             if any(c.stop != "cancel" for c in running):
                 return False
         self.kill("cancel")
+        return True
+
+    def unqueue(self, tag: object) -> bool:
+        """Ask the runtime to take the run sent with ``tag`` out of its queue, if it has
+        not begun (a cancel); whether it was asked. If the run was still queued, its
+        answer is ``future_cancelled``; if it began meanwhile, it runs."""
+        with self._lock:
+            rid = next((r for r, c in self._pending.items()
+                        if c.tag is tag and c.op == _RUN and not c.started), None)
+            writer = self._writer if self.state == "up" else None
+        if rid is None or writer is None:
+            return False
+        try:
+            writer.write(frames.pack({"op": Op.CANCEL, "run": rid}))
+        except (OSError, ValueError):
+            return False
         return True
 
     def running_besides(self, tag: object) -> int:

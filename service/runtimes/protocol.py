@@ -90,6 +90,7 @@ class Op(enum.StrEnum):
     FORGET = "forget"
     STATS = "stats"
     FREE = "free"
+    CANCEL = "cancel"  # no answer of its own: a queued run leaves the queue
     IFRT = "ifrt"
     IFRT_READ = "ifrt_read"
     IFRT_CLOSE = "ifrt_close"
@@ -294,6 +295,14 @@ class StatsAnswer(TypedDict):
 
 class FreeRequest(TypedDict):
     handles: list[int]
+
+
+class CancelRequest(TypedDict):
+    """Take run ``run`` (a request id) out of the queue if it has not begun; that run
+    is then answered ``future_cancelled``. Not answered itself (a run that began, or
+    ended, goes on as if it had not been sent)."""
+
+    run: int
 
 
 class IfrtRequest(TypedDict):

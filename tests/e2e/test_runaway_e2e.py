@@ -150,7 +150,7 @@ def test_ids_of_any_shape_are_unknown_not_a_server_error(caller: Caller, bad: st
 
 def test_runs_queued_behind_a_late_run_go_again(start_server: Callable[..., str]) -> None:
     """One runtime, two run slots: a loop with a short deadline and one with a long
-    one fill it, and a cheap call waits in its queue. The short deadline stops the
+    one fill it, and cheap calls wait in its queue (a deleted one leaves it). The short deadline stops the
     runtime: that loop fails ``execution_timeout``, the other ``runtime_stopped``
     (stopped for another's sake, not crashed), and the cheap call, which never
     began, is sent again and is done."""
@@ -160,11 +160,18 @@ def test_runs_queued_behind_a_late_run_go_again(start_server: Callable[..., str]
     try:
         endless, double = c.upload(ENDLESS), c.upload(_export(lambda x: x * 2))
         assert c.value(c.execute(double, 1)) == 2  # compiled and cached before
-        late = c.execute(endless, 0, timeout_s=3)
+        late = c.execute(endless, 0, timeout_s=5)
         beside = c.execute(endless, 1)
         c.wait_running(late, beside)
         queued = [c.execute(double, i) for i in range(3)]
-        assert {c.status(f) for f in queued} == {"pending"}  # no run slot free
+        dropped = c.execute(double, 9)
+        assert {c.status(f) for f in [*queued, dropped]} == {"pending"}  # no run slot free
+        # A delete takes a queued call out of the runtime's queue: it never runs.
+        assert c.http.delete(f"/v1/futures/{dropped}").json()["status"] == "cancelled"
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/readyz", timeout=10).json()["runtimes"][0]["in_flight"] != 5:
+            assert time.monotonic() < deadline, "the deleted call stayed in the queue"
+            time.sleep(0.05)
         assert c.final(late)["error"]["code"] == "execution_timeout"
         stopped = c.final(beside)["error"]
         assert stopped["code"] == "runtime_stopped", stopped

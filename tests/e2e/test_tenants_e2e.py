@@ -269,8 +269,10 @@ def _live_futures(alice: Caller, bob: Caller) -> None:
 def _device_bytes(alice: Caller, bob: Caller) -> None:
     data = _scale(22.5)
     pid = alice.pid(data)
-    futures = [alice.execute(pid, wait=None).json()["future_id"] for _ in range(2)]  # 48 of 60 B
-    _refused(alice.execute(pid), "device_bytes")
+    # 24 B of outputs each once done; 24 B more of inputs while a call waits or runs.
+    futures = [wire.unpackb(alice.execute(pid).content)["future_id"]
+               for _ in range(2)]  # 48 of 80 B
+    _refused(alice.execute(pid), "device_bytes")  # 48 + 48 > 80
     assert bob.execute(bob.pid(data)).status_code == 200
     alice.http.delete(f"/v1/futures/{futures[0]}")
     assert alice.execute(pid).status_code == 200
@@ -315,7 +317,7 @@ def _program_bytes_env() -> dict[str, str]:
 
 QUOTAS: dict[str, tuple[Callable[[], dict[str, str]], Callable[[Caller, Caller], None]]] = {
     "live_futures": (lambda: {"JITSERVE_MAX_LIVE_FUTURES": "4"}, _live_futures),
-    "device_bytes": (lambda: {"JITSERVE_TENANT_MAX_DEVICE_BYTES": "60"}, _device_bytes),
+    "device_bytes": (lambda: {"JITSERVE_TENANT_MAX_DEVICE_BYTES": "80"}, _device_bytes),
     "compiles_per_minute": (lambda: {"JITSERVE_TENANT_COMPILES_PER_MINUTE": "2"},
                             _compiles_per_minute),
     "executables": (lambda: {"JITSERVE_TENANT_MAX_EXECUTABLES": "2"}, _executables),
