@@ -148,15 +148,27 @@ def test_ids_of_any_shape_are_unknown_not_a_server_error(caller: Caller, bad: st
         assert r.json()["error"]["code"] in ("not_found", "bad_request"), r.text
 
 
-def test_runs_queued_behind_a_late_run_go_again(start_server: Callable[..., str]) -> None:
+KEY = "runaway-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def one_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One runtime of two run slots, one API key with a 4 MiB device-bytes quota."""
+    yield from _serve(tmp_path_factory.mktemp("one-runtime"), {
+        "JITSERVE_API_KEYS": KEY, "JITSERVE_RUNTIMES": "1", "JITSERVE_EXECUTOR_THREADS": "2",
+        "JITSERVE_EXECUTION_TIMEOUT_S": "120", "JITSERVE_TENANT_MAX_DEVICE_BYTES": str(4 << 20),
+        "JITSERVE_MAX_BODY_BYTES": str(4 << 20)})
+
+
+def test_runs_queued_behind_a_late_run_go_again(one_runtime: str) -> None:
     """One runtime, two run slots: a loop with a short deadline and one with a long
     one fill it, and cheap calls wait in its queue (a deleted one leaves it). The short deadline stops the
     runtime: that loop fails ``execution_timeout``, the other ``runtime_stopped``
     (stopped for another's sake, not crashed), and the cheap call, which never
     began, is sent again and is done."""
-    url = start_server({"JITSERVE_RUNTIMES": "1", "JITSERVE_EXECUTOR_THREADS": "2",
-                        "JITSERVE_EXECUTION_TIMEOUT_S": "120"})
-    c = Caller(url)
+    url = one_runtime
+    c = Caller(url, KEY)
+    resent = metric_total(url, "jitserve_runs_resent_total")
     try:
         endless, double = c.upload(ENDLESS), c.upload(_export(lambda x: x * 2))
         assert c.value(c.execute(double, 1)) == 2  # compiled and cached before
@@ -177,22 +189,18 @@ def test_runs_queued_behind_a_late_run_go_again(start_server: Callable[..., str]
         assert stopped["code"] == "runtime_stopped", stopped
         assert "passed its deadline" in stopped["message"]
         assert [c.value(f) for f in queued] == [0, 2, 4]
-        assert metric_total(url, "jitserve_runs_resent_total") == 3
+        assert metric_total(url, "jitserve_runs_resent_total") == resent + 3
     finally:
         c.close()
 
 
-def test_inputs_of_queued_calls_count_against_the_keys_device_bytes(
-        start_server: Callable[..., str]) -> None:
+def test_inputs_of_queued_calls_count_against_the_keys_device_bytes(one_runtime: str) -> None:
     """A key fills its runtime with loops, then queues calls with 1 MiB inputs: the
     server holds those bytes for it, so they count against its device-bytes quota
     (4 MiB) from the moment each call is accepted, and show in the gauge."""
-    key = "runaway-key-0123456789"
-    url = start_server({"JITSERVE_API_KEYS": key, "JITSERVE_RUNTIMES": "1",
-                        "JITSERVE_EXECUTOR_THREADS": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "120",
-                        "JITSERVE_TENANT_MAX_DEVICE_BYTES": str(4 << 20),
-                        "JITSERVE_MAX_BODY_BYTES": str(4 << 20)})
-    c = Caller(url, key)
+    url = one_runtime
+    wait_ready(url)  # back from the last test's stop
+    c = Caller(url, KEY)
     try:
         n = (1 << 20) // 4
         total = c.upload(_export_1d(lambda x: x.sum(), n))

@@ -63,8 +63,9 @@ def run_file(name: str, junit: Path, *, target: str | None, share: int = 1,
 
 # The local runs' outcomes, kept so that CI runs each file only through jitserve:
 # valid while the test file, jax, jaxlib, numpy, Python and the share are what they
-# were (``_fingerprint``); else the file runs locally again. Regenerate with
-# ``python tests/ifrt_conformance/runner.py --baseline [--share N]``.
+# were (``_fingerprint``); else the file runs locally again. Regenerate, for each file at
+# its share in tests/e2e/test_ifrt_conformance.py's ``SHARE``, with
+# ``python tests/ifrt_conformance/runner.py --baseline --share N --files F...``.
 BASELINE = HERE / "local_baseline.json"
 
 
