@@ -2,7 +2,8 @@
 
 It decodes a msgpack (or JSON) array, runs the jitted function, and encodes the result —
 no futures, no caching layers, no validation. bench/service.py compares against it;
-bench/batching.py too, with ``BASELINE_MLP`` naming the MLP it runs instead.
+bench/batching.py too, with ``BASELINE_MLP`` naming the MLP it runs instead. ``/keep``
+keeps each body it gets (bench/uploads.py).
 
 ``/run_child`` is the supervised baseline: the same work in one child process
 (bench/_baseline_child.py), which gets the request body over a pipe and sends
@@ -51,6 +52,16 @@ if os.environ.get("BASELINE_MLP"):  # bench/batching.py: one of its MLPs instead
 @app.get("/healthz")
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+_kept: list[bytes] = []
+
+
+@app.post("/keep")
+async def keep(request: Request) -> dict[str, int]:
+    """Keep the body (bench/uploads.py: what holding an upload once costs in a server)."""
+    _kept.append(await request.body())
+    return {"size": len(_kept[-1])}
 
 
 def answer(fn, raw: bytes, as_json: bool) -> bytes:  # noqa: ANN001

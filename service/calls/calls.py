@@ -53,7 +53,7 @@ from ..errors import (
 )
 from ..metrics import Metrics
 from ..runtimes import Buffer, Op, RemoteError, Runtime, RuntimeLost, RuntimePool
-from ..runtimes.protocol import DecodeRequest, ForgetRequest, LookupRequest
+from ..runtimes.protocol import ForgetRequest, LookupRequest
 from .batching import Batcher, SharedConfigs
 from .executables import (
     CallKey,
@@ -133,8 +133,7 @@ async def ask(runtime: Runtime, op: Op, message: Mapping[str, Any], program: Pro
     except RemoteError as e:
         if e.code != "unknown_program":
             raise
-    decode = DecodeRequest(data=program.payload, format=program.format.value)
-    await runtime.request(Op.DECODE, decode, timeout_s=timeout_s, retry=True)
+    await runtime.decode(program.payload, program.format.value, timeout_s=timeout_s)
     return await runtime.request(op, message, timeout_s=timeout_s, retry=True)
 
 

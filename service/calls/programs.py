@@ -26,7 +26,7 @@ from jitserve.compiler.programs import Program
 
 from ..errors import NotFound
 from ..runtimes import Op, RemoteError, RuntimePool
-from ..runtimes.protocol import DecodeRequest, ProgramRequest
+from ..runtimes.protocol import ProgramRequest
 from .calls import refusal
 from .tenants import Tenants
 
@@ -67,7 +67,7 @@ class ProgramStore:
         self._lock = asyncio.Lock()
         self._claims = claims
 
-    async def put(self, data: bytes, format: str | None = None,
+    async def put(self, data: bytes | bytearray, format: str | None = None,
                   owner: str | None = None) -> tuple[Program, bool]:
         """Store ``data`` as ``owner``'s program; returns it and whether it is new to ``owner``.
 
@@ -83,14 +83,13 @@ class ProgramStore:
         # in any tier that lost it (Redis evicted it, or was down at the first upload).
         runtime = self._runtimes.place(owner, program_id)
         try:
-            reply = await runtime.request(Op.DECODE, DecodeRequest(data=data, format=format),
-                                          timeout_s=self._timeout_s, retry=True)
+            reply = await runtime.decode(data, format, timeout_s=self._timeout_s)
         except RemoteError as e:
             raise refusal(e, "decoding") from None
         stored_now = bool(reply["created"])
         program = self._memory.get(program_id)
         if program is None:
-            program = Program.from_json(reply["program"], data)
+            program = Program.from_json(reply["program"], bytes(data))
             self._memory.put(program_id, program, len(data))
         if self._claims is not None and owner is not None:
             await self._claims.claim(owner, program.program_id)
@@ -150,7 +149,7 @@ class ProgramStore:
             raise _not_found(program_id)
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: bytes | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
 

@@ -45,6 +45,7 @@ from typing import Any, Final, NoReturn
 
 from jitserve import wire
 
+from .. import memory
 from . import frames, landlock
 from .protocol import (
     CancelRequest,
@@ -351,19 +352,34 @@ class RuntimeServer:
     # -- programs ----------------------------------------------------------------
 
     def op_decode(self, m: DecodeRequest) -> DecodeAnswer:
-        program, created = self.compiler.programs.put(m["data"], m.get("format"))
+        # A copy of its own: the segment goes back to the API process's cache.
+        data = frames.unpack_arrays([m["program"]])[0].tobytes()
+        try:
+            program, created = self.compiler.programs.put(data, m.get("format"))
+        finally:
+            _let_go_of_copies(len(data))
         return {"program": _program_json(program), "created": created}
 
     def op_program(self, m: ProgramRequest) -> ProgramAnswer:
-        program = self.compiler.programs.get(m["program_id"])
+        program = self._stored_program(m["program_id"])
         if program is None:
             return {"program": None}
         return {"program": _program_json(program), "payload": program.payload}
 
     def _program(self, program_id: str) -> Any:
-        program = self.compiler.programs.get(program_id)  # memory first, then the tiers
+        program = self._stored_program(program_id)
         if program is None:
             raise RemoteFailure("unknown_program", f"runtime has no program {program_id}")
+        return program
+
+    def _stored_program(self, program_id: str) -> Any:
+        """The program from memory, else from the tiers (decoded again), else ``None``."""
+        program = self.compiler.programs.cached(program_id)
+        if program is not None:
+            return program
+        program = self.compiler.programs.get(program_id)
+        if program is not None:
+            _let_go_of_copies(len(program.payload))
         return program
 
     # -- executables -------------------------------------------------------------
@@ -721,6 +737,14 @@ def _unknown_op(server: RuntimeServer, m: dict[str, Any]) -> NoReturn:
 
 def _failure(rid: int, code: str, message: str) -> Failure:
     return {"id": rid, "kind": _ERROR, "code": code, "message": message}
+
+
+def _let_go_of_copies(size: int) -> None:
+    """After a program of ``size`` bytes was decoded: its transient copies (the blob read,
+    the flatbuffer's, the MLIR module's, the blob written) go back to the kernel, so this
+    process holds the program once (docs/runtimes.md)."""
+    if size >= frames.INLINE_MAX_BYTES:
+        memory.trim()
 
 
 def _program_json(program: Any) -> ProgramDoc:

@@ -51,7 +51,7 @@ import numpy as np
 
 from . import frames
 from .pipes import LoopReader, PipeWriter
-from .protocol import Config, FetchRequest, Kind, Op
+from .protocol import Config, DecodeAnswer, FetchRequest, Kind, Op
 
 __all__ = ["Buffer", "NotStarted", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
 
@@ -218,6 +218,24 @@ class Runtime:
                        on_started: Callable[[], None] | None) -> dict[str, Any]:
         await self.wait_up()
         return await self.send(op, message, timeout_s=timeout_s, tag=tag, on_started=on_started)
+
+    async def decode(self, data: bytes | bytearray, format: str | None, *,
+                     timeout_s: float | None = None) -> DecodeAnswer:
+        """Have this runtime decode, validate and store the program ``data`` (``Op.DECODE``).
+
+        A big program crosses in a segment of the pool's, as arrays do (``frames``):
+        through the pipe it cost three copies here (the message, its frame, the
+        writer's queue) and two in the runtime, each as big as the program, and what
+        the allocators kept of them stayed in both processes (docs/runtimes.md).
+        """
+        array = np.frombuffer(data, np.uint8)
+        (desc,), segment = frames.pack_arrays([array], self._pool.segments)
+        asked = asyncio.ensure_future(self.request(
+            Op.DECODE, {"program": desc, "format": format}, timeout_s=timeout_s, retry=True))
+        if segment is not None:  # the runtime reads it until it answers
+            asked.add_done_callback(lambda _: self._pool.segments.give_back(segment))
+        reply: Any = await asyncio.shield(asked)
+        return reply
 
     def send(self, op: Op, message: Mapping[str, Any], *, timeout_s: float | None = None,
              tag: object = None, on_started: Callable[[], None] | None = None

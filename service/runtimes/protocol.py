@@ -192,7 +192,9 @@ class Failure(Reply):
 
 
 class DecodeRequest(TypedDict):
-    data: bytes
+    # The bytes, as a uint8 ``ArrayDesc``: inline when small, else in a segment, so
+    # a big upload crosses with one copy in and one out (``frames``), not four.
+    program: ArrayDesc
     format: str | None  # a ``wire.ProgramFormat`` value; ``None``: sniff it
 
 

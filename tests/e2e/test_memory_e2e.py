@@ -275,3 +275,55 @@ def test_big_intermediates_are_refused_before_they_run(start_server: StartServer
         assert http.get("/healthz").status_code == 200
         _add_one(http)  # and the server still runs programs
         _no_500(_metrics(http))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid``: a server's runtimes (and their supervisors)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def _constant_program(seed: int) -> bytes:
+    """``x + c`` with a random float32 ``c`` of 16 MiB: a 16 MiB jax.export artifact."""
+    c = np.random.default_rng(seed).standard_normal(16 * MiB // 4).astype(np.float32)
+    return _export(lambda x: x + c, c.shape)
+
+
+def test_a_keys_programs_are_held_once_in_each_process(start_server: StartServer,
+                                                       auth_keys: tuple[str, ...]) -> None:
+    """Issue 40: six 32 MiB uploads grew the API process by 52 MiB each and the API plus
+    runtimes by 122 MiB: the runtime kept what its pipe and decoder had copied (2.1 copies
+    of each program, bench/uploads.py). Now each process holds a program's bytes once, so
+    a key's programs cost at most its program-bytes quota in each; past it, nothing is kept."""
+    programs = [_constant_program(seed) for seed in range(5)]
+    size = len(programs[0])
+    url = start_server({"JITSERVE_API_KEYS": auth_keys[0], "JITSERVE_MAX_BODY_BYTES": str(64 * MiB),
+                        "JITSERVE_TENANT_MAX_PROGRAM_BYTES": str(4 * size + size // 2)}, "held")
+    api = _server_pid(url)
+    runtimes = _descendants(api)
+
+    def rss() -> tuple[int, int]:
+        return _rss(api), sum(_rss(p) for p in runtimes)
+
+    with httpx.Client(base_url=url, timeout=120,
+                      headers={"Authorization": f"Bearer {auth_keys[0]}"}) as http:
+        _upload(http, programs[0])  # also pays for the buffers the next uploads reuse
+        api_before, runtimes_before = rss()
+        for program in programs[1:4]:
+            _upload(http, program)
+        api_after, runtimes_after = rss()
+        held = 3 * size
+        assert api_after - api_before < 1.5 * held, (api_after - api_before) / held
+        assert runtimes_after - runtimes_before < 1.5 * held, (
+            (runtimes_after - runtimes_before) / held)
+        # The fifth passes the key's quota: refused before any process keeps it.
+        r = http.post("/v1/programs", content=programs[4],
+                      headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 429 and r.json()["error"]["quota"] == "program_bytes", r.text
+        api_refused, runtimes_refused = rss()
+        assert api_refused - api_after < size // 2
+        assert runtimes_refused - runtimes_after < size // 2
+        _no_500(_metrics(http))

@@ -143,7 +143,8 @@ async def test_each_answer_carries_the_fields_its_type_declares(
     runtime = runtimes.runtimes[0]
     data = programs["add_mul"]
     program_id = hashlib.sha256(data).hexdigest()
-    decode: p.DecodeRequest = {"data": data, "format": "jax_export"}
+    (desc,), _ = frames.pack_arrays([np.frombuffer(data, np.uint8)], None)
+    decode: p.DecodeRequest = {"program": desc, "format": "jax_export"}
     _check(await runtime.request(Op.DECODE, decode, timeout_s=60), p.DecodeAnswer)
     _check(await runtime.request(Op.PROGRAM, {"program_id": program_id}, timeout_s=60),
            p.ProgramAnswer)

@@ -59,7 +59,7 @@ async def upload_program(
     says which (the same one for a re-upload under the same name).
     """
     fmt = format.value if format else None
-    program, created = await services.programs.put(bytes(await body.read()), fmt, owner)
+    program, created = await services.programs.put(await body.read(), fmt, owner)
     response.status_code = 201 if created else 200
     if name is None:
         return program.to_json()
