@@ -13,7 +13,7 @@ One tree; catch ``JitserveError`` for all of them::
     └── APIError                    the server answered 4xx/5xx {"error": {"code", "message"}}
         ├── BadRequest              400 bad_request, and any other unmapped 4xx
         │   ├── ProgramError        invalid_program, unsafe_program, limit_exceeded,
-        │   │                       platform_mismatch, signature_mismatch,
+        │   │                       platform_mismatch, too_many_devices, signature_mismatch,
         │   │                       compile_failed, compile_timeout
         │   └── PayloadTooLarge     413 payload_too_large
         ├── Unauthorized            401 unauthorized

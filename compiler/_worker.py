@@ -22,7 +22,7 @@ from typing import Any
 
 from jitserve.compiler.errors import CompileFailed, CompileTimeout
 
-__all__ = ["CompilePool", "Pipe", "compile_options", "configure_jax"]
+__all__ = ["CompilePool", "Pipe", "compile_options", "configure_jax", "device_count"]
 
 logger = logging.getLogger("jitserve.compiler.worker")
 
@@ -53,11 +53,25 @@ def configure_jax() -> None:
     gpu_solver.initialize_hybrid_kernels()
 
 
-def compile_options() -> Any:
-    """The XLA compile options of every jitserve executable (their digest is in the key)."""
+def compile_options(partitions: int = 1, replicas: int = 1) -> Any:
+    """The XLA compile options of jitserve's executables (their digest is in the key):
+    SPMD over ``partitions`` devices, or ``replicas``, on the first devices of the
+    process, in order (the device assignment is the same for every process and
+    executable of that size, so it is no part of a key but their count)."""
+    import numpy as np
     from jax._src import compiler
 
-    return compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    if partitions == replicas == 1:
+        return compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    assignment = np.arange(replicas * partitions).reshape(replicas, partitions)
+    return compiler.get_compile_options(num_replicas=replicas, num_partitions=partitions,
+                                        device_assignment=assignment)
+
+
+def device_count(options: Any) -> int:
+    """The devices an executable compiled with ``options`` runs on."""
+    build = options.executable_build_options
+    return max(1, int(build.num_replicas)) * max(1, int(build.num_partitions))
 
 
 def _worker_main(conn: Pipe) -> None:
@@ -66,7 +80,6 @@ def _worker_main(conn: Pipe) -> None:
 
     configure_jax()
     backend = xb.get_backend()
-    devices = xc.DeviceList(tuple(backend.devices()[:1]))
     default_options = compile_options()
     try:
         conn.send_bytes(_OK)  # ready
@@ -83,7 +96,8 @@ def _worker_main(conn: Pipe) -> None:
                 size = int.from_bytes(module[1:5], "big")
                 options = xc.CompileOptions.ParseFromString(module[5:5 + size])
                 module = module[5 + size:]
-            exe = backend.compile_and_load(module, devices, options)
+            devices = backend.devices()[:device_count(options)]
+            exe = backend.compile_and_load(module, xc.DeviceList(tuple(devices)), options)
             reply = _OK + backend.serialize_executable(exe)
         except Exception as e:  # XLA's refusal, returned to the caller as text
             reply = _ERR + str(e).encode("utf-8", "replace")[:8000]
@@ -179,7 +193,9 @@ class CompilePool:
         """Compile a StableHLO module (bytecode); the serialized executable.
 
         ``options``: a serialized ``CompileOptionsProto`` to compile with instead of
-        ``compile_options()`` (already sanitized: ``compiler.ifrt.sanitize_options``).
+        ``compile_options()``: a sharded program's, or an IFRT proxy client's (already
+        sanitized: ``compiler.ifrt.sanitize_options``). It runs on the first
+        ``device_count(options)`` devices.
         """
         if options is not None:
             module = _WITH_OPTIONS + len(options).to_bytes(4, "big") + options + module

@@ -48,6 +48,7 @@ __all__ = [
     "ENTRY_VERSION",
     "EXECUTABLES",
     "Entry",
+    "ForeignEntry",
     "MemoryCache",
     "PROGRAMS",
     "SharedTier",
@@ -78,6 +79,11 @@ V = TypeVar("V")
 
 class CorruptEntry(Exception):
     """An L2 entry that fails its checks; the caller drops it (and recompiles, or re-reads)."""
+
+
+class ForeignEntry(Exception):
+    """A sound L2 entry made for other processes than this one (an executable for more
+    devices than it has): a miss here, kept for those it serves."""
 
 
 class CacheUnavailable(Exception):
@@ -499,6 +505,10 @@ class TieredStore(Generic[V]):
         try:
             data = tier.get(key)
             value = None if data is None else self._load(key, data)
+        except ForeignEntry as e:
+            logger.info("%s %s entry %s is not for this process: %s", tier.name, self.kind.name,
+                        key, e)
+            return None
         except CorruptEntry as e:
             logger.warning("dropping corrupt %s %s entry %s: %s", tier.name, self.kind.name, key, e)
             self._delete(tier, key)

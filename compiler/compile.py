@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jaxlib
@@ -32,14 +32,16 @@ from jax._src.lib import xla_client as xc
 from jax.extend import backend as xb
 
 from jitserve.compiler import stablehlo
-from jitserve.compiler._worker import CompilePool, compile_options, configure_jax
+from jitserve.compiler._worker import CompilePool, compile_options, configure_jax, device_count
 from jitserve.compiler.cache import (
     EXECUTABLES,
     PROGRAMS,
     BlobKind,
     CacheSecret,
+    CorruptEntry,
     DiskTier,
     Entry,
+    ForeignEntry,
     MemoryCache,
     SharedTier,
     Tier,
@@ -49,7 +51,7 @@ from jitserve.compiler.cache import (
 )
 from jitserve.compiler.catalog import Catalog
 from jitserve.compiler.disk import DEFAULT_MAX_BYTES, DiskBudget
-from jitserve.compiler.errors import LimitExceeded, SignatureMismatch
+from jitserve.compiler.errors import CompileFailed, InvalidProgram, LimitExceeded, SignatureMismatch
 from jitserve.compiler.keys import (
     Backend,
     KeyHistory,
@@ -198,9 +200,15 @@ class Executable:
     ``meta["cost"]`` is XLA's cost analysis (``cost_of``), made at compile time.
     """
 
-    def __init__(self, loaded: Any, executable_id: str, meta: dict[str, Any], nbytes: int) -> None:
+    def __init__(self, loaded: Any, executable_id: str, meta: dict[str, Any], nbytes: int,
+                 devices: Sequence[Any] = ()) -> None:
         self._loaded = loaded
         self.executable_id = executable_id
+        # The devices one run takes, in the order it was loaded on (the first of the
+        # process for a single-device executable).
+        self.devices = tuple(devices)
+        self.device_count = max(1, len(self.devices))
+        self._shardings: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
         self.in_avals = tuple(Aval.from_json(a) for a in meta["in_avals"])
         self.out_avals = tuple(Aval.from_json(a) for a in meta["out_avals"])
         self.out_tree = meta.get("out_tree")
@@ -227,10 +235,38 @@ class Executable:
         """Raise ``SignatureMismatch`` naming the first input that does not fit."""
         check_inputs(self.in_avals, avals)
 
+    @property
+    def in_shardings(self) -> tuple[Any, ...]:
+        """Where each input must be for a run of a sharded executable (jax ``Sharding``s):
+        the compiled parameter shardings, which hold for raw StableHLO too."""
+        return self._sharded()[0]
+
+    @property
+    def out_shardings(self) -> tuple[Any, ...]:
+        """How each output of a sharded executable is laid out on its devices."""
+        return self._sharded()[1]
+
+    def _sharded(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        if self._shardings is None:
+            from jax._src.sharding_impls import GSPMDSharding
+
+            loaded = self._loaded
+            self._shardings = (
+                tuple(GSPMDSharding(self.devices, s) for s in loaded.get_parameter_shardings()),
+                tuple(GSPMDSharding(self.devices, s) for s in loaded.get_output_shardings()))
+        return self._shardings
+
     def run(self, args: Sequence[jax.Array]) -> list[jax.Array]:
-        """Dispatch on the device; the outputs are device arrays, possibly not ready yet."""
+        """Dispatch on the device(s); the outputs are device arrays, possibly not ready
+        yet: of a sharded executable, global arrays over its devices. Its inputs must
+        be placed as ``in_shardings`` says."""
         results = self._loaded.execute_sharded(list(args))
-        return [shards[0] for shards in results.disassemble_into_single_device_arrays()]
+        shards = results.disassemble_into_single_device_arrays()
+        if self.device_count == 1:
+            return [pieces[0] for pieces in shards]
+        return [jax.make_array_from_single_device_arrays(cast(tuple[int, ...], aval.shape),
+                                                         sharding, pieces)
+                for aval, sharding, pieces in zip(self.out_avals, self.out_shardings, shards)]
 
 
 def check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
@@ -292,8 +328,9 @@ class Compiler:
         self.config = config or CompilerConfig()
         configure_jax()
         self._backend = xb.get_backend()
-        self.device = self._backend.devices()[0]
-        self._devices = xc.DeviceList((self.device,))
+        # A sharded program runs on the first nr_devices of these; any other on the first.
+        self.devices: tuple[Any, ...] = tuple(self._backend.devices())
+        self.device = self.devices[0]
         self._options = compile_options()
         self._key_backend = Backend(
             platform=self.platform, platform_version=self._backend.platform_version,
@@ -319,6 +356,7 @@ class Compiler:
         self._lock = threading.Lock()
         self._compilations = 0
         self._history = KeyHistory()  # each program's keys' parts: why a compile happened
+        self._sharded_backends: dict[int, Backend] = {}  # _backend_for, by device count
 
     @property
     def platform(self) -> str:
@@ -332,7 +370,7 @@ class Compiler:
 
     def backend_info(self) -> dict[str, Any]:
         return {"platform": self.platform, "platform_version": self._backend.platform_version,
-                "device_kind": self.device.device_kind, "device_count": 1,
+                "device_kind": self.device.device_kind, "device_count": len(self.devices),
                 "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__}
 
     def warm(self) -> None:
@@ -341,7 +379,8 @@ class Compiler:
 
     def decode(self, data: bytes, format: str | None = None) -> Program:
         """Decode and validate an uploaded program (``compiler.programs.decode_program``)."""
-        return decode_program(data, format, platform=self.platform, limits=self.config.limits)
+        return decode_program(data, format, platform=self.platform, limits=self.config.limits,
+                              devices=len(self.devices))
 
     def lookup(self, program: Program, in_avals: Sequence[Aval] | None = None,
                static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> Lookup:
@@ -417,6 +456,9 @@ class Compiler:
         """
         import hashlib
 
+        if device_count(xc.CompileOptions.ParseFromString(options)) != 1:
+            raise InvalidProgram("IFRT proxy programs run on one device here: compile options "
+                                 "with num_replicas or num_partitions over 1 are not served yet")
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
             module = stablehlo.parse_module(data, ctx, limits)
@@ -453,7 +495,8 @@ class Compiler:
                         "out_tokens": out_tokens, "created": time.time(),
                         "key_parts": dict(parts), "recompiled_because": None}
                 meta["compile_seconds"] = seconds = time.perf_counter() - start
-                executable = Executable(self._deserialize(serialized), key, meta, len(serialized))
+                executable = Executable(self._deserialize(serialized), key, meta,
+                                        len(serialized), self.devices[:1])
                 self._executables.put(key, encode_entry(key, Entry(serialized, meta), self._secret),
                                       executable)
                 return Lookup(executable, key, TierName.COMPILED, seconds)
@@ -536,8 +579,25 @@ class Compiler:
     def _parts(self, program: Program, concrete: Sequence[Aval], static_key: str,
                donate: tuple[int, ...], scope: str = "") -> list[tuple[str, str]]:
         return key_parts(program_id=program.program_id, in_avals=concrete,
-                         static_key=static_key, backend=self._key_backend, donate=donate,
-                         scope=scope)
+                         static_key=static_key, backend=self._backend_for(program.nr_devices),
+                         donate=donate, scope=scope)
+
+    def _backend_for(self, n: int) -> Backend:
+        """The key's backend parts for an executable of ``n`` devices: their count, the
+        options (normalized: the first ``n`` devices in order) and, for more than one,
+        how they are connected (the topology's fingerprint). One device: as ever, so
+        single-device entries are shared by processes of any device count."""
+        if n == 1:
+            return self._key_backend
+        backend = self._sharded_backends.get(n)
+        if backend is None:
+            topology = ""
+            with contextlib.suppress(Exception):  # a backend without topologies: count and kind
+                topology = str(xc.get_topology_for_devices(list(self.devices[:n])).fingerprint())
+            backend = self._sharded_backends[n] = dataclasses.replace(
+                self._key_backend, device_count=n, topology=topology,
+                options_digest=options_digest(compile_options(n)))
+        return backend
 
     def _recompile_reasons(self, program_id: str, key: str,
                            parts: Sequence[tuple[str, str]]) -> list[str] | None:
@@ -629,16 +689,25 @@ class Compiler:
         """Compile in a worker; the loaded executable and the bytes it was loaded from."""
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
-            module = stablehlo.specialize(lower(program, concrete, ctx, limits), concrete,
-                                          donate)
+            module = lower(program, concrete, ctx, limits, self.devices)
+            partitions, replicas = stablehlo.partitions(module)
+            module = stablehlo.specialize(module, concrete, donate)
             check_module(module, limits, static=True)  # every tensor size is known now
             _, out_avals = stablehlo.main_signature(module)
             bytecode = stablehlo.to_bytecode(module)
-        serialized = self._pool.compile(bytecode)
+        n = partitions * replicas
+        if n != program.nr_devices:  # lowering decides, and must agree with the upload
+            raise CompileFailed(f"program was uploaded for {program.nr_devices} devices but "
+                                f"lowers for {n}")
+        options = None if n == 1 else compile_options(partitions, replicas).SerializeAsString()
+        serialized = self._pool.compile(bytecode, options)
         self._compilations += 1
         meta = self._meta(key, program, concrete, out_avals, static_key)
         meta["donate"] = list(donate)
-        return Executable(self._deserialize(serialized), key, meta, len(serialized)), serialized
+        meta["device_count"] = n
+        meta["partitions"], meta["replicas"] = partitions, replicas
+        return Executable(self._deserialize(serialized, meta), key, meta, len(serialized),
+                          self.devices[:n]), serialized
 
     def _meta(self, key: str, program: Program, concrete: Sequence[Aval],
               out_avals: Sequence[Aval], static_key: str) -> dict[str, Any]:
@@ -654,14 +723,30 @@ class Compiler:
         return {"key": key, "jaxlib_version": jaxlib.__version__, "platform": self.platform,
                 "device_kind": self.device.device_kind}
 
-    def _deserialize(self, serialized: bytes) -> Any:
-        return self._backend.deserialize_executable(serialized, self._devices, self._options)
+    def _deserialize(self, serialized: bytes, meta: dict[str, Any] | None = None) -> Any:
+        """Load ``serialized`` onto the first devices its ``meta`` counts (one without)."""
+        meta = meta or {}
+        n = int(meta.get("device_count", 1))
+        if n == 1:
+            return self._backend.deserialize_executable(
+                serialized, xc.DeviceList(self.devices[:1]), self._options)
+        options = compile_options(int(meta.get("partitions", n)), int(meta.get("replicas", 1)))
+        return self._backend.deserialize_executable(
+            serialized, xc.DeviceList(self.devices[:n]), options)
 
     def _load_executable(self, key: str, data: bytes) -> Executable:
         """The executable in entry ``data`` of ``key``; ``CorruptEntry`` if it is not one for here."""
         entry = decode_entry(key, data, self._secret, self._expected_meta(key))
-        return Executable(self._deserialize(entry.executable), key, entry.meta,
-                          len(entry.executable))
+        n = entry.meta.get("device_count", 1)
+        # Loading onto a device list of another size is an XLA CHECK failure, which
+        # kills the process: the count is checked here, from the signed meta, first.
+        if not isinstance(n, int) or n < 1 or (
+                n > 1 and entry.meta.get("partitions", 0) * entry.meta.get("replicas", 0) != n):
+            raise CorruptEntry(f"entry says it is for {n!r} devices")
+        if n > len(self.devices):
+            raise ForeignEntry(f"entry is for {n} devices; this process has {len(self.devices)}")
+        return Executable(self._deserialize(entry.executable, entry.meta), key, entry.meta,
+                          len(entry.executable), self.devices[:n])
 
     def _l2_tiers(self, kind: BlobKind) -> tuple[Tier, ...]:
         """The serialized tiers of ``kind``, fastest first: the disk, then Redis."""

@@ -32,6 +32,7 @@ __all__ = [
     "LimitExceeded",
     "PlatformMismatch",
     "SignatureMismatch",
+    "TooManyDevices",
     "UnsafeProgram",
     "first_line",
     "message_of",
@@ -59,6 +60,10 @@ class LimitExceeded(CompilerError):
 
 class PlatformMismatch(CompilerError):
     code = ErrorCode.PLATFORM_MISMATCH
+
+
+class TooManyDevices(CompilerError):
+    code = ErrorCode.TOO_MANY_DEVICES
 
 
 class SignatureMismatch(CompilerError):

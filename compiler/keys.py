@@ -84,6 +84,8 @@ class Backend:
         load executables differently.
       device_kind, device_count: the devices the executable is compiled for.
       options_digest: ``options_digest`` of the compile options every compile uses.
+      topology: how several devices are connected (the fingerprint of their
+        topology); empty for one device.
     """
 
     platform: str
@@ -92,6 +94,7 @@ class Backend:
     device_kind: str
     device_count: int
     options_digest: str
+    topology: str = ""
 
 
 def options_digest(options: Any) -> str:
@@ -137,6 +140,7 @@ def key_parts(*, program_id: str, in_avals: Sequence[Aval], static_key: str,
         ("runtime_type", backend.runtime_type),
         ("device_kind", backend.device_kind),
         ("device_count", str(backend.device_count)),
+        *([("topology", backend.topology)] if backend.topology else []),
         ("jax", jax.__version__),
         ("jaxlib", jaxlib.__version__),
         ("xla_flags", xla_flags()),

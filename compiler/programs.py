@@ -13,12 +13,15 @@ against a primitive allowlist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax import tree_util
 from jax._src.lib.mlir import ir
 
@@ -29,6 +32,7 @@ from jitserve.compiler.errors import (
     LimitExceeded,
     PlatformMismatch,
     SignatureMismatch,
+    TooManyDevices,
     UnsafeProgram,
     message_of,
 )
@@ -55,6 +59,8 @@ class Program:
       platforms: platforms the program was made for; empty when it does not say.
       name: the exported function's name, when the artifact says (jax_export); for
         logs, untrusted.
+      nr_devices: the devices one run takes: a sharded program's (a ``jax_export``'s
+        ``nr_devices``, a module's ``mhlo.num_partitions`` x ``mhlo.num_replicas``).
     """
 
     program_id: str
@@ -66,6 +72,7 @@ class Program:
     out_tree: Any = None
     platforms: tuple[str, ...] = ()
     name: str = ""
+    nr_devices: int = 1
 
     @property
     def is_static(self) -> bool:
@@ -79,7 +86,8 @@ class Program:
                    payload=payload, in_avals=tuple(Aval.from_json(a) for a in doc["in_avals"]),
                    out_avals=None if out is None else tuple(Aval.from_json(a) for a in out),
                    in_tree=doc.get("in_tree"), out_tree=doc.get("out_tree"),
-                   platforms=tuple(doc.get("platforms") or ()), name=str(doc.get("name") or ""))
+                   platforms=tuple(doc.get("platforms") or ()), name=str(doc.get("name") or ""),
+                   nr_devices=int(doc.get("nr_devices", 1)))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,14 +98,17 @@ class Program:
             "in_tree": self.in_tree,
             "out_tree": self.out_tree,
             "platforms": list(self.platforms),
+            "nr_devices": self.nr_devices,
         }
 
 
-def decode_program(data: bytes, format: str | None, *, platform: str, limits: Limits) -> Program:
+def decode_program(data: bytes, format: str | None, *, platform: str, limits: Limits,
+                   devices: int = 1) -> Program:
     """Decode and validate ``data``; ``format`` is detected when ``None``.
 
     Raises a ``CompilerError`` naming the problem: unreadable bytes, a disallowed
-    op or custom call, a size over ``limits``, or an export for other platforms.
+    op or custom call, a size over ``limits``, an export for other platforms, or a
+    sharded program for more than ``devices`` devices (``TooManyDevices``).
     """
     if len(data) > limits.max_program_bytes:
         raise LimitExceeded(
@@ -106,7 +117,7 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
     decoder = {ProgramFormat.JAX_EXPORT: _decode_export, ProgramFormat.STABLEHLO: _decode_stablehlo,
                ProgramFormat.JAXPR: _decode_jaxpr}[fmt]
     try:
-        return decoder(bytes(data), platform, limits)
+        program = decoder(bytes(data), platform, limits)
     except InvalidProgram as e:
         if format or fmt is not ProgramFormat.JAX_EXPORT:
             raise
@@ -114,26 +125,56 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
             "unrecognized program: not StableHLO (MLIR text or bytecode), not a JSON jaxpr "
             "document, and not a jax_export artifact (Exported.serialize() bytes); pass "
             "format= to name it") from e
+    if program.nr_devices > devices:
+        raise TooManyDevices(
+            f"program needs {program.nr_devices} devices; this server runs programs on at "
+            f"most {devices} (JITSERVE_CPU_DEVICES on CPU)")
+    return program
 
 
-def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: Limits) -> ir.Module:
-    """The program as a module in ``ctx`` whose ``@main`` takes the flat ``in_avals``."""
+def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: Limits,
+          devices: Sequence[Any] = ()) -> ir.Module:
+    """The program as a module in ``ctx`` whose ``@main`` takes the flat ``in_avals``.
+
+    ``devices``: the ``program.nr_devices`` devices a sharded program runs on.
+    """
     if program.format is ProgramFormat.STABLEHLO:
         return stablehlo.parse_module(program.payload, ctx, limits)
+    jit: Callable[..., Any] = functools.partial(jax.jit, keep_unused=True)
+    context: Any = contextlib.nullcontext()
     if program.format is ProgramFormat.JAX_EXPORT:
-        fn = _export_as_flat_function(_deserialize_export(program.payload))
+        exp = _deserialize_export(program.payload)
+        fn = _export_as_flat_function(exp)
+        if program.nr_devices > 1:  # under a mesh of ours shaped as the export's
+            mesh = _mesh_of(exp, devices[:program.nr_devices])
+            context = jax.set_mesh(mesh)
+            jit = functools.partial(jit, in_shardings=tuple(exp.in_shardings_jax(mesh)),
+                                    out_shardings=list(exp.out_shardings_jax(mesh)))
     else:
         fn = _jaxpr_document(program.payload, limits).as_function()
     structs = [jax.ShapeDtypeStruct(a.shape, DTYPES[a.dtype], weak_type=p.weak_type)
                for a, p in zip(in_avals, program.in_avals)]
     try:
-        module = jax.jit(fn, keep_unused=True).lower(*structs).compiler_ir("stablehlo")
+        with context:
+            module = jit(fn).lower(*structs).compiler_ir("stablehlo")
     except CompilerError:
         raise
     except Exception as e:  # jax says why the inputs do not fit (symbolic dims, dtypes)
         raise SignatureMismatch(f"the inputs do not fit the program: {message_of(e)}") from None
     assert module is not None  # None only for a dialect jax does not know
     return stablehlo.parse_module(stablehlo.to_bytecode(module), ctx, limits)
+
+
+def _mesh_of(exp: Any, devices: Sequence[Any]) -> Any:
+    """A ``Mesh`` of ``devices`` like the one ``exp`` was exported for: its named
+    shardings' axis names, sizes and types, else one axis over all of them."""
+    named = [s for s in (*exp._in_named_shardings, *exp._out_named_shardings)
+             if s is not None] if getattr(exp, "_has_named_shardings", False) else []
+    if named:
+        abstract = named[0].mesh
+        return jax.sharding.Mesh(np.array(devices).reshape(abstract.axis_sizes),
+                                 abstract.axis_names, axis_types=abstract.axis_types)
+    return jax.sharding.Mesh(np.array(devices), ("devices",))
 
 
 def _format(name: str) -> ProgramFormat:
@@ -167,9 +208,11 @@ def _decode_stablehlo(data: bytes, platform: str, limits: Limits) -> Program:
         module = stablehlo.parse_module(data, ctx, limits)
         check_module(module, limits)
         in_avals, out_avals = stablehlo.main_signature(module)
+        nr_devices = stablehlo.device_count(module)
     _check_inputs(in_avals, limits)
     static_out = out_avals if all(a.is_static for a in out_avals) else None
-    return _program(data, ProgramFormat.STABLEHLO, in_avals=in_avals, out_avals=static_out)
+    return _program(data, ProgramFormat.STABLEHLO, in_avals=in_avals, out_avals=static_out,
+                    nr_devices=nr_devices)
 
 
 def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
@@ -182,8 +225,6 @@ def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
         raise UnsafeProgram(
             f"program has effects {[*exp.ordered_effects, *exp.unordered_effects]}; "
             "jitserve runs pure programs only (no callbacks, no debug printing)")
-    if exp.nr_devices != 1:
-        raise PlatformMismatch(f"program needs {exp.nr_devices} devices; jitserve runs it on 1")
     with stablehlo.new_context() as ctx:
         check_module(stablehlo.parse_module(exp.mlir_module_serialized, ctx, limits), limits)
     in_avals = tuple(_export_aval(a) for a in exp.in_avals)
@@ -192,7 +233,8 @@ def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
         data, ProgramFormat.JAX_EXPORT, in_avals=in_avals,
         out_avals=tuple(_export_aval(a) for a in exp.out_avals),
         in_tree=treedef_to_json(exp.in_tree), out_tree=treedef_to_json(exp.out_tree),
-        platforms=tuple(exp.platforms), name=str(exp.fun_name)[:200])
+        platforms=tuple(exp.platforms), name=str(exp.fun_name)[:200],
+        nr_devices=max(1, int(exp.nr_devices)))
 
 
 def _decode_jaxpr(data: bytes, platform: str, limits: Limits) -> Program:

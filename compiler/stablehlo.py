@@ -9,7 +9,9 @@ Wrapping also drops the program's own argument attributes, such as buffer
 donation: a program must never consume the arrays it is given, since they may be
 other futures' outputs. Donation is the caller's to ask for, per call
 (``specialize(..., donate)``), and the server's to honour only with buffers
-nobody else holds.
+nobody else holds. Only the shardings of ``@main``'s arguments and results are
+kept (``sdy.sharding``, ``mhlo.sharding``): a sharded program's layout on its
+devices (``device_count``).
 """
 
 from __future__ import annotations
@@ -37,16 +39,22 @@ from jitserve.wire import DTYPES, Aval
 __all__ = [
     "MLIR_BYTECODE_MAGIC",
     "TOKEN_AVAL",
+    "device_count",
     "main_result_types",
     "main_signature",
     "new_context",
     "parse_module",
+    "partitions",
     "specialize",
     "to_bytecode",
 ]
 
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
 _ORIGINAL_MAIN = "_jitserve_program_main"
+# More devices than any host has: a module that says so is refused, not believed.
+_MAX_DEVICES = 1 << 16
+# The attributes of @main's arguments and results that specializing keeps.
+_SHARDING_ATTRS = ("sdy.sharding", "mhlo.sharding")
 
 
 def new_context() -> ir.Context:
@@ -88,6 +96,30 @@ def main_signature(module: ir.Module, *, tokens: bool = False
             tuple(_aval(t, "output", tokens) for t in ftype.results))
 
 
+def partitions(module: ir.Module) -> tuple[int, int]:
+    """``module``'s ``mhlo.num_partitions`` and ``mhlo.num_replicas`` (1 where it does not say)."""
+    attrs = module.operation.attributes
+    out = []
+    for name in ("mhlo.num_partitions", "mhlo.num_replicas"):
+        value = 1
+        if name in attrs:
+            try:
+                value = ir.IntegerAttr(attrs[name]).value
+            except (ValueError, TypeError):
+                raise InvalidProgram(f"module attribute {name} is not an integer") from None
+            if not 1 <= value <= _MAX_DEVICES:
+                raise InvalidProgram(f"module attribute {name} is {value}; expected 1 to "
+                                     f"{_MAX_DEVICES}")
+        out.append(value)
+    return out[0], out[1]
+
+
+def device_count(module: ir.Module) -> int:
+    """The devices one run of ``module`` takes: partitions x replicas."""
+    p, r = partitions(module)
+    return p * r
+
+
 def main_result_types(module: ir.Module) -> list[ir.Type]:
     """The MLIR types of ``@main``'s results."""
     return list(_function_type(_main(module)).results)
@@ -114,10 +146,12 @@ def specialize(module: ir.Module, in_avals: Sequence[Aval],
         for i, (want, got) in enumerate(zip(ftype.inputs, new_types)):
             if not _compatible(want, got):
                 raise SignatureMismatch(f"input {i}: program expects {want}, got {got}")
+        shardings = (_kept_attrs(main, "arg_attrs", len(new_types)),
+                     _kept_attrs(main, "res_attrs", len(ftype.results)))
         symtab = ir.SymbolTable(module.operation)
         symtab.set_symbol_name(main, _ORIGINAL_MAIN)
         main.attributes["sym_visibility"] = ir.StringAttr.get("private")
-        _add_wrapper(module, ftype, new_types, donate)
+        _add_wrapper(module, ftype, new_types, donate, shardings)
     # Always refine: it resolves dynamic shapes anywhere in the module (jax leaves
     # them inside polymorphic exports), checks shape assertions, and verifies that
     # what XLA gets is fully static.
@@ -128,13 +162,33 @@ def to_bytecode(module: ir.Module) -> bytes:
     return mlir.module_to_bytecode(module)
 
 
+def _kept_attrs(main: ir.Operation, name: str, n: int) -> list[dict[str, ir.Attribute]]:
+    """The sharding attributes of ``main``'s ``n`` arguments or results (``name``)."""
+    out: list[dict[str, ir.Attribute]] = [{} for _ in range(n)]
+    if name not in main.attributes:
+        return out
+    for i, entry in enumerate(ir.ArrayAttr(main.attributes[name])):
+        if i < n:
+            attrs = ir.DictAttr(entry)
+            out[i] = {k: attrs[k] for k in _SHARDING_ATTRS if k in attrs}
+    return out
+
+
 def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: Sequence[ir.Type],
-                 donate: Sequence[int]) -> None:
+                 donate: Sequence[int],
+                 shardings: tuple[list[dict[str, ir.Attribute]], list[dict[str, ir.Attribute]]]
+                 ) -> None:
+    arg_shardings, result_shardings = shardings
     with ir.InsertionPoint(module.body):
         wrapper = func_d.FuncOp("main", ir.FunctionType.get(new_types, list(ftype.results)))
         wrapper.attributes["sym_visibility"] = ir.StringAttr.get("public")
-        if donate:
-            wrapper.arg_attrs = _donation_attrs(new_types, list(ftype.results), donate)
+        donation = _donation_attrs(new_types, list(ftype.results), donate)
+        if donate or any(arg_shardings):
+            wrapper.arg_attrs = ir.ArrayAttr.get(
+                [ir.DictAttr.get({**a, **d}) for a, d in zip(arg_shardings, donation)])
+        if any(result_shardings):
+            wrapper.attributes["res_attrs"] = ir.ArrayAttr.get(
+                [ir.DictAttr.get(r) for r in result_shardings])
         # mypy sees the generated FuncOp; jaxlib's func.py redefines it with this method
         block = wrapper.add_entry_block()  # type: ignore[attr-defined]
         with ir.InsertionPoint(block):
@@ -145,7 +199,7 @@ def _add_wrapper(module: ir.Module, ftype: ir.FunctionType, new_types: Sequence[
 
 
 def _donation_attrs(inputs: Sequence[ir.Type], results: list[ir.Type],
-                    donate: Sequence[int]) -> ir.ArrayAttr:
+                    donate: Sequence[int]) -> list[dict[str, ir.Attribute]]:
     unclaimed = list(range(len(results)))
     attrs = []
     for i, t in enumerate(inputs):
@@ -158,8 +212,8 @@ def _donation_attrs(inputs: Sequence[ir.Type], results: list[ir.Type],
                 unclaimed.remove(match)
                 entry["tf.aliasing_output"] = ir.IntegerAttr.get(
                     ir.IntegerType.get_signless(32), match)
-        attrs.append(ir.DictAttr.get(entry))
-    return ir.ArrayAttr.get(attrs)
+        attrs.append(entry)
+    return attrs
 
 
 def _refine(module: ir.Module) -> ir.Module:

@@ -148,6 +148,10 @@ class Settings(BaseSettings):
     # (service/runtimes, docs/runtimes.md). Unset: one per core on CPU (at most 8),
     # one on GPU.
     runtimes: int | None = Field(None, gt=0)
+    # On CPU: the devices each runtime has (XLA's simulated host devices), so programs
+    # sharded across N devices run (jax.export with nr_devices=N, StableHLO with
+    # mhlo.num_partitions): for tests, and SPMD on CPU. Unset: one.
+    cpu_devices: int | None = Field(None, gt=0, le=256)
     # The longest an execution may run (from its start); a caller may ask for less.
     # Past it, its runtime is killed and restarted and the future fails with
     # execution_timeout.

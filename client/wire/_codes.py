@@ -32,6 +32,7 @@ class ErrorCode(enum.StrEnum):
     UNSAFE_PROGRAM = "unsafe_program"
     LIMIT_EXCEEDED = "limit_exceeded"
     PLATFORM_MISMATCH = "platform_mismatch"
+    TOO_MANY_DEVICES = "too_many_devices"
     COMPILE_FAILED = "compile_failed"
     COMPILE_TIMEOUT = "compile_timeout"
     COMPILER_ERROR = "compiler_error"
@@ -73,6 +74,8 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
     ErrorCode.UNSAFE_PROGRAM: 422,
     ErrorCode.LIMIT_EXCEEDED: 422,
     ErrorCode.PLATFORM_MISMATCH: 422,
+    # A sharded program needs more devices than any runtime of the server has.
+    ErrorCode.TOO_MANY_DEVICES: 422,
     ErrorCode.COMPILE_FAILED: 422,
     ErrorCode.COMPILE_TIMEOUT: 422,
     ErrorCode.COMPILER_ERROR: 422,
@@ -97,8 +100,8 @@ ERROR_STATUS: Final[dict[ErrorCode, int]] = {
 #: The codes that say a program (or its inputs) cannot be compiled or run.
 PROGRAM_ERRORS: Final = frozenset({
     ErrorCode.INVALID_PROGRAM, ErrorCode.SIGNATURE_MISMATCH, ErrorCode.UNSAFE_PROGRAM,
-    ErrorCode.LIMIT_EXCEEDED, ErrorCode.PLATFORM_MISMATCH, ErrorCode.COMPILE_FAILED,
-    ErrorCode.COMPILE_TIMEOUT, ErrorCode.COMPILER_ERROR,
+    ErrorCode.LIMIT_EXCEEDED, ErrorCode.PLATFORM_MISMATCH, ErrorCode.TOO_MANY_DEVICES,
+    ErrorCode.COMPILE_FAILED, ErrorCode.COMPILE_TIMEOUT, ErrorCode.COMPILER_ERROR,
 })
 
 

@@ -155,6 +155,8 @@ class ProgramInfo(BaseModel):
     in_tree: Any = None
     out_tree: Any = None
     platforms: list[str]
+    nr_devices: int = Field(1, description="the devices one run takes: more than 1 for a "
+                            "sharded program (docs/runtimes.md, 'Devices')")
     name: str | None = Field(None, description="the model it is a version of (upload with "
                              "?name=, docs/v2.md)")
     version: int | None = Field(None, description="its version of that model: 1, 2, ...")

@@ -83,6 +83,10 @@ def make_pool(settings: Settings) -> RuntimePool:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
     else:
         limit = memory_limit(settings, count)
+        if settings.cpu_devices:
+            flags = os.environ.get("XLA_FLAGS", "")
+            env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                                f"{settings.cpu_devices}").strip()
     # Without Redis a runtime needs no network at all: it gets none (docs/runtimes.md).
     config: Config = {"settings": settings_document(settings), "platform": platform,
                       "max_memory_bytes": limit, "log_level": settings.log_level,

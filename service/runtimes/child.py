@@ -52,6 +52,7 @@ from .protocol import (
     Config,
     DecodeAnswer,
     DecodeRequest,
+    DeviceDoc,
     ExecutableDoc,
     Failure,
     FetchAnswer,
@@ -161,6 +162,8 @@ class RuntimeServer:
         self.runs = self.quick_runs = 0
         self._quick_watch = _QuickWatch(self._send)
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
+        self._launch_lock = threading.Lock()  # runs of sharded executables, one at a time
+        self.relaid = 0  # kept outputs moved to the layout a run wanted (_placed)
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         self._avals: dict[tuple[Any, Any], Any] = {}  # jax avals of inputs, by shape and dtype
         try:  # jaxlib's transfer; jax.device_put where a jaxlib lacks it
@@ -173,11 +176,11 @@ class RuntimeServer:
     # -- the loop ----------------------------------------------------------------
 
     def serve(self) -> None:
-        device = self.device
+        devices: list[DeviceDoc] = [{"id": d.id, "platform": d.platform,
+                                     "device_kind": d.device_kind} for d in self.compiler.devices]
         ready: Ready = {"id": 0, "kind": Kind.READY, "pid": os.getpid(),
-                        "backend": self.compiler.backend_info(),
-                        "device": {"id": device.id, "platform": device.platform,
-                                   "device_kind": device.device_kind}}
+                        "backend": self.compiler.backend_info(), "device": devices[0],
+                        "devices": devices}
         self._send(ready)
         threading.Thread(target=self.compiler.warm, daemon=True).start()
         if self._quick_run_s > 0:
@@ -442,6 +445,15 @@ class RuntimeServer:
             aval = self._avals[key] = core.ShapedArray(array.shape, array.dtype)
         return self._put(aval, self._sharding, [array], [self.device], True, enable_x64=True)
 
+    def _placed(self, buf: Any, sharding: Any) -> Any:
+        """``buf`` (a kept output) where a run wants it: as it is when it is laid out so,
+        else re-laid device to device (a sharded output for a single-device program is
+        gathered; one of another layout is moved shard by shard)."""
+        if buf.sharding == sharding or buf.sharding.is_equivalent_to(sharding, buf.ndim):
+            return buf
+        self.relaid += 1
+        return self._jax.device_put(buf, sharding)
+
     def op_run(self, m: RunRequest, rid: int = 0, quick: bool = False) -> RunAnswer | SplitAnswer:
         """Run an executable; ``started`` names request ``rid`` when it begins, unless the
         run is ``quick`` (this thread holds the pipe: ``_follow``)."""
@@ -450,6 +462,7 @@ class RuntimeServer:
         host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
         host_iter = iter(host)
         donated = set(m.get("donate", ()))
+        sharded = exe.device_count > 1
         for i, a in enumerate(m["args"]):
             if "handle" in a:
                 # A donated input is consumed: the API process gives its buffer up
@@ -458,7 +471,11 @@ class RuntimeServer:
                 buf = take(a["handle"], None)
                 if buf is None:
                     raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
-                args.append(buf.copy() if i in donated and not a.get("give") else buf)
+                placed = self._placed(buf, exe.in_shardings[i] if sharded else self._sharding)
+                args.append(placed.copy() if i in donated and not a.get("give")
+                            and placed is buf else placed)
+            elif sharded:
+                args.append(self._jax.device_put(next(host_iter), exe.in_shardings[i]))
             else:
                 args.append(self._to_device(next(host_iter)))
         del host, host_iter
@@ -471,9 +488,13 @@ class RuntimeServer:
             self._send({"id": rid, "kind": _STARTED})
         t0 = time.perf_counter()
         try:
-            outputs = exe.run(args)
-            for out in outputs:  # jaxlib's own call: jax.block_until_ready walks a pytree first
-                out.block_until_ready()
+            # Runs of sharded executables launch one at a time, each waited for: XLA:CPU
+            # deadlocks with many collective runs in flight, and launches in different
+            # orders on different devices can too.
+            with self._launch_lock if sharded else contextlib.nullcontext():
+                outputs = exe.run(args)
+                for out in outputs:  # jaxlib's own call: jax.block_until_ready walks a pytree
+                    out.block_until_ready()
         finally:
             if quick:
                 self._quick_watch.end()
@@ -583,7 +604,8 @@ class RuntimeServer:
         return {"buffers": len(self.buffers), "compilations": compiler["compilations"],
                 "l1_entries": compiler["l1_entries"], "l1_bytes": compiler["l1_bytes"],
                 "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
-                "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran}
+                "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran,
+                "relaid": self.relaid}
 
     # -- IFRT proxy sessions (runtimes.ifrt) -------------------------------------
 

@@ -178,7 +178,8 @@ class Ready(Reply):
 
     pid: int
     backend: dict[str, Any]  # ``Compiler.backend_info()``
-    device: DeviceDoc
+    device: DeviceDoc  # where single-device programs run
+    devices: list[DeviceDoc]  # all of them: a sharded program runs on the first N
 
 
 class Failure(Reply):
@@ -293,6 +294,7 @@ class StatsAnswer(TypedDict):
     runs: int
     quick_runs: int  # done by the thread that read them
     quick_runs_overran: int  # quick runs that said ``started`` late
+    relaid: int  # kept outputs moved to the layout a run wanted
 
 
 class FreeRequest(TypedDict):

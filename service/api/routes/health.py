@@ -92,13 +92,16 @@ async def metrics(services: ServicesDep) -> Response:
 
 @devices_router.get("/devices")
 async def devices(services: ServicesDep) -> dict[str, Any]:
-    """The backend, and the device programs run on (as the runtimes report them)."""
+    """The backend, and the devices of each runtime (as the runtimes report them): a
+    single-device program runs on the ``default`` one, a program sharded across N on
+    the first N."""
     runtimes = services.runtimes
     info = runtimes.backend
-    device = info.get("device", {})
+    default = info.get("device", {})
     return {
         "backend": info.get("backend", {}),
-        "devices": [{**device, "default": True}],
+        "devices": [{**device, "default": device == default}
+                    for device in info.get("devices", [default])],
         "runtimes": runtimes.describe(),
     }
 

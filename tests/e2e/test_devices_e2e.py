@@ -1,0 +1,198 @@
+"""Programs sharded across the devices of a runtime (issue 37, first step).
+
+One real server whose runtime has four simulated CPU devices
+(``JITSERVE_CPU_DEVICES=4``). The client, with one device, exports for a mesh of
+the server's (``jax.export`` over an ``AbstractMesh``), or sends the module as raw
+StableHLO; the server lowers it on a mesh of its own devices, compiles for four,
+and runs it. Results are compared with numpy on the same inputs: the sharding
+changes where the work runs, not what it computes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from e2e.conftest import _serve, wait_ready
+from jax import export
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jitserve import wire
+
+pytestmark = pytest.mark.timeout(240)
+
+MESH = AbstractMesh((2, 2), ("x", "y"))
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from _serve(tmp_path_factory.mktemp("devices"), {"JITSERVE_CPU_DEVICES": "4"})
+
+
+@pytest.fixture(scope="module")
+def http(url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
+def _export(fn: Callable[..., Any], shapes: list[tuple[int, ...]], in_specs: list[P],
+            out_spec: P, mesh: AbstractMesh = MESH) -> bytes:
+    jitted = jax.jit(fn, in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs),
+                     out_shardings=NamedSharding(mesh, out_spec))
+    structs = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes]
+    return bytes(export.export(jitted)(*structs).serialize())
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.sin(a) @ b + 1.0
+
+
+def _psum_rows(a: jax.Array) -> jax.Array:
+    """Sums the two halves of ``a``'s rows with a collective across axis ``x``."""
+    return jax.shard_map(lambda x: jax.lax.psum(x, "x"), mesh=MESH, in_specs=P("x"),
+                         out_specs=P())(a)
+
+
+MATMUL = _export(_matmul, [(8, 8), (8, 8)], [P("x", "y"), P("y", None)], P("x", "y"))
+PSUM = _export(_psum_rows, [(8, 4)], [P("x")], P())
+
+
+def _upload(http: httpx.Client, program: bytes) -> dict[str, Any]:
+    r = http.post("/v1/programs", content=program, headers={"content-type": wire.OCTET_STREAM})
+    assert r.status_code in (200, 201), r.text
+    return dict(r.json())
+
+
+def _run(http: httpx.Client, program_id: str, *args: Any) -> str:
+    r = http.post(f"/v1/programs/{program_id}/execute", content=wire.packb({"args": list(args)}),
+                  headers={"content-type": wire.MSGPACK})
+    assert r.status_code in (200, 202), r.text
+    return str(r.json()["future_id"])
+
+
+def _outputs(http: httpx.Client, future_id: str) -> list[np.ndarray]:
+    r = http.get(f"/v1/futures/{future_id}/result", params={"wait": 60_000})
+    assert r.status_code == 200, r.text
+    return list(wire.unpackb(r.content)["outputs"])
+
+
+def _inputs(*shapes: tuple[int, ...]) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def test_the_runtime_lists_its_four_devices(http: httpx.Client) -> None:
+    doc = http.get("/v1/devices").json()
+    assert [d["id"] for d in doc["devices"]] == [0, 1, 2, 3]
+    assert [d["default"] for d in doc["devices"]] == [True, False, False, False]
+    assert doc["backend"]["device_count"] == 4
+
+
+def test_a_named_sharding_export_runs_on_four_devices(http: httpx.Client) -> None:
+    program = _upload(http, MATMUL)
+    assert program["nr_devices"] == 4
+    a, b = _inputs((8, 8), (8, 8))
+    (out,) = _outputs(http, _run(http, program["program_id"], a, b))
+    np.testing.assert_allclose(out, np.sin(a) @ b + 1.0, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_map_with_a_collective(http: httpx.Client) -> None:
+    program_id = _upload(http, PSUM)["program_id"]
+    (a,) = _inputs((8, 4))
+    (out,) = _outputs(http, _run(http, program_id, a))
+    np.testing.assert_allclose(out, a[:4] + a[4:], rtol=1e-6)
+
+
+def test_raw_stablehlo_with_four_partitions(http: httpx.Client) -> None:
+    text = export.deserialize(bytearray(MATMUL)).mlir_module().encode()
+    program = _upload(http, text)
+    assert program["format"] == "stablehlo" and program["nr_devices"] == 4
+    a, b = _inputs((8, 8), (8, 8))
+    (out,) = _outputs(http, _run(http, program["program_id"], a, b))
+    np.testing.assert_allclose(out, np.sin(a) @ b + 1.0, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_outputs_chain_relaid_and_gathered(http: httpx.Client) -> None:
+    """An output kept on the runtime feeds a program that wants another layout (moved
+    device to device) and a single-device program (gathered)."""
+    matmul = _upload(http, MATMUL)["program_id"]
+    psum = _upload(http, PSUM)["program_id"]
+    single = _upload(http, bytes(export.export(jax.jit(lambda v: v * 2.0))(
+        jax.ShapeDtypeStruct((8, 8), np.float32)).serialize()))["program_id"]
+    a, b = _inputs((8, 8), (8, 8))
+    first = _run(http, matmul, a, b)
+    y = np.sin(a) @ b + 1.0
+    again = _run(http, matmul, {"future": first, "output": 0}, b)  # P("x","y") -> P("y", None)
+    doubled = _run(http, single, {"future": first, "output": 0})
+    np.testing.assert_allclose(_outputs(http, again)[0], np.sin(y) @ b + 1.0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_outputs(http, doubled)[0], y * 2.0, rtol=1e-5, atol=1e-5)
+    plain = _run(http, single, a)  # a single-device program on this runtime, from the host
+    np.testing.assert_allclose(_outputs(http, plain)[0], a * 2.0)
+    assert psum  # uploaded beside the others: programs of both kinds live on one runtime
+
+
+def test_more_devices_than_the_server_has_is_refused_at_upload(http: httpx.Client) -> None:
+    eight = _export(lambda a: a * 2.0, [(8, 8)], [P("x", "y")], P("x", "y"),
+                    mesh=AbstractMesh((2, 4), ("x", "y")))
+    r = http.post("/v1/programs", content=eight, headers={"content-type": wire.OCTET_STREAM})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_many_devices"
+    assert "8 devices" in error["message"] and "at most 4" in error["message"]
+
+
+def test_a_restarted_runtime_reloads_a_sharded_executable(url: str, http: httpx.Client) -> None:
+    program_id = _upload(http, PSUM)["program_id"]
+    (a,) = _inputs((8, 4))
+    _outputs(http, _run(http, program_id, a))
+    (runtime,) = wait_ready(url)
+    os.kill(runtime["pid"], signal.SIGKILL)
+    wait_ready(url)
+    compiled = http.post(f"/v1/programs/{program_id}/compile", json={}).json()
+    assert compiled["tier"] == "disk", compiled  # loaded onto four devices, not compiled
+    (out,) = _outputs(http, _run(http, program_id, a))
+    np.testing.assert_allclose(out, a[:4] + a[4:], rtol=1e-6)
+
+
+def test_many_collective_runs_at_once_all_finish(http: httpx.Client) -> None:
+    """XLA:CPU deadlocks with some 32 collective runs in flight: a runtime launches
+    sharded runs one at a time, so 50 submitted at once all finish."""
+    program_id = _upload(http, PSUM)["program_id"]
+    inputs = [np.full((8, 4), i, np.float32) for i in range(50)]
+    futures = [_run(http, program_id, a) for a in inputs]
+    for i, future_id in enumerate(futures):
+        np.testing.assert_array_equal(_outputs(http, future_id)[0], np.full((4, 4), 2.0 * i))
+
+
+def _psum_on_one_side(a: jax.Array) -> jax.Array:
+    """A collective only the first half of axis ``x`` reaches: the other waits forever."""
+    def body(x: jax.Array) -> jax.Array:
+        first = jax.lax.axis_index("x") == 0
+        return jax.lax.cond(first, lambda v: jax.lax.psum(v, "x"), lambda v: v, x)
+
+    return jax.shard_map(body, mesh=MESH, in_specs=P("x"), out_specs=P("x"), check_vma=False)(a)
+
+
+def test_a_collective_that_never_completes_meets_its_deadline(url: str,
+                                                              http: httpx.Client) -> None:
+    program_id = _upload(http, _export(_psum_on_one_side, [(8, 4)], [P("x")], P("x")))["program_id"]
+    (a,) = _inputs((8, 4))
+    r = http.post(f"/v1/programs/{program_id}/execute", headers={"content-type": wire.MSGPACK},
+                  content=wire.packb({"args": [a], "timeout_s": 2}))
+    assert r.status_code in (200, 202), r.text
+    future = http.get(f"/v1/futures/{r.json()['future_id']}", params={"wait": 60_000}).json()
+    while future["status"] not in ("done", "failed"):
+        future = http.get(f"/v1/futures/{future['future_id']}", params={"wait": 60_000}).json()
+    assert future["status"] == "failed" and future["error"]["code"] == "execution_timeout", future
+    wait_ready(url)  # the runtime came back
+    (b,) = _inputs((8, 4))
+    (out,) = _outputs(http, _run(http, _upload(http, PSUM)["program_id"], b))
+    np.testing.assert_allclose(out, b[:4] + b[4:], rtol=1e-6)
