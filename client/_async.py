@@ -221,6 +221,10 @@ class AsyncClient(BaseClient):
         """See ``Client.devices``."""
         return await self._drive(self._op_get("/v1/devices"))
 
+    async def mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> Any:
+        """See ``Client.mesh``."""
+        return await self._drive(self._op_mesh(shape, axis_names))
+
     async def health(self) -> Any:
         """See ``Client.health``."""
         return await self._drive(self._op_get("/healthz"))
@@ -233,24 +237,27 @@ class AsyncClient(BaseClient):
     def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export") -> AsyncRemoteFunction: ...
+            format: str = "jax_export", in_shardings: Any = None,
+            out_shardings: Any = None) -> AsyncRemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export") -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
+            format: str = "jax_export", in_shardings: Any = None,
+            out_shardings: Any = None) -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export") -> Any:
+            format: str = "jax_export", in_shardings: Any = None, out_shardings: Any = None) -> Any:
         """See ``Client.jit``; calls of the result are awaitable."""
         def make(f: Callable[..., Any]) -> AsyncRemoteFunction:
             return AsyncRemoteFunction(self, f, static_argnums=static_argnums,
                                        static_argnames=static_argnames,
                                        donate_argnums=donate_argnums,
-                                       donate_argnames=donate_argnames, format=format)
+                                       donate_argnames=donate_argnames, format=format,
+                                       in_shardings=in_shardings, out_shardings=out_shardings)
         check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

@@ -532,6 +532,22 @@ class BaseClient:
             return False
         return True
 
+    def _op_mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> Op[Any]:
+        """``Client.mesh``: checked against the devices ``/v1/devices`` lists."""
+        from jax.sharding import AbstractMesh
+
+        shape, axis_names = tuple(int(n) for n in shape), tuple(str(a) for a in axis_names)
+        if len(shape) != len(axis_names) or any(n < 1 for n in shape):
+            raise ValueError(f"a mesh needs one positive size per axis name; got shape {shape} "
+                             f"for axes {axis_names}")
+        doc = yield from self._op_get("/v1/devices")
+        have = len(doc.get("devices") or [None]) if isinstance(doc, Mapping) else 1
+        need = math.prod(shape)
+        if need > have:
+            raise ValueError(f"a mesh of shape {shape} needs {need} devices; the server runs "
+                             f"programs on at most {have}")
+        return AbstractMesh(shape, axis_names)
+
     def _op_platforms(self) -> Op[tuple[str, ...] | None]:
         """The server's jax.export platforms (from ``/v1/devices``), asked once per client."""
         if isinstance(self._platforms, NotGiven):

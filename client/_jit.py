@@ -124,13 +124,16 @@ class _RemoteFunctionBase:
                  static_argnames: str | Iterable[str] = (),
                  donate_argnums: int | Sequence[int] = (),
                  donate_argnames: str | Iterable[str] = (),
-                 format: str = "jax_export") -> None:
+                 format: str = "jax_export", in_shardings: Any = None,
+                 out_shardings: Any = None) -> None:
         if not callable(fn):
             raise TypeError(f"jit needs a callable, got {fn!r:.100}")
         self._client = client
         self._fn = fn
         self._name = str(getattr(fn, "__name__", "fn"))
         self._format = check_jit_format(format)
+        # jax.jit's: a prefix of the dynamic positional arguments, and of the outputs.
+        self._in_shardings, self._out_shardings = in_shardings, out_shardings
         self._static_argnums, self._static_argnames = _resolve_argnums(
             fn, _as_tuple(static_argnums, int), _as_tuple(static_argnames, str))
         self._donate_argnums, self._donate_argnames = _resolve_argnums(
@@ -219,6 +222,25 @@ class _RemoteFunctionBase:
 
         return bound
 
+    def _leaf_shardings(self, split: _Split) -> list[Any] | None:
+        """``in_shardings`` per dynamic leaf, as ``jax.jit`` reads it: one entry per
+        dynamic positional argument (a prefix of its pytree), or one for all of them;
+        keyword arguments unspecified."""
+        import jax
+
+        if self._in_shardings is None:
+            return None
+        args, kwargs = split.treedef.unflatten([0] * split.treedef.num_leaves)
+        prefix = self._in_shardings
+        if not isinstance(prefix, (tuple, list)):
+            prefix = (prefix,) * len(args)
+        elif len(prefix) != len(args):
+            raise ValueError(f"in_shardings has {len(prefix)} entries; {self._name} was called "
+                             f"with {len(args)} positional arguments that are not static")
+        full = jax.tree.broadcast((tuple(prefix), {k: None for k in kwargs}), (args, kwargs),
+                                  is_leaf=lambda x: x is None)
+        return list(split.treedef.flatten_up_to(full))
+
     # ------------------------------------------------------------------ the call
 
     def _op_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op[Any]:
@@ -248,7 +270,8 @@ class _RemoteFunctionBase:
             if compiled is None:
                 compiled = self._cache[key] = trace(
                     self._bound(split), self._name, split.treedef, [i.spec for i in inputs],
-                    [i.key for i in inputs], format=self._format, platforms=platforms)
+                    [i.key for i in inputs], format=self._format, platforms=platforms,
+                    in_shardings=self._leaf_shardings(split), out_shardings=self._out_shardings)
             yield from self._op_ensure_uploaded(compiled)
         finally:
             lock.release()

@@ -267,6 +267,16 @@ class Client(BaseClient):
         """The server's devices document (``GET /v1/devices``)."""
         return self._drive(self._op_get("/v1/devices"))
 
+    def mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> Any:
+        """A ``jax.sharding.AbstractMesh`` of ``shape`` over the server's devices, for the
+        shardings of ``jit``; ``ValueError`` if it needs more devices than a runtime
+        of the server has.
+
+        >>> mesh = c.mesh((2, 2), ("x", "y"))                           # doctest: +SKIP
+        >>> f = c.jit(fn, in_shardings=NamedSharding(mesh, P("x", "y")))  # doctest: +SKIP
+        """
+        return self._drive(self._op_mesh(shape, axis_names))
+
     def health(self) -> Any:
         """``GET /healthz``: raises if the server is not alive."""
         return self._drive(self._op_get("/healthz"))
@@ -279,19 +289,21 @@ class Client(BaseClient):
     def jit(self, fn: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export") -> RemoteFunction: ...
+            format: str = "jax_export", in_shardings: Any = None,
+            out_shardings: Any = None) -> RemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export") -> Callable[[Callable[..., Any]], RemoteFunction]: ...
+            format: str = "jax_export", in_shardings: Any = None,
+            out_shardings: Any = None) -> Callable[[Callable[..., Any]], RemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export") -> Any:
+            format: str = "jax_export", in_shardings: Any = None, out_shardings: Any = None) -> Any:
         """Like ``jax.jit``, but the function runs on the server; see ``RemoteFunction``.
 
         Also a decorator: ``@c.jit`` or ``@c.jit(static_argnums=1)``.
@@ -301,6 +313,10 @@ class Client(BaseClient):
         ``docs/jaxpr-format.md``, which the server decodes against an allowlist).
         Any other value raises ``ValueError``. ``donate_argnums``/``donate_argnames``
         are ``jax.jit``'s: donated remote arrays are deleted by the call.
+        ``in_shardings``/``out_shardings`` are ``jax.jit``'s too (pytree prefixes of
+        the positional arguments and of the outputs), over a mesh of the server's
+        devices (``mesh``): the function runs sharded across them, and ``shard_map``,
+        collectives and sharding constraints over that mesh work inside it.
 
         >>> f = c.jit(lambda x, n: x ** n, static_argnums=1)   # doctest: +SKIP
         >>> f(np.arange(3.0), 2).result()                       # doctest: +SKIP
@@ -310,6 +326,7 @@ class Client(BaseClient):
             return RemoteFunction(self, f, static_argnums=static_argnums,
                                   static_argnames=static_argnames,
                                   donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-                                  format=format)
+                                  format=format, in_shardings=in_shardings,
+                                  out_shardings=out_shardings)
         check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

@@ -118,26 +118,46 @@ class FlatFunction:
 
 def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
           in_keys: Sequence[str | None], *, format: str,
-          platforms: tuple[str, ...] | None) -> Compiled:
+          platforms: tuple[str, ...] | None, in_shardings: Sequence[Any] | None = None,
+          out_shardings: Any = None) -> Compiled:
     """Trace ``fn`` on flat ``specs`` and make the program of ``format``.
 
+    ``in_shardings``: one ``Sharding`` (or ``None``) per flat input; ``out_shardings``:
+    ``jax.jit``'s, a pytree prefix of ``fn``'s outputs. With shardings over a mesh
+    of N devices the program is one for N devices of the server.
+
     Raises ``HostCallbackError`` before anything is exported if ``fn`` calls back
-    into Python.
+    into Python, and ``ValueError`` if ``fn`` uses a mesh of several devices inside
+    but names none at its boundary (it would export for one device).
     """
     import jax
 
     flat = FlatFunction(fn, in_tree, in_keys, name)
-    jitted = jax.jit(flat)
+    ins = tuple(in_shardings) if in_shardings is not None else ()
+    sharded = any(s is not None for s in ins)
+    jitted = jax.jit(flat, in_shardings=ins) if sharded else jax.jit(flat)
     with _no_source_locations():
         traced = jitted.trace(*specs)
         check_host_callbacks(traced.jaxpr, name)
+        if out_shardings is not None:  # a prefix of fn's outputs: known once traced
+            outs = jax.tree.broadcast(out_shardings, flat.out_tree.unflatten(
+                [0] * flat.out_tree.num_leaves), is_leaf=lambda x: x is None)
+            jitted = jax.jit(flat, in_shardings=ins if sharded else None,
+                             out_shardings=jax.tree.leaves(outs, is_leaf=lambda x: x is None))
+            traced = jitted.trace(*specs)
+            sharded = True
         if format == "jaxpr":
+            if sharded:
+                raise ValueError(f"{name}: in_shardings and out_shardings need format="
+                                 "'jax_export' (a jaxpr document runs on one device)")
             from jitserve.client.jaxpr import encode_jaxpr
 
             program = encode_jaxpr(traced.jaxpr, format="msgpack")
             out_avals = traced.jaxpr.out_avals
         else:
             exported = jax.export.export(jitted, platforms=platforms)(*specs)  # reuses the trace
+            if exported.nr_devices == 1:
+                check_inner_meshes(traced.jaxpr, name)
             program, out_avals = bytes(exported.serialize()), exported.out_avals
     return Compiled(hashlib.sha256(program).hexdigest(), program, flat.out_tree,
                     tuple(map(_aval, out_avals)), flat.out_keys)
@@ -155,6 +175,23 @@ def check_host_callbacks(closed_jaxpr: Any, name: str) -> None:
             raise HostCallbackError(
                 f"{name} calls back into Python ({prim}, from {_source(eqn)}): host callbacks "
                 f"cannot run on a jitserve server; {HOST_CALLBACKS[prim]} instead")
+
+
+def check_inner_meshes(closed_jaxpr: Any, name: str) -> None:
+    """Raise ``ValueError`` if the jaxpr shards over a mesh of several devices (a
+    sharding constraint, ``shard_map``) while the function's arguments and outputs
+    name no sharding: ``jax.export`` then makes a program for one device, and the
+    constraint would fail on the server."""
+    for eqn in _equations(closed_jaxpr.jaxpr):
+        sharding = eqn.params.get("sharding")
+        mesh = eqn.params.get("mesh", getattr(sharding, "mesh", None))
+        size = getattr(mesh, "size", 1)
+        if size > 1:
+            raise ValueError(
+                f"{name} shards over a mesh of {size} devices ({eqn.primitive.name}, from "
+                f"{_source(eqn)}), but its arguments and outputs name no sharding, so it would "
+                "run on one device: give c.jit in_shardings= or out_shardings= over that mesh "
+                "(c.mesh(shape, axis_names)), as jax.export needs")
 
 
 def _equations(jaxpr: Any) -> Iterator[Any]:

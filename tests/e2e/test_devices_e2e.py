@@ -196,3 +196,44 @@ def test_a_collective_that_never_completes_meets_its_deadline(url: str,
     (b,) = _inputs((8, 4))
     (out,) = _outputs(http, _run(http, _upload(http, PSUM)["program_id"], b))
     np.testing.assert_allclose(out, b[:4] + b[4:], rtol=1e-6)
+
+
+# -- the SDK: Client.mesh, and jax.jit's shardings on Client.jit -------------------------
+
+
+def test_client_jit_with_shardings_over_the_servers_mesh(url: str) -> None:
+    from jitserve.client import Client
+
+    with Client(url, timeout=120) as c:
+        mesh = c.mesh((2, 2), ("x", "y"))
+        rows, cols = NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P("y", None))
+
+        def step(params: dict[str, jax.Array], x: jax.Array) -> dict[str, jax.Array]:
+            y = jax.lax.with_sharding_constraint(jnp.sin(x) @ params["w"], rows)
+            total = jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                                  out_specs=P())(y)
+            return {"y": y + params["b"], "total": total}
+
+        f = c.jit(step, in_shardings=({"w": cols, "b": None}, rows), out_shardings=rows)
+        w, x = _inputs((8, 8), (8, 8))
+        b = np.float32(0.5)
+        out = f({"w": w, "b": b}, x)
+        y = np.sin(x) @ w
+        np.testing.assert_allclose(np.asarray(out["y"]), y + b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out["total"]), y[:4] + y[4:], rtol=1e-4, atol=1e-4)
+        # Chained: the remote output goes back in as an argument of another layout.
+        again = f({"w": w, "b": b}, out["y"])
+        np.testing.assert_allclose(np.asarray(again["y"]), np.sin(y + b) @ w + b,
+                                   rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="needs 8 devices; the server runs programs on at most 4"):
+            c.mesh((2, 4), ("x", "y"))
+
+
+def test_a_mesh_inside_without_boundary_shardings_raises_with_the_fix(url: str) -> None:
+    from jitserve.client import Client
+
+    with Client(url, timeout=120) as c:
+        mesh = c.mesh((4,), ("x",))
+        f = c.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P("x"))))
+        with pytest.raises(ValueError, match="in_shardings= or out_shardings= over that mesh"):
+            f(np.ones(8, np.float32))
