@@ -541,7 +541,9 @@ class BaseClient:
             raise ValueError(f"a mesh needs one positive size per axis name; got shape {shape} "
                              f"for axes {axis_names}")
         doc = yield from self._op_get("/v1/devices")
-        have = len(doc.get("devices") or [None]) if isinstance(doc, Mapping) else 1
+        have = 1
+        if isinstance(doc, Mapping):  # the largest group's, or every device listed
+            have = int(doc.get("max_program_devices") or len(doc.get("devices") or [None]))
         need = math.prod(shape)
         if need > have:
             raise ValueError(f"a mesh of shape {shape} needs {need} devices; the server runs "

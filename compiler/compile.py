@@ -51,7 +51,13 @@ from jitserve.compiler.cache import (
 )
 from jitserve.compiler.catalog import Catalog
 from jitserve.compiler.disk import DEFAULT_MAX_BYTES, DiskBudget
-from jitserve.compiler.errors import CompileFailed, InvalidProgram, LimitExceeded, SignatureMismatch
+from jitserve.compiler.errors import (
+    CompileFailed,
+    InvalidProgram,
+    LimitExceeded,
+    SignatureMismatch,
+    TooManyDevices,
+)
 from jitserve.compiler.keys import (
     Backend,
     KeyHistory,
@@ -103,6 +109,9 @@ class CompilerConfig:
       disk_max_bytes: bound of the disk tier's blobs (executables and programs
         together); past it the least recently used are evicted
         (``compiler.disk.DiskBudget``), and a lookup of one recompiles.
+      program_devices: the most devices an uploaded program may need (a server's
+        largest device group); ``None``: this process's devices. A program for more
+        devices than this process has decodes, but does not compile here.
     """
 
     cache_dir: Path | None = None
@@ -116,6 +125,7 @@ class CompilerConfig:
     redis: RedisSettings | None = None
     cache_secret: CacheSecret | None = None
     disk_max_bytes: int = DEFAULT_MAX_BYTES
+    program_devices: int | None = None
 
     def __post_init__(self) -> None:
         if self.redis is not None and self.cache_secret is None:
@@ -380,7 +390,7 @@ class Compiler:
     def decode(self, data: bytes, format: str | None = None) -> Program:
         """Decode and validate an uploaded program (``compiler.programs.decode_program``)."""
         return decode_program(data, format, platform=self.platform, limits=self.config.limits,
-                              devices=len(self.devices))
+                              devices=self.config.program_devices or len(self.devices))
 
     def lookup(self, program: Program, in_avals: Sequence[Aval] | None = None,
                static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> Lookup:
@@ -395,6 +405,9 @@ class Compiler:
         recompile reasons) depends on another tenant's calls. An executable of no
         scope (one the operator warmed) serves it too: that says nothing of others.
         """
+        if program.nr_devices > len(self.devices):
+            raise TooManyDevices(f"program needs {program.nr_devices} devices; this runtime has "
+                                 f"{len(self.devices)}")
         concrete = self._concrete_avals(program, in_avals)
         donate = check_donate(donate, len(concrete))
         parts = self._parts(program, concrete, static_key, donate, scope)

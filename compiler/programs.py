@@ -128,7 +128,8 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
     if program.nr_devices > devices:
         raise TooManyDevices(
             f"program needs {program.nr_devices} devices; this server runs programs on at "
-            f"most {devices} (JITSERVE_CPU_DEVICES on CPU)")
+            f"most {devices} (its largest device group: JITSERVE_RUNTIME_DEVICES, and "
+            "JITSERVE_CPU_DEVICES on CPU)")
     return program
 
 

@@ -148,10 +148,14 @@ class Settings(BaseSettings):
     # (service/runtimes, docs/runtimes.md). Unset: one per core on CPU (at most 8),
     # one on GPU.
     runtimes: int | None = Field(None, gt=0)
-    # On CPU: the devices each runtime has (XLA's simulated host devices), so programs
-    # sharded across N devices run (jax.export with nr_devices=N, StableHLO with
-    # mhlo.num_partitions): for tests, and SPMD on CPU. Unset: one.
+    # On CPU: the host's devices (XLA's simulated host devices), which the device
+    # groups share out, so programs sharded across N devices run (jax.export with
+    # nr_devices=N, StableHLO with mhlo.num_partitions): for tests, and SPMD on CPU.
     cpu_devices: int | None = Field(None, gt=0, le=256)
+    # Which devices each runtime gets (service/runtimes/devices.py): "each" (a group
+    # per device), "all" (one group), or groups such as "0-3;4-7" or "0,1;2;3";
+    # JITSERVE_RUNTIMES runtimes serve each group. Unset: "each" on GPU, "all" on CPU.
+    runtime_devices: str | None = Field(None, min_length=1, max_length=1000)
     # The longest an execution may run (from its start); a caller may ask for less.
     # Past it, its runtime is killed and restarted and the future fails with
     # execution_timeout.

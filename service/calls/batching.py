@@ -307,10 +307,10 @@ class Batcher:
         program, options = queue.program, queue.options
         rows = [m.rows for m in members]
         bucket = queue.config.bucket(sum(rows))
-        runtime = self._runtimes.place(queue.owner, program.program_id)
-        for m in members:
-            m.future.runtime = runtime
-        try:
+        try:  # from here every failure fails the members: none waits forever
+            runtime = self._runtimes.place(queue.owner, program.program_id, program.nr_devices)
+            for m in members:
+                m.future.runtime = runtime
             host = await _stack([m.args for m in members if m.args is not None], bucket)
             for m in members:
                 m.args = None

@@ -187,7 +187,8 @@ class Calls:
         if known is not None:  # no round trip: the runs name the executable
             lookup = Resolved(known, known.executable_id, TierName.MEMORY, 0.0)
         else:
-            runtime = runtime or self._runtimes.place(owner, program.program_id)
+            runtime = runtime or self._runtimes.place(owner, program.program_id,
+                                                      program.nr_devices)
             lookup = await self._lookup(runtime, program, in_avals, options, owner)
             self._index.put(key, lookup.executable)
             # Also by the avals an execute of host arrays names (a compile may give none).
@@ -393,14 +394,17 @@ class Calls:
 
     def _place(self, owner: str | None, program: Program, args: Sequence[Arg]) -> Runtime:
         """Callers by API key; without keys, where the first input future lives (its data
-        moves no further), else by program."""
+        moves no further) if that runtime has the devices the program takes, else by
+        program."""
         if owner is None:
             for arg in args:
-                if isinstance(arg, Buffer):
-                    return arg.runtime
-                if isinstance(arg, FutureRef) and arg.future.runtime is not None:
-                    return arg.future.runtime
-        return self._runtimes.place(owner, program.program_id)
+                runtime = (arg.runtime if isinstance(arg, Buffer) else
+                           arg.future.runtime if isinstance(arg, FutureRef) else None)
+                if runtime is not None:
+                    if runtime.group.size >= program.nr_devices:
+                        return runtime
+                    break
+        return self._runtimes.place(owner, program.program_id, program.nr_devices)
 
     def _resolve(self, arg: Any, i: int, owner: str | None) -> tuple[Arg, Aval]:
         """One argument as something the executor takes, with its aval."""

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
 
+from .devices import Group, group_env, host_device_count, parse_groups
 from .pool import Buffer, NotStarted, RemoteError, Runtime, RuntimeLost, RuntimePool
 from .protocol import Config, Op
 
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["Buffer", "NotStarted", "Op", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool", "make_pool",
-           "platform_kind"]
+__all__ = ["Buffer", "Group", "NotStarted", "Op", "RemoteError", "Runtime", "RuntimeLost",
+           "RuntimePool", "device_groups", "make_pool", "platform_kind"]
 
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm6_plugin")
 _MIN_MEMORY = 2 << 30
@@ -46,11 +47,22 @@ def _host_memory() -> int:
         return 0
 
 
-def runtime_count(settings: Settings, platform: str) -> int:
-    """``JITSERVE_RUNTIMES``, else one per core on CPU (at most 8) and one on GPU."""
+def runtime_count(settings: Settings, platform: str, groups: int = 1) -> int:
+    """Runtimes per device group: ``JITSERVE_RUNTIMES``, else one per core on CPU (at
+    most 8) with one group, and one per group otherwise."""
     if settings.runtimes:
         return settings.runtimes
-    return 1 if platform == "gpu" else max(1, min(os.cpu_count() or 1, 8))
+    return 1 if platform == "gpu" or groups > 1 else max(1, min(os.cpu_count() or 1, 8))
+
+
+def device_groups(settings: Settings, platform: str) -> list[Group]:
+    """The server's device groups (``runtimes.devices``): ``JITSERVE_RUNTIME_DEVICES``,
+    else every device in one group on CPU and one group per device on GPU."""
+    count = host_device_count(platform, settings.cpu_devices)
+    spec = settings.runtime_devices or ("all" if platform == "cpu" else "each")
+    rocm = any(importlib.util.find_spec(n) is not None for n in _GPU_PLUGINS if "rocm" in n)
+    return [Group(i, ids, group_env(platform, ids, rocm))
+            for i, ids in enumerate(parse_groups(spec, count))]
 
 
 def memory_limit(settings: Settings, count: int) -> int | None:
@@ -74,21 +86,20 @@ def settings_document(settings: Settings) -> dict[str, Any]:
 def make_pool(settings: Settings) -> RuntimePool:
     """A pool configured from ``settings`` (not started: call ``start``)."""
     platform = platform_kind()
-    count = runtime_count(settings, platform)
+    groups = device_groups(settings, platform)
+    per_group = runtime_count(settings, platform, len(groups))
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     limit = None
-    if platform == "gpu":
-        fraction = settings.runtime_device_memory_fraction or round(0.75 / count, 3)
+    if platform == "gpu":  # a device is shared by its own group's runtimes only
+        fraction = settings.runtime_device_memory_fraction or round(0.75 / per_group, 3)
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
     else:
-        limit = memory_limit(settings, count)
-        if settings.cpu_devices:
-            flags = os.environ.get("XLA_FLAGS", "")
-            env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
-                                f"{settings.cpu_devices}").strip()
+        limit = memory_limit(settings, per_group * len(groups))
     # Without Redis a runtime needs no network at all: it gets none (docs/runtimes.md).
     config: Config = {"settings": settings_document(settings), "platform": platform,
                       "max_memory_bytes": limit, "log_level": settings.log_level,
-                      "isolate_network": settings.redis_settings() is None}
-    return RuntimePool(count, config, env, segment_cache_bytes=settings.retain_freed_max_bytes)
+                      "isolate_network": settings.redis_settings() is None,
+                      "max_devices": max(g.size for g in groups)}
+    return RuntimePool(per_group, config, env, groups=groups,
+                       segment_cache_bytes=settings.retain_freed_max_bytes)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
@@ -142,7 +143,9 @@ class RuntimeServer:
         self._reader: int | None = None  # the thread holding the pipe (``_recv_lock``)
         settings = Settings(**config["settings"])
         self.memory_limit = config.get("max_memory_bytes")
-        self.compiler = Compiler(settings.compiler_config())
+        # Uploads may need as many devices as the server's largest group has.
+        self.compiler = Compiler(dataclasses.replace(
+            settings.compiler_config(), program_devices=config.get("max_devices")))
         self.device = self.compiler.device
         self.buffers: dict[int, Any] = {}
         self._handles = itertools.count(1)

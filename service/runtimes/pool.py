@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from . import frames
+from .devices import Group
 from .pipes import LoopReader, PipeWriter
 from .protocol import Config, DecodeAnswer, FetchRequest, Kind, Op
 
@@ -159,8 +160,9 @@ class Runtime:
       info: the current process's ready message (``protocol.Ready``: backend, device).
     """
 
-    def __init__(self, index: int, pool: RuntimePool) -> None:
+    def __init__(self, index: int, pool: RuntimePool, group: Group | None = None) -> None:
         self.index = index
+        self.group = group or Group(0, (0,))  # the devices it runs programs on
         self.state = "starting"
         self.generation = 0
         self.pid: int | None = None
@@ -455,7 +457,7 @@ class Runtime:
             [sys.executable, "-m", "jitserve.service.runtimes.child", str(to_child_r),
              str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-            env=self._pool.child_env)
+            env=self._pool.child_env(self))
         os.close(to_child_r)
         os.close(from_child_w)
         pipe = frames.Pipe(from_child_r, to_child_w)
@@ -618,13 +620,17 @@ class RuntimePool:
     """The runtimes of one server, and where callers go.
 
     Args:
-      count: how many runtime processes.
+      count: how many runtime processes serve each device group.
       config: the first message each gets (``child_config``): the server's
         settings and this runtime's limits.
       env: environment of the processes (``JAX_PLATFORMS`` and friends).
+      groups: the device groups (``devices.Group``), each adding to ``env`` the
+        devices its runtimes see; omitted, one group of one device.
       segment_cache_bytes: shared-memory segments kept for reuse (``frames.SegmentCache``).
 
-    Placement: an API key is pinned to one runtime, the least used when it first
+    Placement: a program sharded across N devices goes to the runtimes of the
+    smallest groups of at least N devices, any other program to any runtime.
+    Among those, an API key is pinned to one runtime, the least used when it first
     calls, so a key's runaway program can only take its own futures and those of
     keys that share its runtime. Without API keys, calls go by executable (a
     call on futures goes where the first of them lives), so different programs
@@ -635,7 +641,7 @@ class RuntimePool:
     """
 
     def __init__(self, count: int, config: Config, env: dict[str, str], *,
-                 segment_cache_bytes: int = 1 << 30) -> None:
+                 groups: Sequence[Group] = (), segment_cache_bytes: int = 1 << 30) -> None:
         self.prefix = frames.new_prefix()
         self.segments = frames.SegmentCache(self.prefix, segment_cache_bytes)
         self.closing = False
@@ -645,8 +651,10 @@ class RuntimePool:
         self._run_slots = int(config.get("settings", {}).get("executor_threads", 1))
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self.runtimes = [Runtime(i, self) for i in range(count)]
-        self._owners: dict[str | None, int] = {}
+        self.groups = tuple(groups) or (Group(0, (0,)),)
+        self.runtimes = [Runtime(i, self, group) for i, group in enumerate(
+            g for g in self.groups for _ in range(count))]
+        self._owners: dict[tuple[str, int], int] = {}  # (owner, group size) -> runtime
         self._assigned = collections.Counter[int]()
         self._lost_listeners: list[Callable[[Runtime, int, str], None]] = []
         self.counters: collections.Counter[str] = collections.Counter()
@@ -687,46 +695,64 @@ class RuntimePool:
     def child_config(self, index: int) -> Config:
         return {**self._config, "index": index}
 
+    def child_env(self, runtime: Runtime) -> dict[str, str]:
+        return {**os.environ, **self._env, **runtime.group.env}
+
     @property
-    def child_env(self) -> dict[str, str]:
-        return {**os.environ, **self._env}
+    def max_devices(self) -> int:
+        """The most devices a program may need: the largest group's."""
+        return max(g.size for g in self.groups)
 
     # -- placement ---------------------------------------------------------------
 
-    def place(self, owner: str | None, hint: str = "") -> Runtime:
-        """The runtime for ``owner``'s call (``hint``: an executable or program id)."""
+    def fitting(self, devices: int = 1) -> list[Runtime]:
+        """The runtimes a program of ``devices`` devices goes to: any for one device,
+        else those of the smallest groups of at least that many (all of the largest,
+        if none is big enough: uploads are refused before that)."""
+        if devices <= 1 or len(self.groups) == 1:
+            return self.runtimes
+        size = min((g.size for g in self.groups if g.size >= devices), default=self.max_devices)
+        return [r for r in self.runtimes if r.group.size == size]
+
+    def place(self, owner: str | None, hint: str = "", devices: int = 1) -> Runtime:
+        """The runtime for ``owner``'s call (``hint``: an executable or program id) of a
+        program that takes ``devices`` devices."""
         if len(self.runtimes) == 1:
             return self.runtimes[0]
+        among = self.fitting(devices)
         if owner is None:
             try:
                 spread = int(hint[:8] or "0", 16)
             except ValueError:  # not an id of ours: still a place, never a failure
                 spread = zlib.crc32(hint.encode("utf-8", "replace"))
-            return self.least_busy(self.runtimes[spread % len(self.runtimes)])
+            return self.least_busy(among[spread % len(among)], among)
+        size = among[0].group.size if devices > 1 else 0  # one pin per size of group
         with self._lock:
-            index = self._owners.get(owner)
+            index = self._owners.get((owner, size))
             if index is None:
-                index = min(range(len(self.runtimes)), key=lambda i: (self._assigned[i], i))
-                self._owners[owner] = index
+                index = min((r.index for r in among), key=lambda i: (self._assigned[i], i))
+                self._owners[(owner, size)] = index
                 self._assigned[index] += 1
         return self.runtimes[index]
 
     def replace(self, owner: str | None, lost: Runtime, hint: str = "") -> Runtime:
         """Where a run goes again after ``lost`` lost it before it began: an API key's
-        own runtime (``lost`` itself, restarted), else the least busy one up."""
-        if owner is not None or len(self.runtimes) == 1:
-            return self.place(owner, hint)
-        return self.least_busy(lost)
+        own runtime (``lost`` itself, restarted), else the least busy one up of those
+        with as many devices."""
+        among = [r for r in self.runtimes if r.group.size >= lost.group.size]
+        if owner is not None or len(among) == 1:
+            return self.place(owner, hint, lost.group.size if len(self.groups) > 1 else 1)
+        return self.least_busy(lost, among)
 
-    def least_busy(self, preferred: Runtime) -> Runtime:
-        """``preferred`` if it is up with a run slot free, else the runtime with the
-        fewest runs in flight (those up first; ties go to ``preferred``, then the
-        next after it)."""
+    def least_busy(self, preferred: Runtime, among: Sequence[Runtime] | None = None) -> Runtime:
+        """``preferred`` if it is up with a run slot free, else the runtime (of ``among``,
+        default all) with the fewest runs in flight (those up first; ties go to
+        ``preferred``, then the next after it)."""
         if preferred.state == "up" and preferred.runs < self._run_slots:
             return preferred
         n = len(self.runtimes)
-        return min(self.runtimes, key=lambda r: (r.state != "up", r.runs,
-                                                 (r.index - preferred.index) % n))
+        return min(among or self.runtimes, key=lambda r: (r.state != "up", r.runs,
+                                                          (r.index - preferred.index) % n))
 
     # -- buffers -----------------------------------------------------------------
 
@@ -910,13 +936,31 @@ class RuntimePool:
         out = []
         for r in self.runtimes:
             item: dict[str, Any] = {"index": r.index, "state": r.state, "pid": r.pid,
-                                    "restarts": r.restarts, "in_flight": len(r.in_flight())}
+                                    "restarts": r.restarts, "in_flight": len(r.in_flight()),
+                                    "group": r.group.index}
             if r.last_exit:
                 item["last_exit"] = r.last_exit
             if r.state == "backoff":
                 item["retry_in_s"] = round(max(r.backoff_until - now, 0.0), 1)
             out.append(item)
         return out
+
+    def devices_document(self) -> dict[str, Any]:
+        """``GET /v1/devices``: the devices as the runtimes of each group report them,
+        numbered as the host numbers them, and the groups."""
+        devices, groups = [], []
+        for group in self.groups:
+            serving = [r for r in self.runtimes if r.group is group]
+            info = next((r.info for r in serving if r.info), {})
+            seen = info.get("devices") or [info.get("device") or {}]
+            for i, host_id in enumerate(group.devices):
+                doc = seen[i] if i < len(seen) else {}
+                devices.append({**doc, "id": host_id, "group": group.index, "default": i == 0})
+            groups.append({"index": group.index, "devices": list(group.devices),
+                           "size": group.size, "runtimes": [r.index for r in serving]})
+        return {"backend": self.backend.get("backend", {}), "devices": devices,
+                "groups": groups, "max_program_devices": self.max_devices,
+                "runtimes": self.describe()}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

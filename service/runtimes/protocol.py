@@ -163,6 +163,7 @@ class Config(TypedDict):
     max_memory_bytes: int | None  # the address-space cap (CPU)
     log_level: str
     isolate_network: bool  # leave the network (no Redis to reach)
+    max_devices: NotRequired[int]  # the largest device group's: what an upload may need
     index: NotRequired[int]  # its place in the pool, added per runtime
 
 

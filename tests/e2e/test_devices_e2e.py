@@ -237,3 +237,47 @@ def test_a_mesh_inside_without_boundary_shardings_raises_with_the_fix(url: str) 
         f = c.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P("x"))))
         with pytest.raises(ValueError, match="in_shardings= or out_shardings= over that mesh"):
             f(np.ones(8, np.float32))
+
+
+# -- device groups: JITSERVE_RUNTIME_DEVICES ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def groups_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Four devices in two groups of two, one runtime each."""
+    yield from _serve(tmp_path_factory.mktemp("groups"), {
+        "JITSERVE_CPU_DEVICES": "4", "JITSERVE_RUNTIME_DEVICES": "0-1;2-3",
+        "JITSERVE_RUNTIMES": "1"})
+
+
+def test_groups_of_two_run_two_device_programs_and_refuse_four(groups_url: str) -> None:
+    from jitserve.client import Client
+
+    with httpx.Client(base_url=groups_url, timeout=120) as http:
+        doc = http.get("/v1/devices").json()
+        assert [(g["devices"], g["runtimes"]) for g in doc["groups"]] == [([0, 1], [0]),
+                                                                         ([2, 3], [1])]
+        assert doc["max_program_devices"] == 2
+        # Each group's devices as its own runtime reports them: two each.
+        assert [(d["id"], d["group"], d["platform"]) for d in doc["devices"]] == [
+            (0, 0, "cpu"), (1, 0, "cpu"), (2, 1, "cpu"), (3, 1, "cpu")]
+        r = http.post("/v1/programs", content=MATMUL, headers={"content-type": wire.OCTET_STREAM})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "too_many_devices", r.text
+        assert "at most 2" in r.json()["error"]["message"]
+        pair = AbstractMesh((2,), ("x",))
+        program_id = _upload(http, _export(lambda a: jnp.cos(a) * 3.0, [(8, 4)], [P("x")], P("x"),
+                                           mesh=pair))["program_id"]
+        (a,) = _inputs((8, 4))
+        for _ in range(4):  # wherever each call goes, a group of two runs it
+            np.testing.assert_allclose(_outputs(http, _run(http, program_id, a))[0],
+                                       np.cos(a) * 3.0, rtol=1e-6)
+    with Client(groups_url, timeout=120) as c:
+        with pytest.raises(ValueError, match="needs 4 devices; the server runs programs on at most 2"):
+            c.mesh((2, 2), ("x", "y"))
+        mesh = c.mesh((2,), ("x",))
+        f = c.jit(lambda x: jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh,
+                                          in_specs=P("x"), out_specs=P())(x),
+                  in_shardings=NamedSharding(mesh, P("x")))
+        np.testing.assert_allclose(np.asarray(f(a)), a[:4] + a[4:], rtol=1e-6)
+        g = c.jit(lambda x: x + 1.0)  # single-device programs run on either group
+        np.testing.assert_allclose(np.asarray(g(a)), a + 1.0)

@@ -90,7 +90,7 @@ def test_a_runtime_answers_what_is_no_request_and_serves_on(runtimes: RuntimePoo
     process = subprocess.Popen(
         [sys.executable, "-m", "jitserve.service.runtimes.child", str(to_child_r),
          str(from_child_w)], pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-        env=runtimes.child_env)
+        env=runtimes.child_env(runtimes.runtimes[0]))
     os.close(to_child_r)
     os.close(from_child_w)
     pipe = frames.Pipe(from_child_r, to_child_w)

@@ -46,7 +46,7 @@ class _Runtime:
 
 
 class _Pool:
-    def place(self, owner: str | None, hint: str = "") -> _Runtime:
+    def place(self, owner: str | None, hint: str = "", devices: int = 1) -> _Runtime:
         return _Runtime()
 
 

@@ -92,18 +92,11 @@ async def metrics(services: ServicesDep) -> Response:
 
 @devices_router.get("/devices")
 async def devices(services: ServicesDep) -> dict[str, Any]:
-    """The backend, and the devices of each runtime (as the runtimes report them): a
-    single-device program runs on the ``default`` one, a program sharded across N on
-    the first N."""
-    runtimes = services.runtimes
-    info = runtimes.backend
-    default = info.get("device", {})
-    return {
-        "backend": info.get("backend", {}),
-        "devices": [{**device, "default": device == default}
-                    for device in info.get("devices", [default])],
-        "runtimes": runtimes.describe(),
-    }
+    """The backend, the host's devices, and the device groups: the runtimes that serve
+    each, and the largest program it runs (``size`` devices). A single-device program
+    runs on the first device of its runtime's group (``default``), a program sharded
+    across N on the first N of a group of at least N."""
+    return services.runtimes.devices_document()
 
 
 def _writable(path: Path) -> bool:
