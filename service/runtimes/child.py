@@ -582,18 +582,26 @@ class RuntimeServer:
         (``into``), the others inline."""
         import numpy as np
 
-        arrays = []
+        bufs = []
         for handle in m["handles"]:
             buf = self.buffers.get(handle)
             if buf is None:
                 raise RemoteFailure("future_expired", "the outputs were freed")
-            arrays.append(np.asarray(buf))
+            bufs.append(buf)
         into = m.get("into")
         if into is None:
-            return {"arrays": frames.write_arrays(arrays, [None] * len(arrays), None, None)}
+            return {"arrays": frames.write_arrays([np.asarray(b) for b in bufs], [None] * len(bufs),
+                                                  None, None)}
         mapping = frames.Segment.open(into["shm"])
         try:
-            return {"arrays": frames.write_arrays(arrays, into["offsets"], mapping, into["shm"])}
+            arrays = []
+            for buf, offset in zip(bufs, into["offsets"]):
+                if offset is not None and len(buf.sharding.device_set) > 1:
+                    arrays.append(_write_shards(buf, mapping, offset, into["shm"]))
+                else:
+                    arrays.extend(frames.write_arrays([np.asarray(buf)], [offset], mapping,
+                                                      into["shm"]))
+            return {"arrays": arrays}
         finally:
             mapping.close()
 
@@ -762,6 +770,21 @@ def _unknown_op(server: RuntimeServer, m: dict[str, Any]) -> NoReturn:
 
 def _failure(rid: int, code: str, message: str) -> Failure:
     return {"id": rid, "kind": _ERROR, "code": code, "message": message}
+
+
+def _write_shards(buf: Any, mapping: Any, offset: int, name: str) -> dict[str, Any]:
+    """A sharded output assembled in a segment: each shard's bytes written once, in place
+    (replicas skipped), where a host copy of the whole array and then a copy of that
+    would write every byte twice."""
+    import numpy as np
+
+    target = np.ndarray(buf.shape, buf.dtype, buffer=mapping, offset=offset)
+    for shard in buf.addressable_shards:
+        if shard.replica_id == 0:
+            target[shard.index] = np.asarray(shard.data)
+    del target  # no view may outlive the mapping, which is closed next
+    return {"dtype": wire.dtype_name(buf.dtype), "shape": list(buf.shape), "shm": name,
+            "offset": offset}
 
 
 def _let_go_of_copies(size: int) -> None:
