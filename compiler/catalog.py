@@ -144,8 +144,10 @@ class Catalog:
         ``recompiled_because`` (the parts that differed from the program's nearest
         earlier key when it compiled; ``None`` for its first), ``cost`` (XLA's cost
         analysis: ``flops``, ``transcendentals``, ``bytes_accessed``), ``memory``
-        (``MemoryStats``), ``source`` (``redis`` or ``memory``); shared records add
-        ``size`` (stored bytes), ``hits``, ``last_hit`` and ``jax_version``.
+        (``MemoryStats``), ``sharding`` (a sharded executable's devices and HLO
+        shardings, ``compile.sharding_doc``; ``None`` for one device), ``source``
+        (``redis`` or ``memory``); shared records add ``size`` (stored bytes),
+        ``hits``, ``last_hit`` and ``jax_version``.
         Raises ``CacheUnavailable`` when the shared cache cannot answer.
         """
         if self._shared is not None:
@@ -180,5 +182,5 @@ def _local_record(executable: LoadedExecutable) -> dict[str, Any]:
             "jax_version": (meta.get("key_parts") or {}).get("jax"),
             "key_parts": meta.get("key_parts"), "recompiled_because": meta.get("recompiled_because"),
             "cost": meta.get("cost"), "memory": None if memory is None else memory.to_json(),
-            "source": TierName.MEMORY.value}
+            "sharding": meta.get("sharding"), "source": TierName.MEMORY.value}
 

@@ -279,6 +279,17 @@ class Executable:
                 for aval, sharding, pieces in zip(self.out_avals, self.out_shardings, shards)]
 
 
+def sharding_doc(loaded: Any, partitions: int, replicas: int) -> dict[str, Any]:
+    """How a sharded executable lays out its inputs and outputs on its devices, for
+    records: its counts, and each parameter's and output's HLO sharding as text."""
+    def text(shardings: Sequence[Any]) -> list[str]:
+        return [str(xc.HloSharding.from_proto(s)) for s in shardings]
+
+    return {"device_count": partitions * replicas, "partitions": partitions,
+            "replicas": replicas, "in": text(loaded.get_parameter_shardings()),
+            "out": text(loaded.get_output_shardings())}
+
+
 def check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
     """``donate`` as sorted unique input indices; ``SignatureMismatch`` past ``n`` inputs.
 
@@ -719,8 +730,10 @@ class Compiler:
         meta["donate"] = list(donate)
         meta["device_count"] = n
         meta["partitions"], meta["replicas"] = partitions, replicas
-        return Executable(self._deserialize(serialized, meta), key, meta, len(serialized),
-                          self.devices[:n]), serialized
+        loaded = self._deserialize(serialized, meta)
+        if n > 1:
+            meta["sharding"] = sharding_doc(loaded, partitions, replicas)
+        return Executable(loaded, key, meta, len(serialized), self.devices[:n]), serialized
 
     def _meta(self, key: str, program: Program, concrete: Sequence[Aval],
               out_avals: Sequence[Aval], static_key: str) -> dict[str, Any]:

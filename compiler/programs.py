@@ -61,6 +61,9 @@ class Program:
         logs, untrusted.
       nr_devices: the devices one run takes: a sharded program's (a ``jax_export``'s
         ``nr_devices``, a module's ``mhlo.num_partitions`` x ``mhlo.num_replicas``).
+      sharding: a sharded ``jax_export``'s mesh (axis name to size) and each input's
+        and output's sharding as exported (``PartitionSpec`` text, else HLO
+        sharding text; ``None`` unspecified); ``None`` for other programs.
     """
 
     program_id: str
@@ -73,6 +76,7 @@ class Program:
     platforms: tuple[str, ...] = ()
     name: str = ""
     nr_devices: int = 1
+    sharding: dict[str, Any] | None = None
 
     @property
     def is_static(self) -> bool:
@@ -87,7 +91,7 @@ class Program:
                    out_avals=None if out is None else tuple(Aval.from_json(a) for a in out),
                    in_tree=doc.get("in_tree"), out_tree=doc.get("out_tree"),
                    platforms=tuple(doc.get("platforms") or ()), name=str(doc.get("name") or ""),
-                   nr_devices=int(doc.get("nr_devices", 1)))
+                   nr_devices=int(doc.get("nr_devices", 1)), sharding=doc.get("sharding"))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +103,7 @@ class Program:
             "out_tree": self.out_tree,
             "platforms": list(self.platforms),
             "nr_devices": self.nr_devices,
+            "sharding": self.sharding,
         }
 
 
@@ -164,6 +169,22 @@ def lower(program: Program, in_avals: Sequence[Aval], ctx: ir.Context, limits: L
         raise SignatureMismatch(f"the inputs do not fit the program: {message_of(e)}") from None
     assert module is not None  # None only for a dialect jax does not know
     return stablehlo.parse_module(stablehlo.to_bytecode(module), ctx, limits)
+
+
+def _export_sharding(exp: Any) -> dict[str, Any]:
+    """A sharded export's mesh and shardings, as text for records (``Program.sharding``)."""
+    if getattr(exp, "_has_named_shardings", False):
+        named = [*exp._in_named_shardings, *exp._out_named_shardings]
+        mesh = next((s.mesh for s in named if s is not None), None)
+
+        def text(shardings: Sequence[Any]) -> list[str | None]:
+            return [None if s is None else str(s.spec) for s in shardings]
+
+        return {"mesh": None if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)),
+                "in": text(exp._in_named_shardings), "out": text(exp._out_named_shardings)}
+    return {"mesh": None,
+            "in": [None if h is None else str(h) for h in exp.in_shardings_hlo],
+            "out": [None if h is None else str(h) for h in exp.out_shardings_hlo]}
 
 
 def _mesh_of(exp: Any, devices: Sequence[Any]) -> Any:
@@ -235,7 +256,8 @@ def _decode_export(data: bytes, platform: str, limits: Limits) -> Program:
         out_avals=tuple(_export_aval(a) for a in exp.out_avals),
         in_tree=treedef_to_json(exp.in_tree), out_tree=treedef_to_json(exp.out_tree),
         platforms=tuple(exp.platforms), name=str(exp.fun_name)[:200],
-        nr_devices=max(1, int(exp.nr_devices)))
+        nr_devices=max(1, int(exp.nr_devices)),
+        sharding=_export_sharding(exp) if exp.nr_devices > 1 else None)
 
 
 def _decode_jaxpr(data: bytes, platform: str, limits: Limits) -> Program:

@@ -55,7 +55,7 @@ return 1
 _META_FLOATS = ("compile_seconds", "created", "last_hit")
 _META_INTS = ("size", "raw_size", "hits")
 # Structured fields, kept as JSON strings in the hash.
-_META_JSON = ("key_parts", "recompiled_because", "cost", "memory")
+_META_JSON = ("key_parts", "recompiled_because", "cost", "memory", "sharding")
 
 
 class ExecutableTier(RedisTier):

@@ -157,6 +157,10 @@ class ProgramInfo(BaseModel):
     platforms: list[str]
     nr_devices: int = Field(1, description="the devices one run takes: more than 1 for a "
                             "sharded program (docs/runtimes.md, 'Devices')")
+    sharding: dict[str, Any] | None = Field(
+        None, description="a sharded jax_export's mesh ({axis: size}) and its inputs' and "
+        "outputs' shardings as exported ('in', 'out': PartitionSpec text, or HLO sharding "
+        "text; null unspecified)")
     name: str | None = Field(None, description="the model it is a version of (upload with "
                              "?name=, docs/v2.md)")
     version: int | None = Field(None, description="its version of that model: 1, 2, ...")
@@ -185,6 +189,19 @@ class MemoryInfo(BaseModel):
     generated_code_bytes: int = 0
 
 
+class ShardingInfo(BaseModel):
+    """How a sharded executable runs on its devices (docs/runtimes.md, 'Devices')."""
+
+    device_count: int
+    partitions: int
+    replicas: int
+    in_: list[str] = Field(alias="in", description="each input's HLO sharding, e.g. "
+                           "'{devices=[2,2]<=[4]}'")
+    out: list[str] = Field(description="each output's HLO sharding")
+
+    model_config = {"populate_by_name": True, "serialize_by_alias": True}
+
+
 class ExecutableInfo(BaseModel):
     """A cached executable, as ``GET /v1/executables`` lists it.
 
@@ -210,6 +227,8 @@ class ExecutableInfo(BaseModel):
     recompiled_because: list[str] | None = Field(None, description=_REASONS)
     cost: CostInfo | None = None
     memory: MemoryInfo | None = None
+    sharding: ShardingInfo | None = Field(None, description="null for a single-device "
+                                          "executable")
     source: str
 
 

@@ -800,7 +800,7 @@ def _program_json(program: Any) -> ProgramDoc:
 
 
 # The structured parts of an executable's meta its record shows (compiler.catalog).
-_RECORD_FIELDS = ("key_parts", "recompiled_because", "cost")
+_RECORD_FIELDS = ("key_parts", "recompiled_because", "cost", "sharding")
 
 
 def _lookup_json(lookup: Any) -> ExecutableDoc:

@@ -99,9 +99,18 @@ def test_the_runtime_lists_its_four_devices(http: httpx.Client) -> None:
 def test_a_named_sharding_export_runs_on_four_devices(http: httpx.Client) -> None:
     program = _upload(http, MATMUL)
     assert program["nr_devices"] == 4
+    assert program["sharding"] == {"mesh": {"x": 2, "y": 2}, "in": ["P('x', 'y')", "P('y', None)"],
+                                   "out": ["P('x', 'y')"]}
     a, b = _inputs((8, 8), (8, 8))
-    (out,) = _outputs(http, _run(http, program["program_id"], a, b))
+    future_id = _run(http, program["program_id"], a, b)
+    (out,) = _outputs(http, future_id)
     np.testing.assert_allclose(out, np.sin(a) @ b + 1.0, rtol=1e-5, atol=1e-5)
+    # The executable's record says how it runs: four partitions, each input's layout.
+    executable_id = http.get(f"/v1/futures/{future_id}").json()["executable_id"]
+    record = http.get(f"/v1/executables/{executable_id}").json()
+    assert record["sharding"]["device_count"] == 4 and record["sharding"]["partitions"] == 4
+    assert record["sharding"]["in"][0] == "{devices=[2,2]<=[4]}"
+    assert record["key_parts"]["device_count"] == "4"
 
 
 def test_shard_map_with_a_collective(http: httpx.Client) -> None:
