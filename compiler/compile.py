@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import threading
 import time
@@ -70,7 +71,7 @@ from jitserve.compiler.program_store import StoredPrograms
 from jitserve.compiler.programs import Program, decode_program, lower
 from jitserve.compiler.redis.settings import RedisSettings
 from jitserve.compiler.safety import Limits, check_module
-from jitserve.wire import Aval, TierName
+from jitserve.wire import DTYPES, Aval, TierName
 
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
@@ -279,15 +280,22 @@ class Executable:
                 for aval, sharding, pieces in zip(self.out_avals, self.out_shardings, shards)]
 
 
-def sharding_doc(loaded: Any, partitions: int, replicas: int) -> dict[str, Any]:
+def sharding_doc(executable: Executable, partitions: int, replicas: int) -> dict[str, Any]:
     """How a sharded executable lays out its inputs and outputs on its devices, for
-    records: its counts, and each parameter's and output's HLO sharding as text."""
+    records and accounting: its counts, each parameter's and output's HLO sharding as
+    text, and the device bytes each output takes on all its devices together (a
+    replicated output costs as many times its size as it has copies)."""
     def text(shardings: Sequence[Any]) -> list[str]:
         return [str(xc.HloSharding.from_proto(s)) for s in shardings]
 
+    loaded = executable.loaded
+    out_bytes = []
+    for aval, sharding in zip(executable.out_avals, executable.out_shardings):
+        shard = sharding.shard_shape(cast(tuple[int, ...], aval.shape))  # one per device
+        out_bytes.append(math.prod(shard) * DTYPES[aval.dtype].itemsize * executable.device_count)
     return {"device_count": partitions * replicas, "partitions": partitions,
             "replicas": replicas, "in": text(loaded.get_parameter_shardings()),
-            "out": text(loaded.get_output_shardings())}
+            "out": text(loaded.get_output_shardings()), "out_device_bytes": out_bytes}
 
 
 def check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
@@ -730,10 +738,11 @@ class Compiler:
         meta["donate"] = list(donate)
         meta["device_count"] = n
         meta["partitions"], meta["replicas"] = partitions, replicas
-        loaded = self._deserialize(serialized, meta)
+        executable = Executable(self._deserialize(serialized, meta), key, meta, len(serialized),
+                                self.devices[:n])
         if n > 1:
-            meta["sharding"] = sharding_doc(loaded, partitions, replicas)
-        return Executable(loaded, key, meta, len(serialized), self.devices[:n]), serialized
+            meta["sharding"] = sharding_doc(executable, partitions, replicas)
+        return executable, serialized
 
     def _meta(self, key: str, program: Program, concrete: Sequence[Aval],
               out_avals: Sequence[Aval], static_key: str) -> dict[str, Any]:

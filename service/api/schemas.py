@@ -198,6 +198,10 @@ class ShardingInfo(BaseModel):
     in_: list[str] = Field(alias="in", description="each input's HLO sharding, e.g. "
                            "'{devices=[2,2]<=[4]}'")
     out: list[str] = Field(description="each output's HLO sharding")
+    out_device_bytes: list[int] = Field(
+        default_factory=list, description="the device bytes each output takes on all its "
+        "devices together (what a future counts against device-bytes limits): a replicated "
+        "output counts once per copy")
 
     model_config = {"populate_by_name": True, "serialize_by_alias": True}
 

@@ -265,7 +265,9 @@ class Calls:
         try:
             key = call_key(program.program_id, avals, options)
             known = self._index.get(key)
-            if known is None and program.out_avals is not None and all(
+            # A call that must compile first is accepted at once, its future reserving
+            # its outputs' sizes; a sharded program's device bytes are known once compiled.
+            if known is None and program.out_avals is not None and program.nr_devices == 1 and all(
                     a.is_static for a in program.out_avals):
                 fut = self._compiling(program, avals, options, owner, runtime, inputs,
                                       timeout_s)
@@ -279,7 +281,8 @@ class Calls:
             fut = self._futures.create(
                 owner=owner, executable_id=lookup.executable_id, out_avals=exe.out_avals,
                 out_tree=exe.out_tree, compile_s=lookup.compile_seconds,
-                input_bytes=(nbytes := _host_bytes(inputs)))
+                input_bytes=(nbytes := _host_bytes(inputs)),
+                out_bytes=exe.out_device_bytes if "sharding" in exe.meta else ())
         except BaseException:
             self._executor.drop(inputs)
             raise

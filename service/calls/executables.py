@@ -54,6 +54,15 @@ class RemoteExecutable:
         """Raise ``SignatureMismatch`` naming the first input that does not fit."""
         check_inputs(self.in_avals, avals)
 
+    @property
+    def out_device_bytes(self) -> tuple[int, ...]:
+        """Device bytes each output takes: on all its devices for a sharded executable
+        (its replicas each count), else its size."""
+        sharded = (self.meta.get("sharding") or {}).get("out_device_bytes")
+        if isinstance(sharded, list) and len(sharded) == len(self.out_avals):
+            return tuple(int(n) for n in sharded)
+        return tuple(a.nbytes for a in self.out_avals)
+
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:

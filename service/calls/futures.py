@@ -102,6 +102,7 @@ class Future:
     expires_at: float
     reserved_bytes: int
     input_bytes: int = 0
+    out_bytes: tuple[int, ...] = ()  # device bytes of each output, when not its size
     tier: str = ""  # where its executable came from: a TierName, "pending", "batched", "put"
     status: FutureStatus = FutureStatus.PENDING
     outputs: list[Any] | None = None
@@ -230,15 +231,18 @@ class FutureStore:
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0, compiling: bool = False,
-               input_bytes: int = 0) -> Future:
+               input_bytes: int = 0, out_bytes: Sequence[int] = ()) -> Future:
         """A new pending (or ``compiling``) future; ``TooManyRequests`` when a limit is reached.
 
         ``input_bytes``: the call's host arrays, which the server holds for it (in its
         memory, then a segment, then on the device) until the run ends: they count
         with its outputs against the device bytes, the server's and the owner's, from
         now on, so that calls queued behind others cannot hold unbounded memory.
+        ``out_bytes``: the device bytes of each output where they are not its size (a
+        sharded output's replicas each count).
         """
-        need = sum(a.nbytes for a in out_avals) + input_bytes
+        sizes = tuple(out_bytes) or tuple(a.nbytes for a in out_avals)
+        need = sum(sizes) + input_bytes
         if not self._fits(need, owner):
             self.sweep()  # expired futures may make room; sweeping every call would cost O(n)
         self._check_owner_limits(need, owner)
@@ -246,7 +250,7 @@ class FutureStore:
         now = self._clock()
         fut = Future(self.id_prefix + secrets.token_urlsafe(24), owner, executable_id, tuple(out_avals),
                      out_tree, now, now + self.ttl_s, need, input_bytes,
-                     timings=Timings(compile_s=compile_s))
+                     out_bytes=tuple(out_bytes), timings=Timings(compile_s=compile_s))
         if compiling:
             fut.status = FutureStatus.COMPILING
         self._futures[fut.future_id] = fut
@@ -520,7 +524,8 @@ class FutureStore:
                     outputs[index] = None
                     if fut.host is not None:
                         fut.host[index] = None
-                    self._unreserve(fut, fut.out_avals[index].nbytes)
+                    self._unreserve(fut, fut.out_bytes[index] if fut.out_bytes
+                                    else fut.out_avals[index].nbytes)
                     if self.on_release is not None:
                         self.on_release([buf])
             if all(b is None for b in outputs):

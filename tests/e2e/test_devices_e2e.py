@@ -116,8 +116,13 @@ def test_a_named_sharding_export_runs_on_four_devices(http: httpx.Client) -> Non
 def test_shard_map_with_a_collective(http: httpx.Client) -> None:
     program_id = _upload(http, PSUM)["program_id"]
     (a,) = _inputs((8, 4))
-    (out,) = _outputs(http, _run(http, program_id, a))
+    future_id = _run(http, program_id, a)
+    (out,) = _outputs(http, future_id)
     np.testing.assert_allclose(out, a[:4] + a[4:], rtol=1e-6)
+    # Its output is replicated on the four devices: it holds four times its 64 bytes.
+    executable_id = http.get(f"/v1/futures/{future_id}").json()["executable_id"]
+    sharding = http.get(f"/v1/executables/{executable_id}").json()["sharding"]
+    assert sharding["out"] == ["{replicated}"] and sharding["out_device_bytes"] == [4 * 64]
 
 
 def test_raw_stablehlo_with_four_partitions(http: httpx.Client) -> None:

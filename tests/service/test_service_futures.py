@@ -302,3 +302,18 @@ def test_expiry_bookkeeping_stays_proportional_to_what_is_alive() -> None:
     for fut in kept[1:]:
         store.delete(fut)
     assert store._expiry_of == {}  # an owner with nothing alive leaves nothing behind
+
+
+def test_a_sharded_output_counts_its_device_bytes_until_released() -> None:
+    """Issue 37: an output replicated on four devices holds four copies; the future
+    counts them all against the device bytes, and gives them all back when released."""
+    store = FutureStore(ttl_s=60, max_live=10, max_device_bytes=1 << 20)
+    avals = (wire.Aval((4, 4), "float32"), wire.Aval((8,), "float32"))
+    fut = store.create(owner=None, executable_id="e", out_avals=avals, out_tree=None,
+                       out_bytes=(4 * 64, 32))
+    assert store.device_bytes == 4 * 64 + 32
+    store.complete(fut, [object(), object()], 0.0)
+    store.release([(fut.future_id, 0)], None)
+    assert store.device_bytes == 32
+    store.release([(fut.future_id, 1)], None)
+    assert store.device_bytes == 0
