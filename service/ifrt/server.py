@@ -355,9 +355,12 @@ class IfrtService:
         if session.generation is None:
             session.generation = generation
         elif generation != session.generation:
+            # Said as a batch in flight when it died hears it (``_lost``): whichever
+            # batch finds out first, the client reads the same cause.
             raise _SessionEnded(grpc.StatusCode.UNAVAILABLE, (
-                f"runtime {session.runtime.index} restarted ({session.runtime.last_exit or 'lost'}): "
-                "this session's arrays and executables are gone"), "runtime_lost")
+                f"jitserve's runtime {session.runtime.index} was lost and restarted "
+                f"({session.runtime.last_exit or 'it exited'}): this session's arrays and "
+                "executables are gone; open a new session"), "runtime_lost")
         moved = sum(b.size for b in buffers.values())
         session.bytes_in += moved
         self.metrics.ifrt_bytes.labels("in").inc(moved)
