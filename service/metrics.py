@@ -149,6 +149,10 @@ class Metrics:
                                      "outputs moved between runtimes", registry=r)
         self.runtime_move_bytes = Counter("jitserve_runtime_move_bytes",
                                           "bytes of outputs moved between runtimes", registry=r)
+        self.runtime_relaid = Counter(
+            "jitserve_runtime_relaid", "kept outputs moved device to device to the layout a "
+            "run wanted (sharded programs), or gathered for a single-device one", registry=r)
+        self._relaid_seen = 0
         self._runtimes_seen: dict[str, int] = {}
         self.execution_temp_bytes = Gauge("jitserve_execution_temp_bytes",
                                           "device bytes of intermediates of running executions",
@@ -278,6 +282,12 @@ class Metrics:
                 self.runtime_moves.inc(delta)
             elif name == "move_bytes":
                 self.runtime_move_bytes.inc(delta)
+
+    def relaid(self, total: int) -> None:
+        """Bring ``jitserve_runtime_relaid_total`` up to the runtimes' count (``RuntimePool.report``)."""
+        if total > self._relaid_seen:
+            self.runtime_relaid.inc(total - self._relaid_seen)
+            self._relaid_seen = total
 
     def render(self, futures_by_state: Mapping[str, int], device_bytes: int) -> bytes:
         """The Prometheus text exposition, with the gauges brought up to date."""

@@ -661,6 +661,7 @@ class RuntimePool:
         self.last_restart_s: float | None = None
         self._latest: dict[int, tuple[int, dict[str, Any]]] = {}
         self._retired: dict[str, int] = {}
+        self._retired_relaid = 0
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name="jitserve-runtime-watchdog")
 
@@ -877,7 +878,8 @@ class RuntimePool:
         ``cache``: the worst shared-cache state a runtime reports (``degraded`` over
         ``ok`` over ``local``). ``redis``: the runtimes' Redis counters summed over
         every process there has been, so they stay monotonic across restarts
-        (``None`` without Redis).
+        (``None`` without Redis). ``relaid``: kept outputs moved to the layout a
+        run wanted, over every process there has been.
         """
         async def one(runtime: Runtime) -> None:
             if runtime.state != "up":
@@ -892,6 +894,7 @@ class RuntimePool:
         with self._lock:
             latest = list(self._latest.values())
             retired = dict(self._retired)
+            relaid = self._retired_relaid + sum(int(doc.get("relaid", 0)) for _, doc in latest)
         states = [doc.get("cache") for _, doc in latest if doc.get("cache")]
         cache = next((s for s in ("degraded", "ok", "local") if s in states), "local")
         redis: dict[str, int] | None = None
@@ -901,7 +904,7 @@ class RuntimePool:
                 for k, v in doc["redis"].items():
                     if isinstance(v, int):
                         redis[k] = redis.get(k, 0) + v
-        return {"cache": cache, "redis": redis}
+        return {"cache": cache, "redis": redis, "relaid": relaid}
 
     async def broadcast(self, op: Op, message: Mapping[str, Any], *,
                         timeout_s: float = 30.0) -> list[dict[str, Any]]:
@@ -922,10 +925,11 @@ class RuntimePool:
     def _fold(self, index: int, generation: int, doc: dict[str, Any]) -> None:
         with self._lock:
             old = self._latest.get(index)
-            if old is not None and old[0] != generation and old[1].get("redis"):
-                for k, v in old[1]["redis"].items():  # that process is gone: keep its counts
+            if old is not None and old[0] != generation:  # that process is gone: keep its counts
+                for k, v in (old[1].get("redis") or {}).items():
                     if isinstance(v, int):
                         self._retired[k] = self._retired.get(k, 0) + v
+                self._retired_relaid += int(old[1].get("relaid", 0))
             self._latest[index] = (generation, doc)
 
     # -- state -------------------------------------------------------------------

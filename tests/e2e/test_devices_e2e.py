@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from e2e.conftest import _serve, wait_ready
+from e2e.conftest import _serve, metric_total, wait_ready
 from jax import export
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -142,15 +142,20 @@ def test_sharded_outputs_chain_relaid_and_gathered(http: httpx.Client) -> None:
     single = _upload(http, bytes(export.export(jax.jit(lambda v: v * 2.0))(
         jax.ShapeDtypeStruct((8, 8), np.float32)).serialize()))["program_id"]
     a, b = _inputs((8, 8), (8, 8))
+    relaid = metric_total(str(http.base_url).rstrip("/"), "jitserve_runtime_relaid_total")
     first = _run(http, matmul, a, b)
     y = np.sin(a) @ b + 1.0
-    again = _run(http, matmul, {"future": first, "output": 0}, b)  # P("x","y") -> P("y", None)
+    same = _run(http, matmul, {"future": first, "output": 0}, b)  # wants P("x", "y"): as is
+    again = _run(http, matmul, a, {"future": first, "output": 0})  # P("x","y") -> P("y", None)
     doubled = _run(http, single, {"future": first, "output": 0})
-    np.testing.assert_allclose(_outputs(http, again)[0], np.sin(y) @ b + 1.0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_outputs(http, same)[0], np.sin(y) @ b + 1.0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(_outputs(http, again)[0], np.sin(a) @ y + 1.0, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(_outputs(http, doubled)[0], y * 2.0, rtol=1e-5, atol=1e-5)
     plain = _run(http, single, a)  # a single-device program on this runtime, from the host
     np.testing.assert_allclose(_outputs(http, plain)[0], a * 2.0)
     assert psum  # uploaded beside the others: programs of both kinds live on one runtime
+    # Moved device to device once, gathered once; the call that wanted its layout took it as is.
+    assert metric_total(str(http.base_url).rstrip("/"), "jitserve_runtime_relaid_total") == relaid + 2
 
 
 def test_more_devices_than_the_server_has_is_refused_at_upload(http: httpx.Client) -> None:

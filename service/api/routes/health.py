@@ -81,7 +81,9 @@ async def readyz(services: ServicesDep) -> Response:
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus metrics of this process and its runtimes."""
     metrics, futures, runtimes = services.metrics, services.futures, services.runtimes
-    shared = (await runtimes.report())["redis"]  # the runtimes use Redis; this process lists
+    report = await runtimes.report()
+    metrics.relaid(report["relaid"])
+    shared = report["redis"]  # the runtimes use Redis; this process lists
     if shared is not None:
         mine = services.catalog.shared_stats() or {}
         metrics.redis({k: v + mine.get(k, 0) for k, v in shared.items()})
