@@ -261,10 +261,16 @@ class Executable:
         if self._shardings is None:
             from jax._src.sharding_impls import GSPMDSharding
 
+            def of(shardings: Sequence[Any] | None, n: int) -> tuple[Any, ...]:
+                # None: replicas (num_replicas > 1), each device a whole copy: each input
+                # goes to every one, and replica 0's outputs are the answer.
+                if shardings is None:
+                    return (GSPMDSharding.get_replicated(self.devices),) * n
+                return tuple(GSPMDSharding(self.devices, s) for s in shardings)
+
             loaded = self._loaded
-            self._shardings = (
-                tuple(GSPMDSharding(self.devices, s) for s in loaded.get_parameter_shardings()),
-                tuple(GSPMDSharding(self.devices, s) for s in loaded.get_output_shardings()))
+            self._shardings = (of(loaded.get_parameter_shardings(), len(self.in_avals)),
+                               of(loaded.get_output_shardings(), len(self.out_avals)))
         return self._shardings
 
     def run(self, args: Sequence[jax.Array]) -> list[jax.Array]:
@@ -285,17 +291,19 @@ def sharding_doc(executable: Executable, partitions: int, replicas: int) -> dict
     records and accounting: its counts, each parameter's and output's HLO sharding as
     text, and the device bytes each output takes on all its devices together (a
     replicated output costs as many times its size as it has copies)."""
-    def text(shardings: Sequence[Any]) -> list[str]:
-        return [str(xc.HloSharding.from_proto(s)) for s in shardings]
-
-    loaded = executable.loaded
     out_bytes = []
     for aval, sharding in zip(executable.out_avals, executable.out_shardings):
         shard = sharding.shard_shape(cast(tuple[int, ...], aval.shape))  # one per device
         out_bytes.append(math.prod(shard) * DTYPES[aval.dtype].itemsize * executable.device_count)
     return {"device_count": partitions * replicas, "partitions": partitions,
-            "replicas": replicas, "in": text(loaded.get_parameter_shardings()),
-            "out": text(loaded.get_output_shardings()), "out_device_bytes": out_bytes}
+            "replicas": replicas, "in": hlo_text(executable.in_shardings, executable.in_avals),
+            "out": hlo_text(executable.out_shardings, executable.out_avals),
+            "out_device_bytes": out_bytes}
+
+
+def hlo_text(shardings: Sequence[Any], avals: Sequence[Aval]) -> list[str]:
+    """Each sharding as HLO sharding text (``{devices=[2,2]<=[4]}``, ``{replicated}``)."""
+    return [str(s._to_xla_hlo_sharding(len(a.shape))) for s, a in zip(shardings, avals)]
 
 
 def check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:

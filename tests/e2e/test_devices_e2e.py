@@ -331,3 +331,49 @@ def _put(http: httpx.Client, array: np.ndarray) -> str:
 def _concat_program(shapes: list[tuple[int, ...]]) -> bytes:
     structs = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes]
     return bytes(export.export(jax.jit(lambda *xs: jnp.concatenate(xs)))(*structs).serialize())
+
+
+_MODULE = """module @m attributes {mhlo.num_partitions = %s : i32, mhlo.num_replicas = %s : i32} {
+  %s
+  func.func public @main(%%arg0: tensor<8xf32>%s) -> tensor<8xf32> {
+    %%0 = stablehlo.add %%arg0, %%arg0 : tensor<8xf32>
+    return %%0 : tensor<8xf32>
+  }
+}"""
+
+
+@pytest.mark.parametrize(("partitions", "replicas", "mesh", "arg", "code", "words"), [
+    ("0", "1", "", "", "invalid_program", "mhlo.num_partitions is 0; expected 1 to 65536"),
+    ("100000", "1", "", "", "invalid_program", "mhlo.num_partitions is 100000"),
+    ("1", "-2", "", "", "invalid_program", "mhlo.num_replicas is -2"),
+    ("4", "1", 'sdy.mesh @mesh = <["x"=2]>', ' {sdy.sharding = #sdy.sharding<@mesh, [{"x"}]>}',
+     "compile_failed", "Invalid sharding"),
+    ("4", "1", "", ' {mhlo.sharding = "{devices=[8]<=[8]}"}', "compile_failed",
+     "Invalid sharding"),
+], ids=["no-partitions", "too-many-partitions", "negative-replicas", "mesh-of-2-for-4",
+        "sharding-over-8"])
+def test_a_module_that_lies_about_its_devices_is_refused(
+        http: httpx.Client, partitions: str, replicas: str, mesh: str, arg: str, code: str,
+        words: str) -> None:
+    text = (_MODULE % (partitions, replicas, mesh, arg)).encode()
+    r = http.post("/v1/programs", content=text, headers={"content-type": wire.OCTET_STREAM})
+    if r.status_code in (200, 201):  # decoded; XLA refuses it at compile
+        r = http.post(f"/v1/programs/{r.json()['program_id']}/execute",
+                      content=wire.packb({"args": [np.zeros(8, np.float32)]}),
+                      headers={"content-type": wire.MSGPACK})
+    assert r.status_code in (400, 422), r.text
+    assert r.json()["error"]["code"] == code and words in r.json()["error"]["message"], r.text
+    assert http.get("/healthz").status_code == 200
+
+
+def test_replicas_each_run_the_whole_program(http: httpx.Client) -> None:
+    """``mhlo.num_replicas = 4``: each input goes to every replica, replica 0's outputs
+    are the answer, and each copy counts."""
+    program_id = _upload(http, (_MODULE % ("1", "4", "", "")).encode())["program_id"]
+    a = np.arange(8, dtype=np.float32)
+    future_id = _run(http, program_id, a)
+    np.testing.assert_array_equal(_outputs(http, future_id)[0], a + a)
+    executable_id = http.get(f"/v1/futures/{future_id}").json()["executable_id"]
+    sharding = http.get(f"/v1/executables/{executable_id}").json()["sharding"]
+    assert (sharding["replicas"], sharding["partitions"]) == (4, 1)
+    assert sharding["out"] == ["{replicated}"] and sharding["out_device_bytes"] == [4 * 32]
