@@ -209,8 +209,10 @@ class AsyncClient(BaseClient):
         """See ``Client.release``."""
         return await self._drive(self._op_release(outputs))
 
-    async def device_put(self, x: Any) -> Any:
+    async def device_put(self, x: Any, sharding: Any = None) -> Any:
         """See ``Client.device_put``; the leaves are ``AsyncRemoteArray`` s."""
+        if sharding is not None:
+            return await self._placer(sharding)(x)
         return await self._drive(self._op_put(x))
 
     async def delete(self, future_id: str) -> str:

@@ -222,6 +222,7 @@ class BaseClient:
         self.progress = progress_default() if isinstance(progress, NotGiven) else progress
         self._platforms: tuple[str, ...] | None | NotGiven = NOT_GIVEN
         self._programs: set[str] = set()  # program ids the server is known to have
+        self._placers: dict[Any, Any] = {}  # device_put's identity functions, by sharding
         self._releases = ReleaseQueue(_weakly(self._post_releases))
         self._buffers = BufferPool()  # big answers are read into these (_body_buffer)
         # A client dropped without close() ends its release thread too.
@@ -230,6 +231,20 @@ class BaseClient:
     def _new_lock(self) -> Any:
         """A lock for ``_Acquire``, of the kind this client's driver waits for."""
         raise NotImplementedError
+
+    def _placer(self, sharding: Any) -> Any:
+        """``device_put`` with a sharding: an identity jitted with that output sharding,
+        one per sharding (a pytree prefix, so a tree of them is keyed by its leaves)."""
+        import jax
+
+        leaves, tree = jax.tree.flatten(sharding, is_leaf=lambda s: s is None)
+        key = (tree, tuple(leaves))
+        placer = self._placers.get(key)
+        if placer is None:
+            # The subclasses' jit: a RemoteFunction, or its async twin.
+            placer = self._placers[key] = self.jit(  # type: ignore[attr-defined]
+                _identity, out_shardings=sharding)
+        return placer
 
     def _knows_program(self, program_id: str) -> bool:
         return program_id in self._programs
@@ -559,6 +574,11 @@ class BaseClient:
                 body = None
             self._platforms = platforms_of(body)
         return self._platforms
+
+
+def _identity(x: Any) -> Any:
+    """What ``device_put`` with a sharding runs: the arrays, laid out as it asks."""
+    return x
 
 
 def platforms_of(doc: Any) -> tuple[str, ...] | None:

@@ -247,16 +247,20 @@ class Client(BaseClient):
         """
         return self._drive(self._op_release(outputs))
 
-    def device_put(self, x: Any) -> Any:
+    def device_put(self, x: Any, sharding: Any = None) -> Any:
         """Upload an array, or a pytree of arrays, once; the same tree of ``RemoteArray`` s.
 
         For values every call reuses, such as parameters: passed to a jitted
         function they go as references. Leaves get jax's dtypes (as
         ``jax.device_put``), so this imports jax; remote arrays of this client
-        stay as they are.
+        stay as they are. ``sharding`` (a ``NamedSharding`` over ``mesh``, or a
+        pytree prefix of them, as ``jax.device_put``'s): the arrays are laid out so
+        across the server's devices, remote ones moved there on the server.
 
         >>> params = c.device_put({"w": np.ones((3, 3)), "b": np.zeros(3)})   # doctest: +SKIP
         """
+        if sharding is not None:
+            return self._placer(sharding)(x)
         return self._drive(self._op_put(x))
 
     def delete(self, future_id: str) -> str:

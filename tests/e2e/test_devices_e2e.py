@@ -377,3 +377,20 @@ def test_replicas_each_run_the_whole_program(http: httpx.Client) -> None:
     sharding = http.get(f"/v1/executables/{executable_id}").json()["sharding"]
     assert (sharding["replicas"], sharding["partitions"]) == (4, 1)
     assert sharding["out"] == ["{replicated}"] and sharding["out_device_bytes"] == [4 * 32]
+
+
+def test_device_put_with_a_sharding_lays_arrays_out_on_the_server(url: str) -> None:
+    from jitserve.client import Client
+
+    with Client(url, timeout=120) as c:
+        mesh = c.mesh((2, 2), ("x", "y"))
+        rows = NamedSharding(mesh, P("x", "y"))
+        w, x = _inputs((8, 8), (8, 8))
+        params = c.device_put({"w": w, "b": np.float32(0.5)},
+                              {"w": NamedSharding(mesh, P("y", None)), "b": None})
+        placed = c.device_put(x, rows)
+        f = c.jit(lambda p, v: jnp.sin(v) @ p["w"] + p["b"], in_shardings=(
+            {"w": NamedSharding(mesh, P("y", None)), "b": None}, rows), out_shardings=rows)
+        np.testing.assert_allclose(np.asarray(f(params, placed)), np.sin(x) @ w + 0.5,
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(placed), x)  # the same bytes, laid out
