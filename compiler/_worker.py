@@ -53,17 +53,21 @@ def configure_jax() -> None:
     gpu_solver.initialize_hybrid_kernels()
 
 
-def compile_options(partitions: int = 1, replicas: int = 1) -> Any:
+def compile_options(partitions: int = 1, replicas: int = 1,
+                    device_ids: tuple[int, ...] | None = None) -> Any:
     """The XLA compile options of jitserve's executables (their digest is in the key):
     SPMD over ``partitions`` devices, or ``replicas``, on the first devices of the
     process, in order (the device assignment is the same for every process and
-    executable of that size, so it is no part of a key but their count)."""
+    executable of that size, so it is no part of a key but their count).
+    ``device_ids``: another assignment, to load an executable onto other devices
+    (``Compiler.on_device``)."""
     import numpy as np
     from jax._src import compiler
 
-    if partitions == replicas == 1:
+    if partitions == replicas == 1 and device_ids is None:
         return compiler.get_compile_options(num_replicas=1, num_partitions=1)
-    assignment = np.arange(replicas * partitions).reshape(replicas, partitions)
+    ids = device_ids if device_ids is not None else range(replicas * partitions)
+    assignment = np.array(ids).reshape(replicas, partitions)
     return compiler.get_compile_options(num_replicas=replicas, num_partitions=partitions,
                                         device_assignment=assignment)
 

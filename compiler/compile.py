@@ -212,7 +212,7 @@ class Executable:
     """
 
     def __init__(self, loaded: Any, executable_id: str, meta: dict[str, Any], nbytes: int,
-                 devices: Sequence[Any] = ()) -> None:
+                 devices: Sequence[Any] = (), serialized: bytes | None = None) -> None:
         self._loaded = loaded
         self.executable_id = executable_id
         # The devices one run takes, in the order it was loaded on (the first of the
@@ -220,6 +220,10 @@ class Executable:
         self.devices = tuple(devices)
         self.device_count = max(1, len(self.devices))
         self._shardings: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        # A single-device executable of a process with several devices keeps its bytes,
+        # to be loaded onto the others too (``Compiler.on_device``), and those copies.
+        self.serialized = serialized
+        self.copies: dict[int, Executable] = {}
         self.in_avals = tuple(Aval.from_json(a) for a in meta["in_avals"])
         self.out_avals = tuple(Aval.from_json(a) for a in meta["out_avals"])
         self.out_tree = meta.get("out_tree")
@@ -747,7 +751,7 @@ class Compiler:
         meta["device_count"] = n
         meta["partitions"], meta["replicas"] = partitions, replicas
         executable = Executable(self._deserialize(serialized, meta), key, meta, len(serialized),
-                                self.devices[:n])
+                                self.devices[:n], self._kept(serialized, n))
         if n > 1:
             meta["sharding"] = sharding_doc(executable, partitions, replicas)
         return executable, serialized
@@ -789,7 +793,34 @@ class Compiler:
         if n > len(self.devices):
             raise ForeignEntry(f"entry is for {n} devices; this process has {len(self.devices)}")
         return Executable(self._deserialize(entry.executable, entry.meta), key, entry.meta,
-                          len(entry.executable), self.devices[:n])
+                          len(entry.executable), self.devices[:n], self._kept(entry.executable, n))
+
+    def _kept(self, serialized: bytes, n: int) -> bytes | None:
+        """The bytes a single-device executable keeps when this process has other devices
+        to load it onto (``on_device``)."""
+        return serialized if n == 1 and len(self.devices) > 1 else None
+
+    def on_device(self, executable: Executable, index: int) -> Executable:
+        """``executable`` (single-device) loaded onto this process's device ``index``: the
+        same code, so a group's devices all serve single-device programs. Loaded
+        once per device, then kept with the executable (and evicted with it)."""
+        if index == 0 or executable.serialized is None:
+            return executable
+        copy = executable.copies.get(index)
+        if copy is None:
+            with self._lock:
+                copy = executable.copies.get(index)
+                if copy is None:
+                    device = self.devices[index]
+                    # The options name the device too: with the default ones, the
+                    # executable would be assigned to the first whatever the list says.
+                    options = compile_options(device_ids=(device.id,))
+                    loaded = self._backend.deserialize_executable(
+                        executable.serialized, xc.DeviceList((device,)), options)
+                    copy = executable.copies[index] = Executable(
+                        loaded, executable.executable_id, executable.meta, executable.nbytes,
+                        (device,))
+        return copy
 
     def _l2_tiers(self, kind: BlobKind) -> tuple[Tier, ...]:
         """The serialized tiers of ``kind``, fastest first: the disk, then Redis."""

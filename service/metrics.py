@@ -153,6 +153,9 @@ class Metrics:
             "jitserve_runtime_relaid", "kept outputs moved device to device to the layout a "
             "run wanted (sharded programs), or gathered for a single-device one", registry=r)
         self._relaid_seen = 0
+        self.device_runs = Counter("jitserve_device_runs", "runs on each of the host's devices "
+                                   "(a sharded run counts on its first)", ["device"], registry=r)
+        self._device_runs_seen: dict[int, int] = {}
         self._runtimes_seen: dict[str, int] = {}
         self.execution_temp_bytes = Gauge("jitserve_execution_temp_bytes",
                                           "device bytes of intermediates of running executions",
@@ -288,6 +291,14 @@ class Metrics:
         if total > self._relaid_seen:
             self.runtime_relaid.inc(total - self._relaid_seen)
             self._relaid_seen = total
+
+    def runs_by_device(self, totals: Mapping[int, int]) -> None:
+        """Bring ``jitserve_device_runs_total`` up to the runtimes' counts, by host device id."""
+        for device, total in totals.items():
+            seen = self._device_runs_seen.get(device, 0)
+            if total > seen:
+                self.device_runs.labels(str(device)).inc(total - seen)
+                self._device_runs_seen[device] = total
 
     def render(self, futures_by_state: Mapping[str, int], device_bytes: int) -> bytes:
         """The Prometheus text exposition, with the gauges brought up to date."""

@@ -168,6 +168,15 @@ class RuntimeServer:
         self._launch_lock = threading.Lock()  # runs of sharded executables, one at a time
         self.relaid = 0  # kept outputs moved to the layout a run wanted (_placed)
         self._sharding = jax.sharding.SingleDeviceSharding(self.device)
+        # Single-device runs go to the least busy of this runtime's devices, taking
+        # turns when all are idle; each device's runs in flight, and runs so far.
+        devices = self.compiler.devices
+        self._singles = [jax.sharding.SingleDeviceSharding(d) for d in devices]
+        self._slot_of = {d.id: i for i, d in enumerate(devices)}
+        self._busy = [0] * len(devices)
+        self.device_runs = [0] * len(devices)
+        self._turn = 0
+        self._slots_lock = threading.Lock()
         self._avals: dict[tuple[Any, Any], Any] = {}  # jax avals of inputs, by shape and dtype
         try:  # jaxlib's transfer; jax.device_put where a jaxlib lacks it
             from jax._src.lib import xla_client
@@ -432,12 +441,14 @@ class RuntimeServer:
 
     # -- runs and buffers --------------------------------------------------------
 
-    def _to_device(self, array: Any) -> Any:
-        """``jax.device_put(array, self.device)`` by jaxlib's own call, which is what
-        ``device_put`` ends in: its Python layers cost 70-100 us per array, 20 times
-        the transfer of a small one (docs/performance.md)."""
+    def _to_device(self, array: Any, slot: int = 0) -> Any:
+        """``jax.device_put(array, device)`` (this runtime's ``slot``-th) by jaxlib's own
+        call, which is what ``device_put`` ends in: its Python layers cost 70-100 us
+        per array, 20 times the transfer of a small one (docs/performance.md)."""
+        sharding = self._singles[slot]
+        device = sharding._device
         if self._put is None:
-            return self._jax.device_put(array, self.device)
+            return self._jax.device_put(array, device)
         key = (array.shape, array.dtype)
         aval = self._avals.get(key)
         if aval is None:
@@ -446,7 +457,25 @@ class RuntimeServer:
             if len(self._avals) >= _AVALS_KEPT:
                 self._avals.clear()
             aval = self._avals[key] = core.ShapedArray(array.shape, array.dtype)
-        return self._put(aval, self._sharding, [array], [self.device], True, enable_x64=True)
+        return self._put(aval, sharding, [array], [device], True, enable_x64=True)
+
+    def _take_slot(self, args: list[dict[str, Any]]) -> int:
+        """The device a single-device run takes: where its first kept input lives (it
+        moves no further), else the least busy, taking turns among equals."""
+        n = len(self._busy)
+        slot = None
+        for a in args:
+            buf = self.buffers.get(a["handle"]) if "handle" in a else None
+            if buf is not None and len(buf.sharding.device_set) == 1:
+                slot = self._slot_of.get(next(iter(buf.sharding.device_set)).id)
+                break
+        with self._slots_lock:
+            if slot is None:
+                slot = min(range(n), key=lambda i: (self._busy[i], (i - self._turn) % n))
+                self._turn = (slot + 1) % n
+            self._busy[slot] += 1
+            self.device_runs[slot] += 1
+        return slot
 
     def _placed(self, buf: Any, sharding: Any) -> Any:
         """``buf`` (a kept output) where a run wants it: as it is when it is laid out so,
@@ -461,6 +490,21 @@ class RuntimeServer:
         """Run an executable; ``started`` names request ``rid`` when it begins, unless the
         run is ``quick`` (this thread holds the pipe: ``_follow``)."""
         exe = self._executable(m)
+        sharded = exe.device_count > 1
+        if sharded or len(self._busy) == 1:
+            with self._slots_lock:
+                self.device_runs[0] += 1
+            return self._run_on(exe, m, rid, quick, 0)
+        slot = self._take_slot(m["args"])
+        try:
+            return self._run_on(self.compiler.on_device(exe, slot), m, rid, quick, slot)
+        finally:
+            with self._slots_lock:
+                self._busy[slot] -= 1
+
+    def _run_on(self, exe: Any, m: RunRequest, rid: int, quick: bool,
+                slot: int) -> RunAnswer | SplitAnswer:
+        """``op_run`` of ``exe`` on the runtime's ``slot``-th device (its first N, sharded)."""
         args: list[Any] = []
         host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
         host_iter = iter(host)
@@ -474,13 +518,13 @@ class RuntimeServer:
                 buf = take(a["handle"], None)
                 if buf is None:
                     raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
-                placed = self._placed(buf, exe.in_shardings[i] if sharded else self._sharding)
+                placed = self._placed(buf, exe.in_shardings[i] if sharded else self._singles[slot])
                 args.append(placed.copy() if i in donated and not a.get("give")
                             and placed is buf else placed)
             elif sharded:
                 args.append(self._jax.device_put(next(host_iter), exe.in_shardings[i]))
             else:
-                args.append(self._to_device(next(host_iter)))
+                args.append(self._to_device(next(host_iter), slot))
         del host, host_iter
         # A quick run says nothing before its answer, unless it overruns (_QuickWatch):
         # ``started`` and the API process's wake-up for it cost a twentieth of a
@@ -616,7 +660,7 @@ class RuntimeServer:
                 "l1_entries": compiler["l1_entries"], "l1_bytes": compiler["l1_bytes"],
                 "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
                 "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran,
-                "relaid": self.relaid}
+                "relaid": self.relaid, "device_runs": list(self.device_runs)}
 
     # -- IFRT proxy sessions (runtimes.ifrt) -------------------------------------
 

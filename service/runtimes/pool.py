@@ -662,6 +662,7 @@ class RuntimePool:
         self._latest: dict[int, tuple[int, dict[str, Any]]] = {}
         self._retired: dict[str, int] = {}
         self._retired_relaid = 0
+        self._retired_device_runs = collections.Counter[int]()
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name="jitserve-runtime-watchdog")
 
@@ -879,7 +880,8 @@ class RuntimePool:
         ``ok`` over ``local``). ``redis``: the runtimes' Redis counters summed over
         every process there has been, so they stay monotonic across restarts
         (``None`` without Redis). ``relaid``: kept outputs moved to the layout a
-        run wanted, over every process there has been.
+        run wanted, over every process there has been. ``device_runs``: runs on
+        each of the host's devices, by its id, likewise.
         """
         async def one(runtime: Runtime) -> None:
             if runtime.state != "up":
@@ -895,6 +897,9 @@ class RuntimePool:
             latest = list(self._latest.values())
             retired = dict(self._retired)
             relaid = self._retired_relaid + sum(int(doc.get("relaid", 0)) for _, doc in latest)
+            device_runs = collections.Counter(self._retired_device_runs)
+            for index, (_, doc) in self._latest.items():
+                device_runs.update(self._device_runs_of(index, doc))
         states = [doc.get("cache") for _, doc in latest if doc.get("cache")]
         cache = next((s for s in ("degraded", "ok", "local") if s in states), "local")
         redis: dict[str, int] | None = None
@@ -904,7 +909,14 @@ class RuntimePool:
                 for k, v in doc["redis"].items():
                     if isinstance(v, int):
                         redis[k] = redis.get(k, 0) + v
-        return {"cache": cache, "redis": redis, "relaid": relaid}
+        return {"cache": cache, "redis": redis, "relaid": relaid,
+                "device_runs": dict(device_runs)}
+
+    def _device_runs_of(self, index: int, doc: dict[str, Any]) -> dict[int, int]:
+        """A STATS answer's runs per device of runtime ``index``, by the host's device ids."""
+        ids = self.runtimes[index].group.devices
+        return {ids[i] if i < len(ids) else i: int(n)
+                for i, n in enumerate(doc.get("device_runs") or ())}
 
     async def broadcast(self, op: Op, message: Mapping[str, Any], *,
                         timeout_s: float = 30.0) -> list[dict[str, Any]]:
@@ -930,6 +942,7 @@ class RuntimePool:
                     if isinstance(v, int):
                         self._retired[k] = self._retired.get(k, 0) + v
                 self._retired_relaid += int(old[1].get("relaid", 0))
+                self._retired_device_runs.update(self._device_runs_of(index, old[1]))
             self._latest[index] = (generation, doc)
 
     # -- state -------------------------------------------------------------------

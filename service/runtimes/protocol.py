@@ -296,6 +296,7 @@ class StatsAnswer(TypedDict):
     quick_runs: int  # done by the thread that read them
     quick_runs_overran: int  # quick runs that said ``started`` late
     relaid: int  # kept outputs moved to the layout a run wanted
+    device_runs: list[int]  # runs so far on each of its devices (a sharded run: its first's)
 
 
 class FreeRequest(TypedDict):

@@ -394,3 +394,30 @@ def test_device_put_with_a_sharding_lays_arrays_out_on_the_server(url: str) -> N
         np.testing.assert_allclose(np.asarray(f(params, placed)), np.sin(x) @ w + 0.5,
                                    rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(placed), x)  # the same bytes, laid out
+
+
+def _device_runs(url: str) -> list[float]:
+    return [metric_total(url, f'jitserve_device_runs_total{{device="{d}"}}') for d in range(4)]
+
+
+def test_single_device_programs_use_every_device_of_the_group(url: str,
+                                                              http: httpx.Client) -> None:
+    """Calls of a single-device program take turns over the runtime's four devices; a
+    call on a kept output runs where that output is, moving nothing."""
+    program_id = _upload(http, bytes(export.export(jax.jit(lambda v: v * 3.0 - 1.0))(
+        jax.ShapeDtypeStruct((16,), np.float32)).serialize()))["program_id"]
+    before = _device_runs(url)
+    relaid = metric_total(url, "jitserve_runtime_relaid_total")
+    a = np.arange(16, dtype=np.float32)
+    for _ in range(8):
+        np.testing.assert_array_equal(_outputs(http, _run(http, program_id, a))[0], a * 3 - 1)
+    runs = [n - b for n, b in zip(_device_runs(url), before)]
+    assert sum(runs) == 8 and all(n >= 1 for n in runs), runs
+    chained = _run(http, program_id, a)
+    for _ in range(3):
+        chained = _run(http, program_id, {"future": chained, "output": 0})
+    expected = a
+    for _ in range(4):
+        expected = expected * 3 - 1
+    np.testing.assert_array_equal(_outputs(http, chained)[0], expected)
+    assert metric_total(url, "jitserve_runtime_relaid_total") == relaid

@@ -319,11 +319,13 @@ def test_a_keys_programs_are_held_once_in_each_process(start_server: StartServer
         assert api_after - api_before < 1.5 * held, (api_after - api_before) / held
         assert runtimes_after - runtimes_before < 1.5 * held, (
             (runtimes_after - runtimes_before) / held)
-        # The fifth passes the key's quota: refused before any process keeps it.
+        # The fifth passes the key's quota: refused before any process keeps it. The
+        # runtimes never see it; the API process may keep the freed buffer its body was
+        # read into, for the next request (service/memory.py), and nothing more.
         r = http.post("/v1/programs", content=programs[4],
                       headers={"content-type": "application/octet-stream"})
         assert r.status_code == 429 and r.json()["error"]["quota"] == "program_bytes", r.text
         api_refused, runtimes_refused = rss()
-        assert api_refused - api_after < size // 2
+        assert api_refused - api_after < size + size // 2
         assert runtimes_refused - runtimes_after < size // 2
         _no_500(_metrics(http))

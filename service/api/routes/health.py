@@ -83,6 +83,7 @@ async def metrics(services: ServicesDep) -> Response:
     metrics, futures, runtimes = services.metrics, services.futures, services.runtimes
     report = await runtimes.report()
     metrics.relaid(report["relaid"])
+    metrics.runs_by_device(report["device_runs"])
     shared = report["redis"]  # the runtimes use Redis; this process lists
     if shared is not None:
         mine = services.catalog.shared_stats() or {}
@@ -96,8 +97,9 @@ async def metrics(services: ServicesDep) -> Response:
 async def devices(services: ServicesDep) -> dict[str, Any]:
     """The backend, the host's devices, and the device groups: the runtimes that serve
     each, and the largest program it runs (``size`` devices). A single-device program
-    runs on the first device of its runtime's group (``default``), a program sharded
-    across N on the first N of a group of at least N."""
+    runs on any device of its runtime's group (arrays put with ``POST /v1/arrays`` go
+    to its first, ``default``), a program sharded across N on the first N of a group
+    of at least N."""
     return services.runtimes.devices_document()
 
 
