@@ -343,11 +343,13 @@ class BaseClient:
         return np.asarray(a)
 
     def _wrap(self, ex: _Execution, avals: Sequence[Aval] | None = None,
-              keys: Sequence[KeyType | None] | None = None, name: str = "") -> list[Any]:
+              keys: Sequence[KeyType | None] | None = None, name: str = "",
+              shardings: Sequence[Any] = ()) -> list[Any]:
         """The remote arrays of an execution (``avals`` overrides the server's).
 
         ``keys`` gives the ``KeyType`` of outputs that are typed PRNG keys; ``name``
-        is what compile progress calls the computation.
+        is what compile progress calls the computation; ``shardings`` the outputs'
+        layouts on the server's devices, for a sharded program.
         """
         if "jax" in sys.modules:  # without jax, nobody can hand them to jax
             register_with_jax()
@@ -355,7 +357,9 @@ class BaseClient:
         values = None if ex.outputs is None else dict(enumerate(ex.outputs))
         state = _FutureState(self, ex.future_id, len(avals), self._releases, values=values, name=name)
         keys = keys or (None,) * len(avals)
-        return [self._array_cls(state, i, a, k) for i, (a, k) in enumerate(zip(avals, keys))]
+        shardings = shardings or (None,) * len(avals)
+        return [self._array_cls(state, i, a, k, s)
+                for i, (a, k, s) in enumerate(zip(avals, keys, shardings))]
 
     @staticmethod
     def _outputs(body: Any) -> list[np.ndarray]:

@@ -257,7 +257,8 @@ class _RemoteFunctionBase:
         values = [i.value for i in inputs]
         donate = [n for n, d in enumerate(split.donated) if d and isinstance(values[n], _RemoteBase)]
         ex = yield from self._op_execute(compiled, values, donate)
-        arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name)
+        arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name,
+                                    compiled.out_shardings)
         return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
 
     def _op_prepare(self, key: Hashable, split: _Split, inputs: list[_Input],

@@ -143,14 +143,17 @@ class _RemoteBase:
     """
 
     __slots__ = ("__weakref__", "_finalizer", "_future", "aval", "dtype", "index", "key_type",
-                 "shape")
+                 "shape", "sharding")
 
     def __init__(self, future: _FutureState, index: int, aval: Aval,
-                 key_type: KeyType | None = None) -> None:
+                 key_type: KeyType | None = None, sharding: Any = None) -> None:
         self._future = future
         self.index = index
         self.aval = aval
         self.key_type = key_type
+        # How the array is laid out on the server's devices: the ``NamedSharding`` (over
+        # ``Client.mesh``'s abstract mesh) its program gave it; ``None`` for one device.
+        self.sharding = sharding
         shape = tuple(aval.shape)
         self.shape: tuple[Any, ...] = shape[:len(shape) - key_type.data_ndim] if key_type else shape
         try:

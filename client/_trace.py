@@ -52,6 +52,8 @@ class Compiled:
       out_tree: the jax ``PyTreeDef`` of the outputs; the program returns its leaves.
       out_avals: the outputs' avals on the wire (a key output's are its data's).
       out_keys: per output, the ``KeyType`` of a typed key output, else ``None``.
+      out_shardings: per output of a sharded program, its ``NamedSharding`` over the
+        abstract mesh it was exported for (``None`` where unspecified); else empty.
     """
 
     program_id: str
@@ -59,6 +61,7 @@ class Compiled:
     out_tree: Any
     out_avals: tuple[Aval, ...]
     out_keys: tuple[KeyType | None, ...]
+    out_shardings: tuple[Any, ...] = ()
 
 
 def split_key(x: Any) -> tuple[Any, KeyType | None]:
@@ -133,6 +136,7 @@ def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
     import jax
 
     flat = FlatFunction(fn, in_tree, in_keys, name)
+    layouts: tuple[Any, ...] = ()  # the outputs' shardings, of a sharded export
     ins = tuple(in_shardings) if in_shardings is not None else ()
     sharded = any(s is not None for s in ins)
     jitted = jax.jit(flat, in_shardings=ins) if sharded else jax.jit(flat)
@@ -159,8 +163,10 @@ def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
             if exported.nr_devices == 1:
                 check_inner_meshes(traced.jaxpr, name)
             program, out_avals = bytes(exported.serialize()), exported.out_avals
+            if exported.nr_devices > 1 and getattr(exported, "_has_named_shardings", False):
+                layouts = tuple(exported._out_named_shardings)
     return Compiled(hashlib.sha256(program).hexdigest(), program, flat.out_tree,
-                    tuple(map(_aval, out_avals)), flat.out_keys)
+                    tuple(map(_aval, out_avals)), flat.out_keys, layouts)
 
 
 def check_host_callbacks(closed_jaxpr: Any, name: str) -> None:

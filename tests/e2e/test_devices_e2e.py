@@ -237,6 +237,7 @@ def test_client_jit_with_shardings_over_the_servers_mesh(url: str) -> None:
         w, x = _inputs((8, 8), (8, 8))
         b = np.float32(0.5)
         out = f({"w": w, "b": b}, x)
+        assert out["y"].sharding == rows and out["total"].sharding == rows  # as out_shardings
         y = np.sin(x) @ w
         np.testing.assert_allclose(np.asarray(out["y"]), y + b, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(out["total"]), y[:4] + y[4:], rtol=1e-4, atol=1e-4)
@@ -389,6 +390,7 @@ def test_device_put_with_a_sharding_lays_arrays_out_on_the_server(url: str) -> N
         params = c.device_put({"w": w, "b": np.float32(0.5)},
                               {"w": NamedSharding(mesh, P("y", None)), "b": None})
         placed = c.device_put(x, rows)
+        assert placed.sharding == rows and params["b"].sharding is None
         f = c.jit(lambda p, v: jnp.sin(v) @ p["w"] + p["b"], in_shardings=(
             {"w": NamedSharding(mesh, P("y", None)), "b": None}, rows), out_shardings=rows)
         np.testing.assert_allclose(np.asarray(f(params, placed)), np.sin(x) @ w + 0.5,
