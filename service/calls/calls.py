@@ -282,7 +282,7 @@ class Calls:
                 owner=owner, executable_id=lookup.executable_id, out_avals=exe.out_avals,
                 out_tree=exe.out_tree, compile_s=lookup.compile_seconds,
                 input_bytes=(nbytes := _host_bytes(inputs)),
-                out_bytes=exe.out_device_bytes if "sharding" in exe.meta else ())
+                out_bytes=exe.out_device_bytes)
         except BaseException:
             self._executor.drop(inputs)
             raise

@@ -56,12 +56,12 @@ class RemoteExecutable:
 
     @property
     def out_device_bytes(self) -> tuple[int, ...]:
-        """Device bytes each output takes: on all its devices for a sharded executable
-        (its replicas each count), else its size."""
+        """Device bytes each output of a sharded executable takes on all its devices (its
+        replicas each count); empty for a single-device one, whose outputs take their size."""
         sharded = (self.meta.get("sharding") or {}).get("out_device_bytes")
         if isinstance(sharded, list) and len(sharded) == len(self.out_avals):
             return tuple(int(n) for n in sharded)
-        return tuple(a.nbytes for a in self.out_avals)
+        return ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -167,7 +167,6 @@ class RuntimeServer:
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
         self._launch_lock = threading.Lock()  # runs of sharded executables, one at a time
         self.relaid = 0  # kept outputs moved to the layout a run wanted (_placed)
-        self._sharding = jax.sharding.SingleDeviceSharding(self.device)
         # Single-device runs go to the least busy of this runtime's devices, taking
         # turns when all are idle; each device's runs in flight, and runs so far.
         devices = self.compiler.devices
@@ -445,8 +444,7 @@ class RuntimeServer:
         """``jax.device_put(array, device)`` (this runtime's ``slot``-th) by jaxlib's own
         call, which is what ``device_put`` ends in: its Python layers cost 70-100 us
         per array, 20 times the transfer of a small one (docs/performance.md)."""
-        sharding = self._singles[slot]
-        device = sharding._device
+        sharding, device = self._singles[slot], self.compiler.devices[slot]
         if self._put is None:
             return self._jax.device_put(array, device)
         key = (array.shape, array.dtype)

@@ -741,10 +741,9 @@ class RuntimePool:
         """Where a run goes again after ``lost`` lost it before it began: an API key's
         own runtime (``lost`` itself, restarted), else the least busy one up of those
         with as many devices."""
-        among = [r for r in self.runtimes if r.group.size >= lost.group.size]
-        if owner is not None or len(among) == 1:
-            return self.place(owner, hint, lost.group.size if len(self.groups) > 1 else 1)
-        return self.least_busy(lost, among)
+        if owner is not None:
+            return lost
+        return self.least_busy(lost, [r for r in self.runtimes if r.group.size >= lost.group.size])
 
     def least_busy(self, preferred: Runtime, among: Sequence[Runtime] | None = None) -> Runtime:
         """``preferred`` if it is up with a run slot free, else the runtime (of ``among``,
