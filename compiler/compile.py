@@ -33,7 +33,7 @@ from jax._src.lib import xla_client as xc
 from jax.extend import backend as xb
 
 from jitserve.compiler import stablehlo
-from jitserve.compiler._worker import CompilePool, compile_options, configure_jax, device_count
+from jitserve.compiler._worker import CompilePool, compile_options, configure_jax
 from jitserve.compiler.cache import (
     EXECUTABLES,
     PROGRAMS,
@@ -223,7 +223,7 @@ class Executable:
         # A single-device executable of a process with several devices keeps its bytes,
         # to be loaded onto the others too (``Compiler.on_device``), and those copies.
         self.serialized = serialized
-        self.copies: dict[int, Executable] = {}
+        self.copies: dict[tuple[int, ...], Executable] = {}
         self.in_avals = tuple(Aval.from_json(a) for a in meta["in_avals"])
         self.out_avals = tuple(Aval.from_json(a) for a in meta["out_avals"])
         self.out_tree = meta.get("out_tree")
@@ -492,17 +492,18 @@ class Compiler:
 
         ``data``: MLIR bytecode, text or a portable artifact, checked as any upload is
         (``safety``: limits, op and custom-call allowlists); ``options``: a serialized
-        ``CompileOptionsProto``, already sanitized. The key is the module's bytes, the
-        options' digest and this backend's parts, so a second session, process or
-        replica finds it in the tiers. ``compile=False``: ``None`` rather than a
-        compile when no tier has it (a tenant out of compiles). ``scope``: the
-        tenant's, as ``lookup``'s.
+        ``CompileOptionsProto``, already sanitized. Its device assignment says which of
+        this process's devices the executable runs on (the first, without one); the key
+        has the module's bytes, the options' digest with the assignment made the first
+        devices in order (``_normalized``), and this backend's parts for that many
+        devices, so a second session, process or replica finds it in the tiers whatever
+        devices it asks for. ``compile=False``: ``None`` rather than a compile when no
+        tier has it (a tenant out of compiles). ``scope``: the tenant's, as ``lookup``'s.
         """
         import hashlib
 
-        if device_count(xc.CompileOptions.ParseFromString(options)) != 1:
-            raise InvalidProgram("IFRT proxy programs run on one device here: compile options "
-                                 "with num_replicas or num_partitions over 1 are not served yet")
+        options, partitions, replicas, devices = self._normalized(options)
+        n = partitions * replicas
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
             module = stablehlo.parse_module(data, ctx, limits)
@@ -512,15 +513,21 @@ class Compiler:
                           if str(t) == "!stablehlo.token"]
             bytecode = stablehlo.to_bytecode(module)
         program_id = hashlib.sha256(data).hexdigest()
-        backend = dataclasses.replace(self._key_backend,
+        backend = dataclasses.replace(self._backend_for(n),
                                       options_digest=hashlib.sha256(options).hexdigest())
         parts = key_parts(program_id=program_id, in_avals=in_avals, static_key="ifrt",
                           backend=backend, scope=scope)
         key = cache_key(parts)
 
+        def on_assigned(found: Lookup | None) -> Lookup | None:
+            if found is None:
+                return None
+            return dataclasses.replace(found, executable=self.on_devices(found.executable, devices))
+
         if not compile:
             cached = self._executables.cached(key)
-            return Lookup(cached, key, TierName.MEMORY, 0.0) if cached else self._from_tiers(key)
+            return on_assigned(Lookup(cached, key, TierName.MEMORY, 0.0) if cached
+                               else self._from_tiers(key))
 
         def resolve() -> Lookup:
             hit = self._from_tiers(key)
@@ -537,15 +544,54 @@ class Compiler:
                         "static_key": "ifrt", "in_avals": [a.to_json() for a in in_avals],
                         "out_avals": [a.to_json() for a in out_avals], "out_tree": None,
                         "out_tokens": out_tokens, "created": time.time(),
-                        "key_parts": dict(parts), "recompiled_because": None}
+                        "key_parts": dict(parts), "recompiled_because": None,
+                        "device_count": n, "partitions": partitions, "replicas": replicas}
                 meta["compile_seconds"] = seconds = time.perf_counter() - start
-                executable = Executable(self._deserialize(serialized), key, meta,
-                                        len(serialized), self.devices[:1])
+                executable = Executable(self._deserialize(serialized, meta), key, meta,
+                                        len(serialized), self.devices[:n], self._kept(serialized, n))
+                if n > 1:
+                    meta["sharding"] = sharding_doc(executable, partitions, replicas)
                 self._executables.put(key, encode_entry(key, Entry(serialized, meta), self._secret),
                                       executable)
                 return Lookup(executable, key, TierName.COMPILED, seconds)
 
-        return self._single_flight(key, resolve)
+        return on_assigned(self._single_flight(key, resolve))
+
+    def _normalized(self, options: bytes) -> tuple[bytes, int, int, tuple[Any, ...]]:
+        """IFRT compile ``options`` with their device assignment made this process's first
+        devices in order (what the key hashes and the worker compiles with), their
+        partitions and replicas, and the devices they assigned (run order: replica-major,
+        as XLA numbers them); ``InvalidProgram`` for devices this process has not."""
+        from jitserve.compiler.ifrt_protos import message
+
+        proto = message("xla.CompileOptionsProto").FromString(options)
+        build = proto.executable_build_options
+        partitions, replicas = max(1, build.num_partitions), max(1, build.num_replicas)
+        n = partitions * replicas
+        if n > len(self.devices):
+            raise TooManyDevices(f"program needs {n} devices; this runtime has {len(self.devices)}")
+        by_id = {d.id: d for d in self.devices}
+        if build.HasField("device_assignment"):
+            assignment = build.device_assignment
+            columns = [list(c.replica_device_ids) for c in assignment.computation_devices]
+            if (assignment.replica_count, assignment.computation_count) != (replicas, partitions) \
+                    or len(columns) != partitions or any(len(c) != replicas for c in columns):
+                raise InvalidProgram(f"the device assignment is not {replicas} replicas x "
+                                     f"{partitions} partitions")
+            ids = [columns[p][r] for r in range(replicas) for p in range(partitions)]
+            if len(set(ids)) != n or any(i not in by_id for i in ids):
+                raise InvalidProgram(f"the device assignment names devices {ids}; this runtime "
+                                     f"has {sorted(by_id)}, each at most once")
+            devices = tuple(by_id[i] for i in ids)
+        else:
+            devices = tuple(self.devices[:n])
+        build.ClearField("device_assignment")
+        build.device_assignment.replica_count, build.device_assignment.computation_count = (
+            replicas, partitions)
+        for p in range(partitions):
+            build.device_assignment.computation_devices.add().replica_device_ids.extend(
+                self.devices[r * partitions + p].id for r in range(replicas))
+        return proto.SerializeToString(deterministic=True), partitions, replicas, devices
 
     def executable_id(self, program: Program, in_avals: Sequence[Aval] | None = None,
                       static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> str:
@@ -796,30 +842,38 @@ class Compiler:
                           len(entry.executable), self.devices[:n], self._kept(entry.executable, n))
 
     def _kept(self, serialized: bytes, n: int) -> bytes | None:
-        """The bytes a single-device executable keeps when this process has other devices
-        to load it onto (``on_device``)."""
-        return serialized if n == 1 and len(self.devices) > 1 else None
+        """The bytes an executable keeps when this process has other devices to load it
+        onto (``on_devices``)."""
+        return serialized if len(self.devices) > 1 else None
 
     def on_device(self, executable: Executable, index: int) -> Executable:
         """``executable`` (single-device) loaded onto this process's device ``index``: the
-        same code, so a group's devices all serve single-device programs. Loaded
-        once per device, then kept with the executable (and evicted with it)."""
-        if index == 0 or executable.serialized is None:
+        same code, so a group's devices all serve single-device programs."""
+        return self.on_devices(executable, (self.devices[index],))
+
+    def on_devices(self, executable: Executable, devices: Sequence[Any]) -> Executable:
+        """``executable`` loaded onto ``devices`` (as many as it runs on, in run order):
+        the same code on other devices of this process (serialized N-device executables
+        load onto any N devices). Loaded once per device list, then kept with the
+        executable (and evicted with it)."""
+        devices = tuple(devices)
+        if devices == executable.devices or executable.serialized is None:
             return executable
-        copy = executable.copies.get(index)
+        ids = tuple(d.id for d in devices)
+        copy = executable.copies.get(ids)
         if copy is None:
             with self._lock:
-                copy = executable.copies.get(index)
+                copy = executable.copies.get(ids)
                 if copy is None:
-                    device = self.devices[index]
-                    # The options name the device too: with the default ones, the
+                    meta = executable.meta
+                    # The options name the devices too: with the default ones, the
                     # executable would be assigned to the first whatever the list says.
-                    options = compile_options(device_ids=(device.id,))
+                    options = compile_options(int(meta.get("partitions", len(ids))),
+                                              int(meta.get("replicas", 1)), device_ids=ids)
                     loaded = self._backend.deserialize_executable(
-                        executable.serialized, xc.DeviceList((device,)), options)
-                    copy = executable.copies[index] = Executable(
-                        loaded, executable.executable_id, executable.meta, executable.nbytes,
-                        (device,))
+                        executable.serialized, xc.DeviceList(devices), options)
+                    copy = executable.copies[ids] = Executable(
+                        loaded, executable.executable_id, meta, executable.nbytes, devices)
         return copy
 
     def _l2_tiers(self, kind: BlobKind) -> tuple[Tier, ...]:

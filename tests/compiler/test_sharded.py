@@ -120,3 +120,66 @@ def test_entries_by_device_count(tmp_path: Path) -> None:
     np.testing.assert_array_equal(two["single"]["value"], a * 2.0)
     # The 4-device entry was not dropped by the process it is not for.
     assert sorted(p.name for p in (cache / "executables").rglob("*") if p.is_file()) == entries
+
+
+_IFRT_SCRIPT = r'''
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jitserve.compiler import Compiler, CompilerConfig, CompilerError
+from jitserve.compiler._worker import compile_options
+
+cache = Path(sys.argv[1])
+devices = jax.devices()
+mesh = Mesh(np.array(devices[:2]), ("x",))
+spec = jax.ShapeDtypeStruct((8,), np.float32)
+module = jax.jit(lambda a: jnp.sin(a) * 2.0,
+                 in_shardings=NamedSharding(mesh, P("x")),
+                 out_shardings=NamedSharding(mesh, P("x"))).lower(spec).as_text().encode()
+a = np.arange(8, dtype=np.float32)
+out = {}
+
+def lookup(compiler, ids, partitions=2):
+    options = compile_options(partitions, device_ids=tuple(ids)).SerializeAsString()
+    try:
+        found = compiler.lookup_module(module, options)
+    except CompilerError as e:
+        return {"refused": e.code.value, "message": str(e)}
+    exe = found.executable
+    (y,) = exe.run([jax.device_put(a, s) for s in exe.in_shardings])
+    return {"tier": str(found.tier), "id": found.executable_id,
+            "devices": [d.id for d in exe.devices],
+            "out_devices": sorted(d.id for d in y.devices()), "value": np.asarray(y).tolist()}
+
+first = Compiler(CompilerConfig(cache_dir=cache))
+out["on_2_3"] = lookup(first, [2, 3])
+out["on_0_1"] = lookup(first, [0, 1])
+out["on_3_9"] = lookup(first, [3, 9])
+out["on_8"] = lookup(first, range(8), partitions=8)
+out["fresh_on_1_0"] = lookup(Compiler(CompilerConfig(cache_dir=cache)), [1, 0])
+print(json.dumps(out))
+'''
+
+
+def test_ifrt_programs_run_on_the_devices_their_assignment_names(tmp_path: Path) -> None:
+    """An IFRT proxy client's module compiled for two devices runs on the two its
+    device assignment names; the key does not depend on which two, so other devices
+    (and another process, in another order) are hits; devices the process has not,
+    or more than it has, are refused."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = subprocess.run([sys.executable, "-c", _IFRT_SCRIPT, str(tmp_path / "cache")], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = (np.sin(np.arange(8, dtype=np.float32)) * 2.0).tolist()
+    for name, tier, devices in (("on_2_3", "compiled", [2, 3]), ("on_0_1", "memory", [0, 1]),
+                                ("fresh_on_1_0", "disk", [1, 0])):
+        got = out[name]
+        assert (got["tier"], got["devices"], got["out_devices"]) == (tier, devices, sorted(devices))
+        np.testing.assert_allclose(got["value"], expected, rtol=1e-6)
+        assert got["id"] == out["on_2_3"]["id"]
+    assert out["on_3_9"]["refused"] == "invalid_program"
+    assert "names devices [3, 9]" in out["on_3_9"]["message"]
+    assert out["on_8"]["refused"] == "too_many_devices" and "8 devices" in out["on_8"]["message"]
