@@ -13,6 +13,9 @@ backend and sets the client up:
 - ``JITSERVE_IFRT_TARGET`` (``host:port``, or ``grpc://host:port``) is where the server's
   ``JITSERVE_IFRT_PORT`` listens; ``JITSERVE_API_KEY`` goes in the session's
   initialization data; ``JITSERVE_IFRT_CONNECT_TIMEOUT_S`` bounds the first connection.
+- The session lives on one group of the server's devices, one of the largest unless
+  ``JITSERVE_IFRT_DEVICES=N`` asks for the smallest group of at least N: ``jax.devices()``
+  lists that group's, and shardings, ``shard_map`` and ``pmap`` run across them.
 - The backend is registered as ``jitserve``, and, once connected, under the platform
   the server reports as well (``cpu``, or ``gpu`` and ``cuda``), so code that names a
   platform (``jax.devices("cpu")``, ``jax.jit(f, backend="cpu")``) finds the server's.
@@ -104,9 +107,10 @@ def _make_client() -> Any:
     options = _ifrt_proxy.ClientConnectionOptions()
     options.connection_timeout_in_seconds = int(float(
         os.environ.get("JITSERVE_IFRT_CONNECT_TIMEOUT_S", "30")))
-    key = os.environ.get("JITSERVE_API_KEY", "")
-    if key:
-        options.initialization_data = {"jitserve_api_key": key.encode()}
+    asked = {"jitserve_api_key": os.environ.get("JITSERVE_API_KEY", ""),
+             "jitserve_devices": os.environ.get("JITSERVE_IFRT_DEVICES", "")}
+    if any(asked.values()):
+        options.initialization_data = {k: v.strip().encode() for k, v in asked.items() if v.strip()}
     with _quiet_stderr():
         client = _ifrt_proxy.get_client(target(), options)
     _client = client

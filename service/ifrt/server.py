@@ -63,6 +63,9 @@ PROTOCOL_VERSIONS = range(16, 26)
 SESSION_METADATA = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 API_KEY_ATTRIBUTE = "jitserve_api_key"  # in the session's initialization_data
+# The devices a session asks for (JITSERVE_IFRT_DEVICES): it goes to the smallest group
+# of at least that many; without it, to one of the largest groups.
+DEVICES_ATTRIBUTE = "jitserve_devices"
 _P = "xla.ifrt.proxy."
 _BATCH_MAX = 256  # requests in one batch to a runtime
 _CHUNK = 4 << 20  # bytes per HostBufferLookup message
@@ -158,6 +161,7 @@ class IfrtService:
         try:
             session = await self._open(context)
         except _SessionEnded as e:  # the first request (init) is answered with the reason:
+            self.metrics.ifrt_sessions_closed.labels(e.label).inc()
             async for data in requests:  # jaxlib's client shows that, not the status
                 with contextlib.suppress(Exception):
                     op_id = message(_P + "IfrtRequest").FromString(data).request_metadata.op_id
@@ -225,18 +229,33 @@ class IfrtService:
                                    "JITSERVE_API_KEY")
             owner = authenticate(key, self.settings) or ""
         except Unauthorized as e:
-            self.metrics.ifrt_sessions_closed.labels("unauthenticated").inc()
             raise _SessionEnded(grpc.StatusCode.UNAUTHENTICATED, str(e), "unauthenticated") from None
+        devices = self._devices_asked(attributes)
         session_id = secrets.randbits(63) or 1
-        runtime = self.runtimes.place(owner or None, f"{session_id:016x}")
+        runtime = self.runtimes.place(owner or None, f"{session_id:016x}", devices)
         session = _Session(session_id, owner, runtime, protocol)
         self.sessions[session_id] = session
         self.metrics.ifrt_sessions.inc()
-        log.info("IFRT session %016x opened (key %s, runtime %d, protocol %d)", session_id,
-                 owner[:12] or "none", runtime.index, protocol,
+        log.info("IFRT session %016x opened (key %s, runtime %d of %d devices, protocol %d)",
+                 session_id, owner[:12] or "none", runtime.index, runtime.group.size, protocol,
                  extra={"fields": {"ifrt_session": f"{session_id:016x}", "owner": owner[:12],
                                    "runtime": runtime.index}})
         return session
+
+    def _devices_asked(self, attributes: Any) -> int:
+        """The devices a session's client asked for (``DEVICES_ATTRIBUTE``), else the most
+        any group has: ``jax.devices()`` through the proxy lists its group's."""
+        most = self.runtimes.max_devices
+        if DEVICES_ATTRIBUTE not in attributes:
+            return most
+        value = attributes[DEVICES_ATTRIBUTE]
+        text = value.string_value.decode("ascii", "replace") if value.string_value else str(
+            value.int64_value)
+        if not text.strip().isdigit() or not 1 <= int(text) <= most:
+            raise _SessionEnded(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"JITSERVE_IFRT_DEVICES={text!r}: this server's groups have at most {most} "
+                "devices (GET /v1/devices)"), "refused")
+        return int(text)
 
     async def _read(self, requests: AsyncIterator[bytes], queue: asyncio.Queue[Any]) -> None:
         """Parse the client's requests as they come; ``None`` when the stream ends."""

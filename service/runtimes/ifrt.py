@@ -74,6 +74,44 @@ def _dtype_table() -> dict[str, Any]:
     return _DTYPES
 
 
+class Shards:
+    """An array over several devices whose IFRT sharding does not say which part each
+    device holds (a ``ConcreteEvenSharding``, as jax's client makes when it reorders an
+    array's shards): its single-device pieces, in the sharding's device order. A run
+    lays them out as the executable's parameter sharding says, as XLA would."""
+
+    def __init__(self, shape: tuple[int, ...], pieces: list[Any]) -> None:
+        self.shape = shape
+        self.pieces = pieces
+        self.dtype = pieces[0].dtype
+        self.nbytes = sum(int(p.nbytes) for p in pieces)
+
+    def block_until_ready(self) -> None:
+        for piece in self.pieces:
+            piece.block_until_ready()
+
+    def delete(self) -> None:
+        for piece in self.pieces:
+            piece.delete()
+
+    def is_deleted(self) -> bool:
+        return any(piece.is_deleted() for piece in self.pieces)
+
+
+class Donated:
+    """What a handle holds once its array was donated to a copy, reshard or remap: a
+    deleted array, whose buffers may live on in what it was donated to."""
+
+    def is_deleted(self) -> bool:
+        return True
+
+    def delete(self) -> None:
+        pass
+
+
+_DONATE_INPUT = 3  # xla.ifrt.proto.ArrayCopySemantics.ARRAY_COPY_SEMANTICS_DONATE_INPUT
+
+
 class Session:
     """One client's arrays, executables and futures (``Sessions`` serves it)."""
 
@@ -108,7 +146,7 @@ class Sessions:
         self._message = message
         self.compiler = compiler
         self.backend = xb.get_backend()
-        self.devices = [compiler.device]  # this runtime's devices (one, today)
+        self.devices = list(compiler.devices)  # this runtime's group, as jax numbers them here
         self._by_id = {d.id: d for d in self.devices}
         self.sessions: dict[int, Session] = {}
         # What each key holds here (all its sessions live in this runtime: placement is
@@ -129,6 +167,8 @@ class Sessions:
             "disassemble_into_single_device_arrays_request": self._disassemble,
             "delete_array_request": self._delete_array,
             "copy_arrays_request": self._copy_arrays,
+            "reshard_arrays_request": self._reshard,
+            "remap_arrays_request": self._remap,
             "fully_replicated_shard_request": self._fully_replicated_shard,
             "is_array_deleted_request": self._is_array_deleted,
             "destruct_array_request": self._destruct_array,
@@ -234,7 +274,21 @@ class Sessions:
             raise IfrtFailure(NOT_FOUND, f"unknown array handle {handle}")
         if isinstance(found, IfrtFailure):
             raise IfrtFailure(found.code, f"array {handle} failed earlier: {found}")
+        if isinstance(found, Donated):
+            raise IfrtFailure(INVALID_ARGUMENT, f"array {handle} was donated: it is deleted")
         return found
+
+    def _donate(self, session: Session, handles: Any, free: bool) -> None:
+        """Mark arrays ``handles`` donated (``DONATE_INPUT``); ``free``: delete their buffers
+        too (what they were donated to is a copy, not a view)."""
+        for handle in handles:
+            array = session.arrays.get(handle)
+            if free and array is not None and not isinstance(array, (IfrtFailure, Donated)):
+                array.delete()
+            session.arrays[handle] = Donated()
+            freed = session.sizes.get(handle, 0)
+            session.sizes[handle] = 0
+            self.held[session.owner][0] -= freed
 
     def _put(self, session: Session, wanted: int, array: Any, nbytes: int | None = None) -> int:
         """Keep ``array`` under the client's handle ``wanted`` (or a new one, if 0), counted
@@ -244,7 +298,7 @@ class Sessions:
         if handle in session.arrays:
             self._forget(session, handle)
         if nbytes is None:
-            nbytes = 0 if isinstance(array, IfrtFailure) else int(array.nbytes)
+            nbytes = 0 if isinstance(array, IfrtFailure) else _held_bytes(array)
         session.arrays[handle] = array
         session.sizes[handle] = nbytes
         held = self.held[session.owner]
@@ -311,36 +365,100 @@ class Sessions:
                               f"{sorted(self._by_id)})")
         return device
 
-    def _sharding_devices(self, proto: Any) -> list[Any]:
-        """The devices of a ``ShardingProto``: one array lives on exactly these."""
+    def _sharding(self, proto: Any) -> tuple[list[Any], Any]:
+        """The devices of a ``ShardingProto`` (an array lives on exactly these, in this
+        order: its shards are theirs) and the jax ``Sharding`` that says which part of
+        the array each holds (``None`` where the proto does not say)."""
+        from jax._src.lib import xla_client as xc
+        from jax._src.sharding_impls import GSPMDSharding
+        from jax.sharding import SingleDeviceSharding
+
         serialized = proto.serialized_sharding
         name = serialized.type_name
-        if name == "xla::ifrt::SingleDeviceSharding":
-            single = self._message("xla.ifrt.SingleDeviceShardingProto").FromString(serialized.data)
-            return [self._device(single.device_id)]
-        kinds = {"xla::ifrt::ConcreteEvenSharding": "xla.ifrt.ConcreteEvenShardingProto",
+        kinds = {"xla::ifrt::SingleDeviceSharding": "xla.ifrt.SingleDeviceShardingProto",
+                 "xla::ifrt::ConcreteEvenSharding": "xla.ifrt.ConcreteEvenShardingProto",
                  "xla::ifrt::ConcreteSharding": "xla.ifrt.ConcreteShardingProto",
                  "xla::ifrt::OpaqueSharding": "xla.ifrt.OpaqueShardingProto",
                  "xla::ifrt::ShardingParamSharding": "xla.ifrt.ShardingParamShardingProto",
                  "xla::ifrt::HloSharding": "xla.ifrt.HloShardingProto"}
         if name not in kinds:
             raise IfrtFailure(UNIMPLEMENTED, f"sharding {name!r} is not served")
-        parsed = self._message(kinds[name]).FromString(serialized.data)
+        try:
+            parsed = self._message(kinds[name]).FromString(serialized.data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            raise IfrtFailure(INVALID_ARGUMENT, f"the {name} does not parse") from None
+        memory_kind = getattr(parsed, "memory_kind", "") or None
+        if name == "xla::ifrt::SingleDeviceSharding":
+            device = self._device(parsed.device_id)
+            return [device], SingleDeviceSharding(device, memory_kind=memory_kind)
         devices = [self._device(i) for i in parsed.devices.device_ids]
-        if len(devices) != 1:
-            raise IfrtFailure(UNIMPLEMENTED, f"arrays over {len(devices)} devices are not served "
-                              "yet: this server's runtimes hold one device each")
-        return devices
+        if not devices or len({d.id for d in devices}) != len(devices):
+            raise IfrtFailure(INVALID_ARGUMENT, f"a {name} over devices "
+                              f"{list(parsed.devices.device_ids)}: each at most once, and some")
+        if len(devices) == 1:
+            return devices, SingleDeviceSharding(devices[0], memory_kind=memory_kind)
+        if name == "xla::ifrt::HloSharding":
+            op = xc.OpSharding()
+            op.ParseFromString(parsed.xla_op_sharding.SerializeToString())
+            return devices, GSPMDSharding(tuple(devices), op, memory_kind=memory_kind)
+        if name == "xla::ifrt::ConcreteEvenSharding" and parsed.is_fully_replicated:
+            return devices, GSPMDSharding.get_replicated(tuple(devices), memory_kind=memory_kind)
+        return devices, None  # shards of known shapes, but not which part each one is
+
+    def _laid_out(self, proto: Any, what: str) -> tuple[list[Any], Any]:
+        """``_sharding``, for an array this request makes: it must say where each part goes."""
+        devices, sharding = self._sharding(proto)
+        if sharding is None:
+            raise IfrtFailure(UNIMPLEMENTED, f"{what} with a {proto.serialized_sharding.type_name} "
+                              "over several devices is not served: it does not say which part "
+                              "of the array each device holds (an HloSharding does)")
+        return devices, sharding
 
     def _single_sharding(self, device: Any, proto: Any) -> None:
         single = self._message("xla.ifrt.SingleDeviceShardingProto")(device_id=device.id)
         proto.serialized_sharding.type_name = "xla::ifrt::SingleDeviceSharding"
         proto.serialized_sharding.data = single.SerializeToString()
 
+    def _sharding_proto(self, array: Any, proto: Any) -> None:
+        """``proto`` says how ``array`` (a jax.Array of this runtime) is laid out, in the
+        device order its shards are in (``_disassemble``)."""
+        sharding = array.sharding
+        devices = sharding._device_assignment
+        if len(devices) == 1:
+            self._single_sharding(devices[0], proto)
+            return
+        hlo = self._message("xla.ifrt.HloShardingProto")()
+        hlo.devices.device_ids.extend(d.id for d in devices)
+        if sharding.memory_kind:
+            hlo.memory_kind = sharding.memory_kind
+        hlo.xla_op_sharding.ParseFromString(
+            sharding._to_xla_hlo_sharding(array.ndim).to_proto().SerializeToString())
+        proto.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+        proto.serialized_sharding.data = hlo.SerializeToString()
+
     def _device_put(self, host: np.ndarray, device: Any) -> Any:
         # A copy: on the CPU device_put may keep a view of the host buffer, and the
         # API process reuses its shared-memory segments.
         return self._jax.device_put(np.array(host, copy=True), device)
+
+    def _global(self, shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
+        """One array of ``shape`` from its ``shards``, each on its own device (``Shards``
+        where ``sharding`` is ``None``: not said)."""
+        if sharding is None:
+            return Shards(shape, shards)
+        if len(shards) == 1 and len(sharding.device_set) == 1:
+            return shards[0]
+        try:
+            return self._jax.make_array_from_single_device_arrays(shape, sharding, shards)
+        except ValueError as e:
+            raise IfrtFailure(INVALID_ARGUMENT, str(e)) from None
+
+    @staticmethod
+    def _pieces(array: Any) -> list[Any]:
+        """``array``'s single-device arrays, in its sharding's device order."""
+        if isinstance(array, Shards):
+            return array.pieces
+        return [s.data for s in array.addressable_shards]
 
     # -- the handlers ----------------------------------------------------------------
 
@@ -409,11 +527,16 @@ class Sessions:
 
     def _make_array(self, session: Session, body: Any, response: Any) -> None:
         dtype, shape = self._dtype(body.dtype), tuple(body.shape.dims)
-        [device] = self._sharding_devices(body.sharding)
+        devices, sharding = self._laid_out(body.sharding, "an array")
         strides = body.byte_strides.strides if body.HasField("byte_strides") else None
         host = self._host_array(self._host_buffer(session, body.host_buffer_handle), dtype, shape, strides)
-        self._room(session, host.nbytes)
-        array = self._device_put(host, device)
+        self._room(session, _device_bytes(shape, dtype, sharding))
+        if len(devices) == 1:
+            array = self._device_put(host, devices[0])
+        else:
+            array = self._global(shape, sharding, [
+                self._device_put(host[index], device)
+                for device, index in sharding.addressable_devices_indices_map(shape).items()])
         response.make_array_from_host_buffer_response.array_handle = self._put(
             session, body.array_handle if body.HasField("array_handle") else 0, array)
 
@@ -421,17 +544,37 @@ class Sessions:
         if body.array_handles and len(body.array_handles) != len(body.specs):
             raise IfrtFailure(INVALID_ARGUMENT, "array_handles and specs differ in length")
         made: list[Any] = []
+        held = 0
         for spec in body.specs:
-            [device] = self._sharding_devices(spec.array_spec.sharding)
-            if len(spec.host_buffers) != 1:
-                raise IfrtFailure(UNIMPLEMENTED, f"{len(spec.host_buffers)} host buffers for one "
-                                  "single-device array")
-            buf = spec.host_buffers[0]
-            strides = buf.byte_strides.strides if buf.HasField("byte_strides") else None
-            host = self._host_array(self._host_buffer(session, buf.host_buffer_handle),
-                                    self._dtype(buf.dtype), tuple(buf.shape.dims), strides)
-            self._room(session, host.nbytes + sum(int(a.nbytes) for a in made), len(made) + 1)
-            made.append(self._device_put(host, device))
+            dtype, shape = self._dtype(spec.array_spec.dtype), tuple(spec.array_spec.shape.dims)
+            devices, sharding = self._laid_out(spec.array_spec.sharding, "an array")
+            # Which shards (indices into ``devices``) each host buffer fills.
+            groups = ([list(g.indices) for g in spec.addressable_shard_indices]
+                      or [list(range(len(devices)))] * (len(spec.host_buffers) == 1))
+            if len(groups) != len(spec.host_buffers):
+                raise IfrtFailure(INVALID_ARGUMENT, f"{len(spec.host_buffers)} host buffers for "
+                                  f"{len(groups)} groups of shards")
+            shard_shape = sharding.shard_shape(shape)
+            shards: list[Any] = [None] * len(devices)
+            nbytes = _device_bytes(shape, dtype, sharding)
+            self._room(session, held + nbytes, len(made) + 1)
+            for indices, buf in zip(groups, spec.host_buffers):
+                strides = buf.byte_strides.strides if buf.HasField("byte_strides") else None
+                host = self._host_array(self._host_buffer(session, buf.host_buffer_handle),
+                                        self._dtype(buf.dtype), tuple(buf.shape.dims), strides)
+                if host.shape != tuple(shard_shape) or host.dtype != dtype:
+                    raise IfrtFailure(INVALID_ARGUMENT, f"a host buffer of {host.dtype}"
+                                      f"{list(host.shape)} for shards of {dtype}{list(shard_shape)}")
+                for k in indices:
+                    if not 0 <= k < len(devices) or shards[k] is not None:
+                        raise IfrtFailure(INVALID_ARGUMENT, f"shard index {k} is out of range "
+                                          f"or given twice ({len(devices)} shards)")
+                    shards[k] = self._device_put(host, devices[k])
+            empty = [k for k, shard in enumerate(shards) if shard is None]
+            if empty:
+                raise IfrtFailure(INVALID_ARGUMENT, f"shards {empty} have no host buffer")
+            made.append(self._global(shape, sharding, shards))
+            held += nbytes
         wanted = list(body.array_handles) or [0] * len(made)
         out = response.make_arrays_from_host_buffer_shards_response
         out.array_handles.extend(self._put(session, h, a) for h, a in zip(wanted, made))
@@ -444,16 +587,17 @@ class Sessions:
 
     def _assemble(self, session: Session, body: Any, response: Any) -> None:
         arrays = [self._array(session, h) for h in body.single_device_array_handles]
-        if len(arrays) != 1:
-            raise IfrtFailure(UNIMPLEMENTED, f"assembling {len(arrays)} shards is not served yet: "
-                              "this server's runtimes hold one device each")
+        devices, sharding = self._sharding(body.sharding)
+        if [_only_device(a) for a in arrays] != devices:
+            raise IfrtFailure(INVALID_ARGUMENT, f"{len(arrays)} single-device arrays do not lie on "
+                              f"the sharding's devices {[d.id for d in devices]}, one on each")
+        array = self._global(tuple(body.shape.dims), sharding, arrays)
         self._room(session, 0)
         response.assemble_array_from_single_device_arrays_response.array_handle = self._put(
-            session, body.result_handle, arrays[0], nbytes=0)
+            session, body.result_handle, array, nbytes=0)
 
     def _disassemble(self, session: Session, body: Any, response: Any) -> None:
-        array = self._array(session, body.array_handle)
-        shards = [s.data for s in array.addressable_shards]
+        shards = self._pieces(self._array(session, body.array_handle))
         wanted = list(body.result_handles) or [0] * len(shards)
         if len(wanted) != len(shards):
             raise IfrtFailure(INVALID_ARGUMENT, f"{len(wanted)} result handles for {len(shards)} shards")
@@ -465,21 +609,110 @@ class Sessions:
         array = self._array(session, body.array_handle)
         self._room(session, 0)
         response.fully_replicated_shard_response.array_handle = self._put(
-            session, body.result_handle, array.addressable_shards[0].data, nbytes=0)
+            session, body.result_handle, self._pieces(array)[0], nbytes=0)
 
     def _copy_arrays(self, session: Session, body: Any, response: Any) -> None:
         arrays = [self._array(session, h) for h in body.array_handles]
         devices = [self._device(i) for i in body.device_ids]
-        if len(devices) > 1:
-            raise IfrtFailure(UNIMPLEMENTED, "copies onto several devices are not served yet")
-        self._room(session, sum(int(a.nbytes) for a in arrays), len(arrays))
-        made = [self._jax.device_put(a, devices[0]) if devices else a.copy() for a in arrays]
+        self._room(session, sum(_held_bytes(a) for a in arrays), len(arrays))
+        made = [self._copied(a, devices) for a in arrays]
+        if body.copy_semantics == _DONATE_INPUT:
+            self._donate(session, body.array_handles, free=True)
         wanted = list(body.result_handles) or [0] * len(made)
         out = response.copy_arrays_response
         out.array_handles.extend(self._put(session, h, a) for h, a in zip(wanted, made))
 
+    def _copied(self, array: Any, devices: list[Any]) -> Any:
+        """``array`` copied onto ``devices`` (none: where it is), its shard ``i`` onto
+        ``devices[i]``, as IFRT's ``CopyArrays`` does."""
+        from jax._src.sharding_impls import GSPMDSharding
+
+        pieces = self._pieces(array)
+        if not devices:
+            devices = [_only_device(p) for p in pieces]
+        if len(devices) != len(pieces):
+            raise IfrtFailure(INVALID_ARGUMENT, f"an array on {len(pieces)} devices copied onto "
+                              f"{len(devices)}: the counts must match")
+        if isinstance(array, Shards):
+            return Shards(array.shape, [self._jax.device_put(p, d, may_alias=False)
+                                        for p, d in zip(pieces, devices)])
+        if len(devices) == 1:
+            return self._jax.device_put(array, devices[0], may_alias=False)
+        shards = [self._jax.device_put(p, d, may_alias=False) for p, d in zip(pieces, devices)]
+        sharding = GSPMDSharding(tuple(devices), array.sharding._to_xla_hlo_sharding(array.ndim),
+                                 memory_kind=array.sharding.memory_kind)
+        return self._global(array.shape, sharding, shards)
+
+    def _reshard(self, session: Session, body: Any, response: Any) -> None:
+        arrays = [self._array(session, h) for h in body.array_handles]
+        if len(body.array_specs) != len(arrays):
+            raise IfrtFailure(INVALID_ARGUMENT, f"{len(body.array_specs)} array specs for "
+                              f"{len(arrays)} arrays")
+        made, nbytes = [], 0
+        for array, spec in zip(arrays, body.array_specs):
+            _, sharding = self._laid_out(spec.sharding, "resharding")
+            if tuple(spec.shape.dims) != array.shape or self._dtype(spec.dtype) != array.dtype:
+                raise IfrtFailure(INVALID_ARGUMENT, f"resharding {array.dtype}{list(array.shape)} "
+                                  "may not change its dtype or shape")
+            nbytes += _device_bytes(array.shape, array.dtype, sharding)
+            made.append((array, sharding))
+        self._room(session, nbytes, len(made))
+        moved = [self._jax.device_put(array, sharding, may_alias=False) for array, sharding in made]
+        if body.copy_semantics == _DONATE_INPUT:
+            self._donate(session, body.array_handles, free=True)
+        wanted = list(body.result_handles) or [0] * len(moved)
+        out = response.reshard_arrays_response
+        out.array_handles.extend(self._put(session, h, a) for h, a in zip(wanted, moved))
+
+    def _remap(self, session: Session, body: Any, response: Any) -> None:
+        """New arrays from the shards of others, moved by shard index (no bytes copied):
+        ``RemapPlan`` mappings of intervals of one input's shards to one output's."""
+        plan = body.plan
+        arrays = [self._array(session, h) for h in body.array_handles]
+        if len(arrays) != len(plan.input_specs):
+            raise IfrtFailure(INVALID_ARGUMENT, f"a remap plan for {len(plan.input_specs)} arrays "
+                              f"given {len(arrays)}")
+        inputs = [self._pieces(a) for a in arrays]
+        outputs = [(tuple(spec.shape.dims), *self._sharding(spec.sharding))
+                   for spec in plan.output_specs]
+        shards: list[list[Any]] = [[None] * len(devices) for _, devices, _ in outputs]
+        for m in plan.mappings:
+            if not (0 <= m.in_array < len(inputs) and 0 <= m.out_array < len(outputs)):
+                raise IfrtFailure(INVALID_ARGUMENT, "a remap mapping names an array the plan has not")
+            taken = [k for a, b, c in zip(m.from_start, m.from_end, m.from_step)
+                     for k in range(a, b, c or 1)]
+            given = [k for a, b, c in zip(m.to_start, m.to_end, m.to_step)
+                     for k in range(a, b, c or 1)]
+            source, target = inputs[m.in_array], shards[m.out_array]
+            if len(taken) != len(given) or any(not 0 <= k < len(source) for k in taken) \
+                    or any(not 0 <= k < len(target) for k in given):
+                raise IfrtFailure(INVALID_ARGUMENT, "a remap mapping's intervals do not fit its "
+                                  "arrays' shards")
+            for k_in, k_out in zip(taken, given):
+                target[k_out] = source[k_in]
+        made = []
+        for (shape, devices, sharding), pieces in zip(outputs, shards):
+            if any(p is None for p in pieces) or [_only_device(p) for p in pieces] != devices:
+                raise IfrtFailure(INVALID_ARGUMENT, "a remap plan leaves an output's shards empty "
+                                  "or on devices its sharding does not name")
+            made.append(self._global(shape, sharding, pieces))
+        # Views of the inputs' buffers: counted for the key by the inputs, or, when they
+        # are donated, by the outputs from now on.
+        donated = body.copy_semantics == _DONATE_INPUT
+        self._room(session, 0, len(made))
+        if donated:
+            self._donate(session, body.array_handles, free=False)
+        wanted = list(body.result_handles) or [0] * len(made)
+        out = response.remap_arrays_response
+        out.array_handles.extend(self._put(session, h, a, None if donated else 0)
+                                 for h, a in zip(wanted, made))
+
     def _copy_to_host(self, session: Session, body: Any, response: Any) -> None:
-        array = np.asarray(self._array(session, body.array_handle))
+        found = self._array(session, body.array_handle)
+        if isinstance(found, Shards):
+            raise IfrtFailure(UNIMPLEMENTED, f"array {body.array_handle} is shards whose sharding "
+                              "does not say where each goes: copy its single-device arrays")
+        array = np.asarray(found)
         if body.HasField("byte_strides"):
             strides = tuple(int(s) for s in body.byte_strides.strides)
             if strides != array.strides:
@@ -501,6 +734,8 @@ class Sessions:
     def _delete_array(self, session: Session, body: Any, response: Any) -> None:
         failure = None
         for handle in body.array_handle:
+            if isinstance(session.arrays.get(handle), Donated):
+                continue  # deleted already
             try:
                 self._array(session, handle).delete()
             except IfrtFailure as e:
@@ -514,7 +749,10 @@ class Sessions:
         response.delete_array_response.deletion_future_handle = future
 
     def _is_array_deleted(self, session: Session, body: Any, response: Any) -> None:
-        response.is_array_deleted_response.deleted = self._array(session, body.array_handle).is_deleted()
+        found = session.arrays.get(body.array_handle)
+        deleted = found.is_deleted() if isinstance(found, Donated) else self._array(
+            session, body.array_handle).is_deleted()
+        response.is_array_deleted_response.deleted = deleted
 
     def _destruct_array(self, session: Session, body: Any, response: Any) -> None:
         missing = [h for h in body.array_handle if session.arrays.pop(h, None) is None]
@@ -533,11 +771,6 @@ class Sessions:
                               "io_callback) are not served: a jitserve program runs no client code")
         try:
             options = sanitize_options(body.compile_options, self.compiler.server_options())
-            build = self._message("xla.CompileOptionsProto").FromString(options).executable_build_options
-            if build.num_replicas * build.num_partitions > len(self.devices):
-                raise IfrtFailure(RESOURCE_EXHAUSTED, f"the program asks for "
-                                  f"{build.num_replicas * build.num_partitions} devices; this "
-                                  f"server's runtimes hold {len(self.devices)} each")
             may_compile = self._may_compile(session.owner)
             lookup = self.compiler.lookup_module(program_bytes(body.program), options,
                                                  compile=may_compile, scope=session.scope)
@@ -558,9 +791,10 @@ class Sessions:
         out.loaded_executable_handle = handle
         loaded = lookup.executable.loaded
         out.name = str(getattr(loaded, "name", "") or "jit")
-        out.num_devices = len(self.devices)
-        out.device_ids.extend(d.id for d in self.devices)
-        out.addressable_device_ids.extend(d.id for d in self.devices)
+        devices = lookup.executable.devices
+        out.num_devices = len(devices)
+        out.device_ids.extend(d.id for d in devices)
+        out.addressable_device_ids.extend(d.id for d in devices)
         try:
             fingerprint = loaded.fingerprint
             if fingerprint is not None:
@@ -625,11 +859,18 @@ class Sessions:
     def _execute(self, session: Session, body: Any, response: Any) -> None:
         executable = self._executable(session, body.loaded_executable_handle)
         args = [self._array(session, h) for h in body.args_handles]
-        out_nbytes = executable.out_nbytes
+        if any(isinstance(a, Shards) for a in args):  # laid out as the executable reads them
+            if len(args) != len(executable.in_avals):
+                raise IfrtFailure(INVALID_ARGUMENT, f"{len(args)} arguments for "
+                                  f"{len(executable.in_avals)} parameters")
+            args = [self._global(a.shape, sharding, a.pieces) if isinstance(a, Shards) else a
+                    for a, sharding in zip(args, executable.in_shardings)]
+        sharding = executable.meta.get("sharding")
+        out_nbytes = sum(sharding["out_device_bytes"]) if sharding else executable.out_nbytes
         self._room(session, out_nbytes or 0, len(executable.out_avals))
-        if body.device_ids and [int(i) for i in body.device_ids] != [d.id for d in self.devices]:
+        if body.device_ids and [int(i) for i in body.device_ids] != [d.id for d in executable.devices]:
             raise IfrtFailure(INVALID_ARGUMENT, f"devices {list(body.device_ids)} are not this "
-                              "executable's")
+                              f"executable's ({[d.id for d in executable.devices]})")
         try:
             outputs = executable.run(args)
             for output in outputs:
@@ -658,7 +899,9 @@ class Sessions:
                 else:
                     self._dtype_proto(np.dtype(output.dtype), o.dtype)
                     o.shape.dims.extend(output.shape)
-                self._single_sharding(self.devices[0], o.sharding)
+                    self._sharding_proto(output, o.sharding)
+                    continue
+                self._single_sharding(executable.devices[0], o.sharding)
 
     def _fetch_execute_result(self, session: Session, body: Any, response: Any) -> None:
         if body.result_status_handle not in session.results:
@@ -719,6 +962,29 @@ class Sessions:
 
 
 # -- helpers -------------------------------------------------------------------------
+
+
+def _device_bytes(shape: tuple[int, ...], dtype: np.dtype[Any], sharding: Any) -> int:
+    """The device bytes an array of ``shape`` laid out as ``sharding`` takes: a
+    replicated one counts once per device."""
+    shard = sharding.shard_shape(shape)
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize * len(sharding.device_set)
+
+
+def _only_device(array: Any) -> Any:
+    """The device of a single-device array; ``IfrtFailure`` for another."""
+    devices = array.pieces if isinstance(array, Shards) else array.sharding._device_assignment
+    if len(devices) != 1:
+        raise IfrtFailure(INVALID_ARGUMENT, f"an array on {len(devices)} devices where one on a "
+                          "single device belongs")
+    return devices[0]
+
+
+def _held_bytes(array: Any) -> int:
+    """The device bytes ``array`` takes on all its devices together."""
+    if isinstance(array, Shards) or len(array.sharding.device_set) == 1:
+        return int(array.nbytes)
+    return _device_bytes(array.shape, array.dtype, array.sharding)
 
 
 def _fail(response: Any, failure: IfrtFailure) -> None:

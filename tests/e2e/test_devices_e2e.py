@@ -1,18 +1,25 @@
-"""Programs sharded across the devices of a runtime (issue 37, first step).
+"""Programs sharded across the devices of a runtime (issue 37).
 
 One real server whose runtime has four simulated CPU devices
 (``JITSERVE_CPU_DEVICES=4``). The client, with one device, exports for a mesh of
 the server's (``jax.export`` over an ``AbstractMesh``), or sends the module as raw
 StableHLO; the server lowers it on a mesh of its own devices, compiles for four,
 and runs it. Results are compared with numpy on the same inputs: the sharding
-changes where the work runs, not what it computes.
+changes where the work runs, not what it computes. Through the IFRT proxy
+(``JAX_PLATFORMS=jitserve``), unmodified jax programs see the runtime's four devices
+and are compared with the same programs on four local simulated devices.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from e2e.conftest import _serve, metric_total, wait_ready
+from e2e.conftest import _free_port, _serve, metric_total, wait_ready
 from jax import export
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -33,8 +40,17 @@ MESH = AbstractMesh((2, 2), ("x", "y"))
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from _serve(tmp_path_factory.mktemp("devices"), {"JITSERVE_CPU_DEVICES": "4"})
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Four devices, one runtime; its HTTP url and its IFRT proxy target."""
+    port = _free_port()
+    for url in _serve(tmp_path_factory.mktemp("devices"), {"JITSERVE_CPU_DEVICES": "4",
+                                                           "JITSERVE_IFRT_PORT": str(port)}):
+        yield {"url": url, "target": f"127.0.0.1:{port}"}
+
+
+@pytest.fixture(scope="module")
+def url(server: dict[str, str]) -> str:
+    return server["url"]
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +279,18 @@ def test_a_mesh_inside_without_boundary_shardings_raises_with_the_fix(url: str) 
 
 
 @pytest.fixture(scope="module")
-def groups_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Four devices in two groups of two, one runtime each."""
-    yield from _serve(tmp_path_factory.mktemp("groups"), {
-        "JITSERVE_CPU_DEVICES": "4", "JITSERVE_RUNTIME_DEVICES": "0-1;2-3",
-        "JITSERVE_RUNTIMES": "1"})
+    port = _free_port()
+    for url in _serve(tmp_path_factory.mktemp("groups"), {
+            "JITSERVE_CPU_DEVICES": "4", "JITSERVE_RUNTIME_DEVICES": "0-1;2-3",
+            "JITSERVE_RUNTIMES": "1", "JITSERVE_IFRT_PORT": str(port)}):
+        yield {"url": url, "target": f"127.0.0.1:{port}"}
+
+
+@pytest.fixture(scope="module")
+def groups_url(groups: dict[str, str]) -> str:
+    return groups["url"]
 
 
 def test_groups_of_two_run_two_device_programs_and_refuse_four(groups_url: str) -> None:
@@ -423,3 +446,160 @@ def test_single_device_programs_use_every_device_of_the_group(url: str,
         expected = expected * 3 - 1
     np.testing.assert_array_equal(_outputs(http, chained)[0], expected)
     assert metric_total(url, "jitserve_runtime_relaid_total") == relaid
+
+
+# -- through the IFRT proxy: unmodified jax programs on the group ---------------------------
+
+
+def _jax_program(source: str, tmp_path: Path, *, target: str | None, devices: int = 4,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as its own program: through jitserve (``target``), or on ``devices``
+    local simulated CPU devices (``target=None``), the baseline."""
+    path = tmp_path / f"program_{abs(hash(source))}.py"
+    path.write_text(textwrap.dedent(source))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
+    if target is None:
+        environ.update(JAX_PLATFORMS="cpu",
+                       XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    else:
+        environ.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=target)
+    environ.update(env or {})
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          env=environ, timeout=180)
+
+
+SHARDED = """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = jax.devices()
+    out = {"devices": [d.id for d in devices]}
+    mesh = Mesh(np.array(devices).reshape(2, 2), ("x", "y"))
+    x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4),
+                       NamedSharding(mesh, P("x", "y")))
+    out["shards"] = sorted(s.device.id for s in x.addressable_shards)
+    y = jax.jit(lambda a: jnp.sin(a) @ a.T, out_shardings=NamedSharding(mesh, P("x")))(x)
+    out["matmul"], out["matmul_spec"] = np.asarray(y).tolist(), str(y.sharding.spec)
+    psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh,
+                                 in_specs=P("x", "y"), out_specs=P(None, "y")))
+    out["psum"] = np.asarray(psum(x)).tolist()
+    pmapped = jax.pmap(lambda a: a * jax.lax.psum(a, "i"), axis_name="i")
+    out["pmap"] = np.asarray(pmapped(np.arange(4.0, dtype=np.float32).reshape(4, 1))).tolist()
+    moved = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+    out["reshard"] = [str(moved.sharding.spec), bool(np.array_equal(np.asarray(moved), np.asarray(x)))]
+    out["grad"] = np.asarray(jax.jit(jax.grad(lambda a: (jnp.tanh(a) ** 2).sum()))(x)).tolist()
+    last = jax.device_put(jnp.ones(3), devices[-1]) * 2
+    out["last_device"] = [[d.id for d in last.devices()], np.asarray(last).tolist()]
+    reversed_mesh = Mesh(np.array(devices[::-1]).reshape(4), ("x",))
+    r = jax.jit(lambda a: a + 1, out_shardings=NamedSharding(reversed_mesh, P("x")))(
+        np.arange(8.0, dtype=np.float32))
+    out["reversed"] = [[s.device.id for s in r.addressable_shards], np.asarray(r).tolist()]
+    print(json.dumps(out))
+"""
+
+
+def test_an_unmodified_sharded_program_runs_across_the_group_through_the_proxy(
+        server: dict[str, str], tmp_path: Path) -> None:
+    """``jax.devices()`` through the proxy is the runtime's four devices; NamedSharding,
+    shard_map with a collective, pmap, resharding, a single device and a reversed device
+    order all give what they give on four local devices."""
+    remote = _jax_program(SHARDED, tmp_path, target=server["target"])
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    local = _jax_program(SHARDED, tmp_path, target=None)
+    assert local.returncode == 0, local.stderr[-3000:]
+    got, want = json.loads(remote.stdout), json.loads(local.stdout)
+    assert got["devices"] == want["devices"] == [0, 1, 2, 3]
+    assert got["shards"] == [0, 1, 2, 3]
+    for field in ("matmul", "psum", "pmap", "grad"):
+        np.testing.assert_allclose(np.array(got[field]), np.array(want[field]), rtol=1e-6)
+    for field in ("matmul_spec", "reshard", "last_device", "reversed"):
+        assert got[field] == want[field], field
+
+
+GROUP = """
+    import json
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
+                                  out_specs=P()))
+    x = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("x")))
+    print(json.dumps({"devices": len(jax.devices()), "psum": np.asarray(total(x)).tolist()}))
+"""
+
+
+def test_a_session_lives_on_one_group_and_asks_for_no_more_than_a_group_has(
+        groups: dict[str, str], tmp_path: Path) -> None:
+    for asked in ({}, {"JITSERVE_IFRT_DEVICES": "2"}):
+        done = _jax_program(GROUP, tmp_path, target=groups["target"], env=asked)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout) == {"devices": 2, "psum": [4.0, 6.0, 8.0, 10.0]}
+    refused = _jax_program(GROUP, tmp_path, target=groups["target"],
+                           env={"JITSERVE_IFRT_DEVICES": "4"})
+    assert refused.returncode != 0
+    assert "JITSERVE_IFRT_DEVICES='4': this server's groups have at most 2 devices" in refused.stderr
+
+
+def test_bad_shardings_and_remaps_on_the_wire_are_error_statuses(server: dict[str, str]) -> None:
+    """Shardings naming a device twice or one the group has not, shards of unknown
+    place, and a remap plan past its arrays: each an error status naming the problem."""
+    import grpc
+    from e2e.test_ifrt_e2e import Session, _status
+
+    from jitserve.compiler.ifrt_protos import message
+
+    f32 = message("xla.ifrt.DTypeProto").Kind.Value("KIND_F32")
+
+    def hlo(devices: list[int]) -> dict[str, Any]:
+        proto = message("xla.ifrt.HloShardingProto")()
+        proto.devices.device_ids.extend(devices)
+        proto.xla_op_sharding.type = proto.xla_op_sharding.REPLICATED
+        return {"serialized_sharding": {"type_name": "xla::ifrt::HloSharding",
+                                        "data": proto.SerializeToString()}}
+
+    def concrete(devices: list[int]) -> dict[str, Any]:
+        proto = message("xla.ifrt.ConcreteShardingProto")()
+        proto.devices.device_ids.extend(devices)
+        return {"serialized_sharding": {"type_name": "xla::ifrt::ConcreteSharding",
+                                        "data": proto.SerializeToString()}}
+
+    session = Session(server["target"], key=None)
+    try:
+        values = np.arange(4, dtype=np.float32)
+
+        def make(sharding: dict[str, Any], handle: int) -> tuple[int, str]:
+            session.store(handle + 100, values.tobytes())  # each request takes its own
+            return _status(session.request(make_array_from_host_buffer_request={
+                "dtype": {"kind": f32}, "shape": {"dims": [4]}, "host_buffer_handle": handle + 100,
+                "array_handle": handle, "sharding": sharding}))
+
+        code, text = make(hlo([0, 0, 1, 2]), 20)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "each at most once" in text
+        code, text = make(hlo([0, 9]), 21)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "unknown device 9" in text
+        code, text = make(concrete([0, 1]), 22)
+        assert code == grpc.StatusCode.UNIMPLEMENTED.value[0] and "which part" in text
+        assert make(hlo([0, 1, 2, 3]), 23) == (0, "")  # replicated on all four: fine
+        plan = {"input_specs": [{"dtype": {"kind": f32}, "shape": {"dims": [4]},
+                                 "sharding": hlo([0, 1, 2, 3])}],
+                "output_specs": [{"dtype": {"kind": f32}, "shape": {"dims": [4]},
+                                  "sharding": hlo([0, 1])}],
+                "mappings": [{"in_array": 0, "out_array": 0, "from_start": [2], "from_end": [9],
+                              "from_step": [1], "to_start": [0], "to_end": [7], "to_step": [1]}]}
+        code, text = _status(session.request(remap_arrays_request={
+            "plan": plan, "array_handles": [23], "result_handles": [24]}))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "intervals" in text
+        plan["mappings"][0].update(from_end=[4], to_end=[2])  # shards 2 and 3 onto 0 and 1
+        code, text = _status(session.request(remap_arrays_request={
+            "plan": plan, "array_handles": [23], "result_handles": [24]}))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "devices" in text
+        plan["mappings"][0].update(from_start=[0], from_end=[2])  # shards 0 and 1: fits
+        assert _status(session.request(remap_arrays_request={
+            "plan": plan, "array_handles": [23], "result_handles": [24]})) == (0, "")
+        read = session.request(copy_to_host_buffer_request={"array_handle": 24,
+                                                            "host_buffer_handle": 25})
+        assert _status(read) == (0, "")
+    finally:
+        session.close()
