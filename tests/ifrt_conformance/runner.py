@@ -9,6 +9,9 @@ modulo N (``share.py``), the same ones in both runs.
 
 Used by ``tests/e2e/test_ifrt_conformance.py`` (a share, in CI) and
 ``bench/conformance.py`` (whole files).
+
+The files of ``DEVICES`` need several devices: they run locally on that many simulated
+CPU devices, and through a server whose runtimes have as many (``JITSERVE_CPU_DEVICES``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["FILES", "JAX_TESTS", "Comparison", "baseline", "compare", "expected_failures",
-           "run_file", "write_baseline"]
+__all__ = ["DEVICES", "FILES", "JAX_TESTS", "Comparison", "baseline", "compare",
+           "expected_failures", "run_file", "write_baseline"]
 
 HERE = Path(__file__).resolve().parent
 JAX_TESTS = Path(os.environ.get("JITSERVE_JAX_TESTS", HERE.parents[2] / "shared" / "jax-tests"))
 FILES = ("lax_numpy_test.py", "api_test.py", "lax_autodiff_test.py", "lax_control_flow_test.py",
-         "random_test.py")
+         "random_test.py", "pjit_test.py", "shard_map_test.py")
+# The devices a file runs on, where that is more than one.
+DEVICES = {"pjit_test.py": 8, "shard_map_test.py": 8}
 
 
 def expected_failures() -> dict[str, str]:
@@ -47,6 +52,8 @@ def run_file(name: str, junit: Path, *, target: str | None, share: int = 1,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JITSERVE_", "XLA_"))}
     env.update(JAX_NUM_GENERATED_CASES="1", JAX_ENABLE_X64="1",
                JITSERVE_CONFORMANCE_SHARE=str(share), PYTHONPATH=str(HERE.parent))
+    if name in DEVICES:  # locally; through jitserve, jax.devices() is the session's group
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES[name]}"
     if target is None:
         env["JAX_PLATFORMS"] = "cpu"
     else:
@@ -76,7 +83,7 @@ def _fingerprint(name: str, share: int) -> str:
     h = hashlib.sha256((JAX_TESTS / "tests" / name).read_bytes())
     for dist in ("jax", "jaxlib", "numpy"):
         h.update(f"{dist}={md.version(dist)};".encode())
-    h.update(f"python={sys.version_info[:2]};share={share}".encode())
+    h.update(f"python={sys.version_info[:2]};share={share};devices={DEVICES.get(name, 1)}".encode())
     return h.hexdigest()
 
 
