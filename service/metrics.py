@@ -40,6 +40,11 @@ Names (the Grafana dashboard and the acceptance tests read these)::
     jitserve_batch_calls                      histogram of calls per batched run, and
     jitserve_batch_rows                       of rows (before padding to a bucket)
                                               (docs/batching.md)
+    jitserve_device_runs_total{device}        runs on each of the host's devices
+    jitserve_runtime_relaid_total             kept outputs moved to another layout
+    jitserve_device_memory_bytes{device,kind} each device's memory: in_use (on the CPU,
+                                              the runtimes' live arrays there), and limit
+                                              and peak where XLA reports them (GPU)
 """
 
 from __future__ import annotations
@@ -153,6 +158,10 @@ class Metrics:
             "jitserve_runtime_relaid", "kept outputs moved device to device to the layout a "
             "run wanted (sharded programs), or gathered for a single-device one", registry=r)
         self._relaid_seen = 0
+        self.device_memory_bytes = Gauge(
+            "jitserve_device_memory_bytes", "each device's memory: in_use (on the CPU, the "
+            "runtimes' live arrays there), and limit and peak where XLA reports them",
+            ["device", "kind"], registry=r)
         self.device_runs = Counter("jitserve_device_runs", "runs on each of the host's devices "
                                    "(a sharded run counts on its first)", ["device"], registry=r)
         self._device_runs_seen: dict[int, int] = {}
@@ -299,6 +308,12 @@ class Metrics:
             if total > seen:
                 self.device_runs.labels(str(device)).inc(total - seen)
                 self._device_runs_seen[device] = total
+
+    def device_memory(self, by_device: Mapping[int, Mapping[str, int]]) -> None:
+        """Set ``jitserve_device_memory_bytes`` from the runtimes' reports, by host device id."""
+        for device, stats in by_device.items():
+            for kind, value in stats.items():
+                self.device_memory_bytes.labels(str(device), kind).set(value)
 
     def render(self, futures_by_state: Mapping[str, int], device_bytes: int) -> bytes:
         """The Prometheus text exposition, with the gauges brought up to date."""

@@ -34,6 +34,7 @@ import ctypes
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import resource
 import select
@@ -654,11 +655,39 @@ class RuntimeServer:
     def op_stats(self, m: StatsRequest) -> StatsAnswer:
         catalog = self.compiler.catalog
         compiler = self.compiler.stats()
-        return {"buffers": len(self.buffers), "compilations": compiler["compilations"],
-                "l1_entries": compiler["l1_entries"], "l1_bytes": compiler["l1_bytes"],
-                "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
-                "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran,
-                "relaid": self.relaid, "device_runs": list(self.device_runs)}
+        answer: StatsAnswer = {
+            "buffers": len(self.buffers), "compilations": compiler["compilations"],
+            "l1_entries": compiler["l1_entries"], "l1_bytes": compiler["l1_bytes"],
+            "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
+            "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran,
+            "relaid": self.relaid, "device_runs": list(self.device_runs)}
+        if m.get("memory"):
+            answer["device_memory"] = self._device_memory()
+        return answer
+
+    def _device_memory(self) -> list[dict[str, int]]:
+        """Each device's memory as XLA's allocator reports it, or, where it reports
+        nothing (the CPU), the bytes of this process's live arrays on it: outputs of
+        calls and IFRT sessions' arrays, a sharded one counted on each of its devices."""
+        import jax
+
+        devices = self.compiler.devices
+        reported = [d.memory_stats() for d in devices]
+        if all(reported):
+            return [{"in_use": int(s.get("bytes_in_use", 0)), "limit": int(s.get("bytes_limit", 0)),
+                     "peak": int(s.get("peak_bytes_in_use", 0))} for s in reported]
+        held = dict.fromkeys((d.id for d in devices), 0)
+        for array in jax.live_arrays():
+            if array.is_deleted():
+                continue
+            sharding = array.sharding
+            on = sharding.device_set
+            each = array.nbytes if len(on) == 1 else (
+                math.prod(sharding.shard_shape(array.shape)) * array.dtype.itemsize)
+            for device in on:
+                if device.id in held:
+                    held[device.id] += int(each)
+        return [{"in_use": held[d.id]} for d in devices]
 
     # -- IFRT proxy sessions (runtimes.ifrt) -------------------------------------
 

@@ -872,7 +872,7 @@ class RuntimePool:
 
     # -- what the runtimes report -------------------------------------------------
 
-    async def report(self) -> dict[str, Any]:
+    async def report(self, memory: bool = False) -> dict[str, Any]:
         """Ask every runtime that is up for its stats; the pool's view of them.
 
         ``cache``: the worst shared-cache state a runtime reports (``degraded`` over
@@ -880,13 +880,15 @@ class RuntimePool:
         every process there has been, so they stay monotonic across restarts
         (``None`` without Redis). ``relaid``: kept outputs moved to the layout a
         run wanted, over every process there has been. ``device_runs``: runs on
-        each of the host's devices, by its id, likewise.
+        each of the host's devices, by its id, likewise. ``memory``: also
+        ``device_memory``, each host device's memory (``StatsAnswer``), summed over the
+        runtimes of its group (each process has its own allocator and share).
         """
         async def one(runtime: Runtime) -> None:
             if runtime.state != "up":
                 return
             try:
-                reply = await runtime.request(Op.STATS, {}, timeout_s=5)
+                reply = await runtime.request(Op.STATS, {"memory": memory}, timeout_s=5)
             except RemoteError:
                 return
             self._fold(runtime.index, reply["generation"], reply)
@@ -908,8 +910,17 @@ class RuntimePool:
                 for k, v in doc["redis"].items():
                     if isinstance(v, int):
                         redis[k] = redis.get(k, 0) + v
-        return {"cache": cache, "redis": redis, "relaid": relaid,
-                "device_runs": dict(device_runs)}
+        out: dict[str, Any] = {"cache": cache, "redis": redis, "relaid": relaid,
+                               "device_runs": dict(device_runs)}
+        if memory:
+            used: dict[int, collections.Counter[str]] = {}
+            for index, (_, doc) in self._latest.items():
+                ids = self.runtimes[index].group.devices
+                for i, stats in enumerate(doc.get("device_memory") or ()):
+                    if i < len(ids):
+                        used.setdefault(ids[i], collections.Counter()).update(stats)
+            out["device_memory"] = {device: dict(stats) for device, stats in sorted(used.items())}
+        return out
 
     def _device_runs_of(self, index: int, doc: dict[str, Any]) -> dict[int, int]:
         """A STATS answer's runs per device of runtime ``index``, by the host's device ids."""

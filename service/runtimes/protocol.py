@@ -281,8 +281,8 @@ class ForgetAnswer(TypedDict):
     tiers: list[str]  # those that held it
 
 
-class StatsRequest(TypedDict):
-    pass
+class StatsRequest(TypedDict, total=False):
+    memory: bool  # with ``device_memory`` (a walk over the live arrays on the CPU)
 
 
 class StatsAnswer(TypedDict):
@@ -297,6 +297,9 @@ class StatsAnswer(TypedDict):
     quick_runs_overran: int  # quick runs that said ``started`` late
     relaid: int  # kept outputs moved to the layout a run wanted
     device_runs: list[int]  # runs so far on each of its devices (a sharded run: its first's)
+    # Each of its devices' memory: ``in_use`` bytes, and ``limit`` and ``peak`` where
+    # XLA reports them (GPU); on the CPU, ``in_use`` is the bytes of its live arrays there.
+    device_memory: NotRequired[list[dict[str, int]]]
 
 
 class FreeRequest(TypedDict):

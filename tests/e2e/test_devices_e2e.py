@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -419,6 +420,33 @@ def test_device_put_with_a_sharding_lays_arrays_out_on_the_server(url: str) -> N
         np.testing.assert_allclose(np.asarray(f(params, placed)), np.sin(x) @ w + 0.5,
                                    rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(placed), x)  # the same bytes, laid out
+
+
+def _in_use(url: str) -> list[float]:
+    return [metric_total(url, f'jitserve_device_memory_bytes{{device="{d}",kind="in_use"}}')
+            for d in range(4)]
+
+
+def test_each_device_s_memory_is_a_gauge(url: str) -> None:
+    """A kept array sharded over the four devices shows on each device's gauge (on
+    the CPU: the runtime's live arrays there), a replicated one on each device whole,
+    and both leave it when freed."""
+    from jitserve.client import Client
+
+    with Client(url, timeout=120) as c:
+        mesh = c.mesh((2, 2), ("x", "y"))
+        before = _in_use(url)
+        rows = c.device_put(np.ones((256, 128), np.float32), NamedSharding(mesh, P(("x", "y"))))
+        copies = c.device_put(np.ones((64, 128), np.float32), NamedSharding(mesh, P()))
+        rows.block_until_ready()
+        copies.block_until_ready()
+        held = [after - b for after, b in zip(_in_use(url), before)]
+        assert all(n >= 32 * 1024 + 32 * 1024 for n in held), held  # a quarter + a whole copy
+        del rows, copies
+        deadline = time.monotonic() + 60
+        while any(after - b > 0 for after, b in zip(_in_use(url), before)):
+            assert time.monotonic() < deadline, _in_use(url)
+            time.sleep(0.2)
 
 
 def _device_runs(url: str) -> list[float]:

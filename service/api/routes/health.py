@@ -81,9 +81,10 @@ async def readyz(services: ServicesDep) -> Response:
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus metrics of this process and its runtimes."""
     metrics, futures, runtimes = services.metrics, services.futures, services.runtimes
-    report = await runtimes.report()
+    report = await runtimes.report(memory=True)
     metrics.relaid(report["relaid"])
     metrics.runs_by_device(report["device_runs"])
+    metrics.device_memory(report["device_memory"])
     shared = report["redis"]  # the runtimes use Redis; this process lists
     if shared is not None:
         mine = services.catalog.shared_stats() or {}
