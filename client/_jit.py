@@ -72,13 +72,25 @@ class _Hold:
 _MAX_SKIP = 1024
 
 
-@dataclasses.dataclass(frozen=True)
 class _Input:
-    """One leaf as the program sees it: the wire value (or our remote array), spec and key impl."""
+    """One leaf as the program sees it: the wire value (or our remote array), its
+    signature (shape, dtype name, weak type, key impl) and, made only when a trace
+    needs it, its ``jax.ShapeDtypeStruct`` (``spec``)."""
 
-    value: Any
-    spec: Any
-    key: str | None
+    __slots__ = ("_spec", "key", "signature", "value")
+
+    def __init__(self, value: Any, signature: tuple[Any, ...], key: str | None,
+                 spec: Any = None) -> None:
+        self.value, self.signature, self.key, self._spec = value, signature, key, spec
+
+    @property
+    def spec(self) -> Any:
+        if self._spec is None:
+            import jax
+
+            shape, dtype, weak, _ = self.signature
+            self._spec = jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+        return self._spec
 
 
 def _as_tuple(x: Any, kind: type) -> tuple[Any, ...]:
@@ -188,24 +200,23 @@ class _RemoteFunctionBase:
         return _donated_leaves(flags, dyn)
 
     def _input(self, leaf: Any) -> _Input:
-        """A leaf's wire value and spec: our own remote arrays go as themselves (references)."""
-        import jax
-
+        """A leaf's wire value and signature: our own remote arrays go as themselves
+        (references), their signature read from what the server said of them."""
         if isinstance(leaf, _RemoteBase) and leaf._belongs_to(self._client):
-            leaf.ref()  # raises RuntimeError for a deleted array, before anything is traced
-            a = leaf.aval
-            spec = jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-            return _Input(leaf, spec, leaf.key_type.impl if leaf.key_type else None)
+            leaf._check_live()  # a deleted array raises RuntimeError before anything is traced
+            a, impl = leaf.aval, leaf.key_type.impl if leaf.key_type else None
+            return _Input(leaf, (tuple(a.shape), a.dtype, bool(a.weak_type), impl), impl)
         value, spec, key = local_input(local_value(leaf))
-        return _Input(value, spec, key.impl if key else None)
+        impl = key.impl if key else None
+        return _Input(value, (tuple(spec.shape), spec.dtype.name, bool(spec.weak_type), impl),
+                      impl, spec)
 
     # ------------------------------------------------------------------ tracing
 
     def _key(self, split: _Split, inputs: list[_Input], platforms: Any) -> Hashable:
         import jax
 
-        avals = tuple((tuple(i.spec.shape), i.spec.dtype.name, bool(i.spec.weak_type), i.key)
-                      for i in inputs)
+        avals = tuple(i.signature for i in inputs)
         return (split.static_pos, split.static_kw, split.treedef, avals, platforms,
                 # jax adds its options to Config as it defines them, unseen by mypy
                 bool(jax.config.jax_enable_x64))  # type: ignore[attr-defined]
@@ -292,7 +303,7 @@ class _RemoteFunctionBase:
         wait = self._client.timeout.hold if hold is not None and hold.ask() else None
         op = self._client._op_execute
         try:
-            ex = yield from op(compiled.program_id, values, wait, "", donate)
+            ex = yield from op(compiled.program_id, values, wait, "", donate, compiled.out_avals)
         except NotFound:
             # The server may have lost the program (a restart); a missing future
             # reference is the other 404, and re-raises below.
@@ -300,7 +311,7 @@ class _RemoteFunctionBase:
             if (yield from self._client._op_get_program(compiled.program_id)) is not None:
                 raise
             yield from self._op_ensure_uploaded(compiled, check=False)
-            ex = yield from op(compiled.program_id, values, wait, "", donate)
+            ex = yield from op(compiled.program_id, values, wait, "", donate, compiled.out_avals)
         if wait is not None:
             assert hold is not None
             hold.answered(ex.outputs is not None)

@@ -18,9 +18,9 @@ import dataclasses
 import functools
 import logging
 import operator
+import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -142,8 +142,8 @@ class _RemoteBase:
     ``RemoteArray``); ``_local`` is how each kind gets the value.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_future", "aval", "dtype", "index", "key_type",
-                 "shape", "sharding")
+    __slots__ = ("__weakref__", "_future", "aval", "dtype", "index", "key_type", "shape",
+                 "sharding")
 
     def __init__(self, future: _FutureState, index: int, aval: Aval,
                  key_type: KeyType | None = None, sharding: Any = None) -> None:
@@ -160,8 +160,18 @@ class _RemoteBase:
             self.dtype: Any = key_type.dtype if key_type else wire.dtype_from_name(aval.dtype)
         except wire.WireError as e:
             raise ProtocolError(f"output {index} of future {future.future_id}: {e}") from None
-        self._finalizer = weakref.finalize(self, future.drop, index, aval.nbytes)
-        self._finalizer.atexit = False  # at exit the server's TTL frees it; no IO then
+
+    def __del__(self) -> None:
+        # Garbage: the output goes back to the server (queued, sent in batches), as a
+        # dropped jax.Array frees its memory. A __del__, not a weakref.finalize: one of
+        # those costs several microseconds per output of every call. At interpreter exit
+        # the server's TTL frees it: no IO then.
+        try:
+            future, index = self._future, self.index
+        except AttributeError:  # __init__ did not finish
+            return
+        if index not in future.released and not sys.is_finalizing():
+            future.drop(index, self.aval.nbytes)
 
     @property
     def future_id(self) -> str:
@@ -205,7 +215,6 @@ class _RemoteBase:
         queueing it; ``False`` if it already was."""
         if self.is_deleted():
             return False
-        self._finalizer.detach()
         self._future.forget(self.index)
         return True
 

@@ -34,6 +34,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import itertools
 import logging
@@ -70,6 +71,15 @@ _FREE_MAX_HELD = 1024
 # Bound once: looking a member up on its enum costs 0.1 us in Python 3.11, and every
 # request and reply compares one.
 _RUN, _STARTED, _OK = Op.RUN, Kind.STARTED, Kind.OK
+
+
+
+def _widen(fd: int) -> None:
+    """Let pipe ``fd`` hold ``frames.INLINE_MAX_BYTES`` (where the system allows), so a
+    message with inline arrays (those under it: a training batch) goes in one write,
+    not through ``PipeWriter``'s thread. Linux's default holds 64 KiB."""
+    with contextlib.suppress(OSError, AttributeError):  # over pipe-max-size; not Linux
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, frames.INLINE_MAX_BYTES)
 
 
 class RemoteError(Exception):
@@ -453,6 +463,8 @@ class Runtime:
         """Start a process and wait for its ready message; ``_StartFailed`` if it never comes."""
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
+        for fd in (to_child_w, from_child_w):
+            _widen(fd)
         process = subprocess.Popen(
             [sys.executable, "-m", "jitserve.service.runtimes.child", str(to_child_r),
              str(from_child_w)],
