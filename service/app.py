@@ -32,6 +32,7 @@ from .api.lane import ExecuteLane
 from .api.openapi import install_docs
 from .api.routes import arrays as arrays_routes
 from .api.routes import batching as batching_routes
+from .api.routes import calls as calls_routes
 from .api.routes import executables as executables_routes
 from .api.routes import execute as execute_routes
 from .api.routes import futures as futures_routes
@@ -161,6 +162,7 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     install_error_handlers(app, metrics)
     install_docs(app)
     app.include_router(execute_routes.router)  # first: every call matches it
+    app.include_router(calls_routes.router)
     app.include_router(health_routes.router)
     app.include_router(health_routes.devices_router)
     app.include_router(programs_routes.router)

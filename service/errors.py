@@ -62,6 +62,7 @@ __all__ = [
     "Unavailable",
     "UnsupportedMediaType",
     "error_body",
+    "refusal_body",
     "install_error_handlers",
 ]
 
@@ -157,6 +158,21 @@ _HTTP_CODES = {e.status: e for e in (ErrorCode.BAD_REQUEST, ErrorCode.UNAUTHORIZ
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
     """The JSON document of every error answer."""
     return {"error": {"code": code, "message": message, **extra}}
+
+
+def refusal_body(exc: Exception) -> dict[str, Any] | None:
+    """The error document a refusal ``exc`` is answered with (as the handlers below
+    answer it), for an answer that carries several (``POST /v1/calls``); ``None`` for
+    an exception that is no refusal (a bug: answered ``internal``)."""
+    if isinstance(exc, ServiceError):
+        return error_body(exc.code.value, exc.message, **exc.extra)
+    if isinstance(exc, CompilerError):
+        return error_body(ErrorCode(exc.code).value, str(exc))
+    if isinstance(exc, CacheUnavailable):
+        return error_body(ErrorCode.UNAVAILABLE.value, f"the shared cache is unavailable: {exc}")
+    if isinstance(exc, WireError):
+        return error_body(ErrorCode.BAD_REQUEST.value, f"bad request body: {exc}")
+    return None
 
 
 def _response(code: ErrorCode, message: str, headers: dict[str, str] | None = None,

@@ -27,6 +27,13 @@ __all__ = [
     "CompileRequest",
     "CompileResult",
     "CostInfo",
+    "CallRef",
+    "CallRefused",
+    "CallStarted",
+    "CallsAnswer",
+    "CallsJSON",
+    "CallsMsgpack",
+    "CallsRequest",
     "DeleteResult",
     "ErrorBody",
     "ErrorDetail",
@@ -39,6 +46,7 @@ __all__ = [
     "ExecuteRequest",
     "FutureRef",
     "FutureView",
+    "MAX_CALLS",
     "MemoryInfo",
     "OutputsJSON",
     "ProgramDeleted",
@@ -135,6 +143,75 @@ class ExecuteMsgpack(_ExecuteOptions):
     """Body of an execute, in msgpack: the flattened input leaves, in order."""
 
     args: list[ArrayMsgpack | FutureRef]
+
+
+MAX_CALLS = 1024  # calls in one POST /v1/calls
+
+
+class CallRef(_Strict):
+    """An input that is output ``output`` of call ``call`` of the same batch (an earlier one)."""
+
+    call: int = Field(ge=0, description="the index of an earlier call of this batch")
+    output: int = Field(ge=0, description="which output of that call")
+
+
+class _Call(_ExecuteOptions):
+    program_id: str = Field(max_length=256)
+
+
+class CallJSON(_Call):
+    """One call of ``POST /v1/calls``, in JSON."""
+
+    args: list[ArrayJSON | FutureRef | CallRef]
+
+
+class CallMsgpack(_Call):
+    """One call of ``POST /v1/calls``, in msgpack."""
+
+    args: list[ArrayMsgpack | FutureRef | CallRef]
+
+
+class CallsJSON(_Strict):
+    """Body of ``POST /v1/calls``, in JSON: calls to start in order."""
+
+    calls: list[CallJSON] = Field(max_length=MAX_CALLS)
+
+
+class CallsMsgpack(_Strict):
+    """Body of ``POST /v1/calls``, in msgpack: calls to start in order."""
+
+    calls: list[CallMsgpack] = Field(max_length=MAX_CALLS)
+
+
+class CallsItem(_Call):
+    """One call as the route reads it (arrays stay as decoded by the codec)."""
+
+    args: list[Any]
+
+
+class CallsRequest(_Strict):
+    calls: list[CallsItem] = Field(max_length=MAX_CALLS)
+
+
+class CallStarted(BaseModel):
+    """A call of the batch that was accepted: its future, to poll, fetch or pass on."""
+
+    future_id: str
+    status: str
+    executable_id: str
+    tier: str
+
+
+class CallRefused(BaseModel):
+    """A call of the batch that was refused, with the error its own execute would get."""
+
+    error: dict[str, Any] = Field(description='{"code": ..., "message": ...}, as any error')
+
+
+class CallsAnswer(BaseModel):
+    """The answer of ``POST /v1/calls``: one entry per call, in order."""
+
+    calls: list[CallStarted | CallRefused]
 
 
 class OutputsJSON(BaseModel):

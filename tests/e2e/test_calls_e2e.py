@@ -1,0 +1,117 @@
+"""``POST /v1/calls``: several calls started in order in one request (issue 38's
+foundation for running ahead), against a real ``jitserve serve`` over raw HTTP.
+
+A chain whose links take the outputs of earlier calls of the same batch gives what
+the calls one by one give; a refused call is refused as its own execute would be,
+the calls that take its outputs are refused naming it, and the others go on; a
+donated link releases what it donates; another key's futures stay out of reach.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import jax
+import numpy as np
+import pytest
+from jax import export
+
+from jitserve import wire
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _program(http: httpx.Client, headers: dict[str, str] | None = None) -> str:
+    exp = export.export(jax.jit(lambda a: a * 2.0 + 1.0))(jax.ShapeDtypeStruct((4,), np.float32))
+    r = http.post("/v1/programs", content=bytes(exp.serialize()),
+                  headers={"content-type": wire.OCTET_STREAM, **(headers or {})})
+    assert r.status_code in (200, 201), r.text
+    return str(r.json()["program_id"])
+
+
+def _calls(http: httpx.Client, calls: list[dict[str, Any]], *, as_json: bool = False,
+           headers: dict[str, str] | None = None) -> httpx.Response:
+    if as_json:
+        return http.post("/v1/calls", content=wire.dumps_json({"calls": calls}),
+                         headers={"content-type": wire.JSON, **(headers or {})})
+    return http.post("/v1/calls", content=wire.packb({"calls": calls}),
+                     headers={"content-type": wire.MSGPACK, **(headers or {})})
+
+
+def _value(http: httpx.Client, future_id: str, headers: dict[str, str] | None = None) -> Any:
+    r = http.get(f"/v1/futures/{future_id}/result", params={"wait": 30000},
+                 headers={"accept": wire.MSGPACK, **(headers or {})})
+    assert r.status_code == 200, r.text
+    return wire.unpackb(r.content)["outputs"][0]
+
+
+def test_a_batch_chains_its_calls_and_refuses_each_bad_one_alone(http: httpx.Client) -> None:
+    pid = _program(http)
+    a = np.arange(4, dtype=np.float32)
+    r = _calls(http, [
+        {"program_id": pid, "args": [a]},
+        {"program_id": pid, "args": [{"call": 0, "output": 0}]},
+        {"program_id": pid, "args": [np.zeros(3, np.float32)]},  # the wrong shape
+        {"program_id": pid, "args": [{"call": 2, "output": 0}]},  # takes the refused one's
+        {"program_id": pid, "args": [{"call": 1, "output": 0}], "donate": [0]},
+        {"program_id": pid, "args": [{"call": 9, "output": 0}]},  # no such call before it
+        {"program_id": "no-such-program", "args": [a]},
+    ])
+    assert r.status_code == 200, r.text
+    entries = r.json()["calls"]
+    assert len(entries) == 7
+    assert [e.get("error", {}).get("code") for e in entries] == [
+        None, None, "signature_mismatch", "future_failed", None, "bad_request", "not_found"]
+    assert "expected float32[4], got float32[3]" in entries[2]["error"]["message"]
+    assert "call 2 of this batch was refused" in entries[3]["error"]["message"]
+    np.testing.assert_array_equal(_value(http, entries[0]["future_id"]), a * 2 + 1)
+    np.testing.assert_array_equal(_value(http, entries[4]["future_id"]), a * 8 + 7)
+    # Call 4 donated call 1's output: it is released, as an execute's donation does.
+    r = http.get(f"/v1/futures/{entries[1]['future_id']}/result", params={"wait": 30000})
+    assert r.status_code in (404, 409, 410), r.text
+    # Each started future is a future like any other: its avals are there.
+    info = http.get(f"/v1/futures/{entries[0]['future_id']}").json()
+    assert info["out_avals"] == [{"shape": [4], "dtype": "float32"}]
+
+
+def test_a_batch_in_json_and_a_second_batch_on_the_first_s_futures(http: httpx.Client) -> None:
+    pid = _program(http)
+    first = _calls(http, [{"program_id": pid, "args": [np.ones(4, np.float32)]}],
+                   as_json=True)
+    assert first.status_code == 200, first.text
+    [entry] = first.json()["calls"]
+    second = _calls(http, [{"program_id": pid, "args": [{"future": entry["future_id"], "output": 0}]},
+                           {"program_id": pid, "args": [{"call": 0, "output": 0}]}])
+    assert second.status_code == 200, second.text
+    np.testing.assert_array_equal(_value(http, second.json()["calls"][1]["future_id"]),
+                                  np.full(4, 15.0, np.float32))
+
+
+def test_bad_batches_are_refused_whole(http: httpx.Client) -> None:
+    pid = _program(http)
+    assert _calls(http, []).json() == {"calls": []}
+    for body in ({}, {"calls": "no"}, {"calls": [{"args": []}]},
+                 {"calls": [{"program_id": pid, "args": [], "what": 1}]},
+                 {"calls": [{"program_id": pid, "args": []}] * 1025}):
+        r = http.post("/v1/calls", content=wire.packb(body), headers={"content-type": wire.MSGPACK})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (body, r.text)
+    r = http.post("/v1/calls", content=b"\xc1garbage", headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 400, r.text
+
+
+def test_another_key_s_futures_are_out_of_reach(auth_server_url: str,
+                                                auth_keys: tuple[str, ...]) -> None:
+    alice, bob = ({"authorization": f"Bearer {k}"} for k in auth_keys[:2])
+    with httpx.Client(base_url=auth_server_url, timeout=60) as http:
+        assert http.post("/v1/calls", content=wire.packb({"calls": []}),
+                         headers={"content-type": wire.MSGPACK}).status_code == 401
+        pid = _program(http, alice)
+        _program(http, bob)
+        mine = _calls(http, [{"program_id": pid, "args": [np.ones(4, np.float32)]}],
+                      headers=alice).json()["calls"][0]["future_id"]
+        r = _calls(http, [{"program_id": pid, "args": [{"future": mine, "output": 0}]}],
+                   headers=bob)
+        assert r.status_code == 200, r.text
+        assert r.json()["calls"][0]["error"]["code"] == "not_found"
+        np.testing.assert_array_equal(_value(http, mine, alice), np.full(4, 3.0, np.float32))
