@@ -224,6 +224,7 @@ class BaseClient:
         self._programs: set[str] = set()  # program ids the server is known to have
         self._placers: dict[Any, Any] = {}  # device_put's identity functions, by sharding
         self._releases = ReleaseQueue(_weakly(self._post_releases))
+        self._ahead: Any = None  # the calls on their way (Client(run_ahead=N), _ahead)
         self._buffers = BufferPool()  # big answers are read into these (_body_buffer)
         # A client dropped without close() ends its release thread too.
         weakref.finalize(self, self._releases.stop)
@@ -351,11 +352,17 @@ class BaseClient:
         is what compile progress calls the computation; ``shardings`` the outputs'
         layouts on the server's devices, for a sharded program.
         """
-        if "jax" in sys.modules:  # without jax, nobody can hand them to jax
-            register_with_jax()
         avals = avals or ex.out_avals
         values = None if ex.outputs is None else dict(enumerate(ex.outputs))
         state = _FutureState(self, ex.future_id, len(avals), self._releases, values=values, name=name)
+        return self._arrays(state, avals, keys, shardings)
+
+    def _arrays(self, state: _FutureState, avals: Sequence[Aval],
+                keys: Sequence[KeyType | None] | None = None,
+                shardings: Sequence[Any] = ()) -> list[Any]:
+        """The remote arrays of future ``state``'s outputs (``_wrap``)."""
+        if "jax" in sys.modules:  # without jax, nobody can hand them to jax
+            register_with_jax()
         keys = keys or (None,) * len(avals)
         shardings = shardings or (None,) * len(avals)
         return [self._array_cls(state, i, a, k, s)

@@ -17,7 +17,7 @@ from typing import Any
 
 from jitserve import wire
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
-from jitserve.client._remote import _RemoteBase, local_value
+from jitserve.client._remote import _FutureState, _RemoteBase, local_value
 from jitserve.client._trace import Compiled, local_input, trace
 from jitserve.client.errors import NotFound
 
@@ -267,6 +267,16 @@ class _RemoteFunctionBase:
             compiled = yield from self._op_prepare(key, split, inputs, platforms)
         values = [i.value for i in inputs]
         donate = [n for n, d in enumerate(split.donated) if d and isinstance(values[n], _RemoteBase)]
+        ahead = self._client._ahead
+        if ahead is not None:  # queued, sent in order with others (Client(run_ahead=N))
+            state = _FutureState(self._client, None, len(compiled.out_avals),
+                                 self._client._releases, name=self._name)
+            ahead.submit(compiled.program_id, values, donate, state, self._client.timeout.request)
+            for n in donate:
+                values[n]._release_here()  # the server releases it when the call starts
+            arrays = self._client._arrays(state, compiled.out_avals, compiled.out_keys,
+                                          compiled.out_shardings)
+            return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
         ex = yield from self._op_execute(compiled, values, donate)
         arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name,
                                     compiled.out_shardings)

@@ -69,10 +69,16 @@ class _FutureState:
     the server (dropped, deleted or donated): a fetch never asks for them.
     """
 
-    def __init__(self, client: Any, future_id: str, n_outputs: int, releases: ReleaseQueue, *,
-                 values: dict[int, np.ndarray] | None = None, name: str = "") -> None:
+    def __init__(self, client: Any, future_id: str | None, n_outputs: int, releases: ReleaseQueue,
+                 *, values: dict[int, np.ndarray] | None = None, name: str = "") -> None:
         self.client = client
-        self.future_id = future_id
+        # ``None`` while the call that makes it is still on its way (``Client(run_ahead=)``,
+        # ``_ahead``): ``future_id`` waits for it, and raises the call's refusal.
+        self._id = future_id
+        self._sent: threading.Event | None = None if future_id is not None else threading.Event()
+        self._refusal: Exception | None = None
+        self._dropped: list[int] = []  # outputs garbage before the call was sent
+        self._drop_lock = threading.RLock()  # re-entrant: a finalizer may run under it
         self.n_outputs = n_outputs
         self.releases = releases
         self.values = values
@@ -81,6 +87,37 @@ class _FutureState:
         self.lock = threading.Lock()
         self.alock: asyncio.Lock | None = None  # made on first async use, in its loop
         self.tasks: set[asyncio.Task[Any]] = set()  # background fetches, kept alive
+
+    @property
+    def future_id(self) -> str:
+        """The future's id; for a call still on its way, once the server has it (its
+        refusal, if the server refused it: an asynchronous error, seen on first use)."""
+        if self._id is None:
+            assert self._sent is not None
+            # Bounded by the sender (``_ahead``): every batch it sends ends (answered,
+            # refused, or failed by the request's timeout), and it settles each call.
+            self._sent.wait()
+            if self._refusal is not None:
+                raise self._refusal
+        assert self._id is not None
+        return self._id
+
+    @property
+    def label(self) -> str:
+        """The future's id, or what stands for it while its call is on its way (no wait)."""
+        return self._id or f"<{self.name or 'call'}, not sent yet>"
+
+    def sent(self, future_id: str | None, refusal: Exception | None = None) -> None:
+        """The call that makes this future reached the server (``future_id``), or was
+        refused (``refusal``); the outputs dropped meanwhile go back now."""
+        with self._drop_lock:
+            self._id, self._refusal = future_id, refusal
+            dropped, self._dropped = self._dropped, []
+        assert self._sent is not None
+        self._sent.set()
+        if future_id is not None:  # not those donated: their call releases them
+            for index in dropped:
+                self.releases.put(future_id, index, 0)
 
     def wanted(self) -> list[int] | None:
         """The outputs a fetch asks for; ``None``: all of them."""
@@ -107,9 +144,14 @@ class _FutureState:
 
     def drop(self, index: int, nbytes: int = 0) -> None:
         """Output ``index`` (of ``nbytes``) is garbage: forget it and queue its release
-        (a finalizer; never raises)."""
+        (a finalizer; never raises, never waits: a call on its way releases it once sent)."""
         self.forget(index)
-        self.releases.put(self.future_id, index, nbytes)
+        with self._drop_lock:
+            if self._id is None:
+                if self._sent is None or not self._sent.is_set():
+                    self._dropped.append(index)
+                return
+        self.releases.put(self._id, index, nbytes)
 
 
 def local_value(x: Any) -> Any:
@@ -159,7 +201,7 @@ class _RemoteBase:
         try:
             self.dtype: Any = key_type.dtype if key_type else wire.dtype_from_name(aval.dtype)
         except wire.WireError as e:
-            raise ProtocolError(f"output {index} of future {future.future_id}: {e}") from None
+            raise ProtocolError(f"output {index} of future {future.label}: {e}") from None
 
     def __del__(self) -> None:
         # Garbage: the output goes back to the server (queued, sent in batches), as a
@@ -205,7 +247,7 @@ class _RemoteBase:
         if self.is_deleted():
             dtype = getattr(self.dtype, "name", self.dtype)
             raise RuntimeError(f"Array has been deleted with shape={dtype}{list(self.shape)}"
-                               f" (output {self.index} of future {self.future_id})")
+                               f" (output {self.index} of future {self._future.label})")
 
     def _belongs_to(self, client: Any) -> bool:
         return self._future.client is client
@@ -233,7 +275,7 @@ class _RemoteBase:
         state = ("deleted" if self.is_deleted() else
                  "fetched" if self._future.values is not None else "remote")
         dtype = getattr(self.dtype, "name", self.dtype)
-        return (f"{type(self).__name__}(future={self.future_id!r}, index={self.index}, "
+        return (f"{type(self).__name__}(future={self._future.label!r}, index={self.index}, "
                 f"shape={self.shape}, dtype={dtype}, {state})")
 
     # ------------------------------------------------------------------ the array API

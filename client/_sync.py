@@ -65,6 +65,11 @@ class Client(BaseClient):
       max_response_bytes: refuse to decode answers larger than this.
       progress: show that a wait is a compile (a bar, or a log line; ``_progress``);
         defaults to ``$JITSERVE_PROGRESS`` (``0`` turns it off), else on.
+      run_ahead: how many calls of jitted functions may be on their way at once
+        (``0``, the default: none, each call waits for the server to accept it). With
+        ``N``, a call returns its arrays at once and is sent in order with the others
+        (``POST /v1/calls``, a round trip per batch); a call the server refuses raises
+        on the first use of its outputs, as jax reports an asynchronous error.
     """
 
     _array_cls = RemoteArray
@@ -80,10 +85,17 @@ class Client(BaseClient):
         wire_format: WireFormat = "msgpack",
         max_response_bytes: int | None = None,
         progress: bool | NotGiven = NOT_GIVEN,
+        run_ahead: int = 0,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
                          progress=progress)
+        if run_ahead < 0:
+            raise ValueError(f"run_ahead must be 0 (off) or a number of calls, got {run_ahead!r}")
+        if run_ahead:
+            from jitserve.client._ahead import RunAhead
+
+            self._ahead = RunAhead(self, run_ahead)
         self._http = lean_cookies(httpx.Client(
             base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx(),
             transport=transport or sync_transport()))
@@ -153,7 +165,10 @@ class Client(BaseClient):
             op.close()  # an interrupted call releases what it holds now, not at garbage collection
 
     def close(self) -> None:
-        """Send the pending releases of dropped arrays, then close the connection pool."""
+        """Send the calls on their way and the pending releases of dropped arrays, then
+        close the connection pool."""
+        if self._ahead is not None:
+            self._ahead.close(self.timeout.request)
         self._releases.close()
         self._http.close()
 
