@@ -8,23 +8,29 @@ each step, the loss fetched every ``--fetch-every`` steps (and at the end):
   and per-call costs show);
 - ``cnn64`` and ``cnn256``: docs/client.md's CNN at batch 64 and 256.
 
-Each loop runs ``--rounds`` times each way, local and remote taking turns (this
-machine's speed drifts within minutes), ``--steps`` steps a round after warm-up
-steps that compile. Per loop: the median ms per step of each, remote speed ÷
-local speed (the issue's figure: 1.0 is local speed), and CPU ms per remote step
-of this client, of the server's API process and of its runtimes (``/proc``).
+The remote loops run through four clients: over loopback and through a delay relay
+(``bench/_delay_relay.py``, ``--rtt-ms`` of round trip, half each way), each with
+``Client(run_ahead=--run-ahead)`` and without. Each loop runs ``--rounds`` times
+each way, local and every client taking turns (this machine's speed drifts within
+minutes), ``--steps`` steps a round after warm-up steps that compile. Per loop and
+client: the median ms per step, its speed ÷ local speed (the issue's figure: 1.0 is
+local speed), CPU ms per step of this client, of the server's API process and of
+its runtimes (``/proc``), and, through the relay, its speed ÷ the same client's
+over loopback (the issue's run-ahead target: at least 0.8 at 10 ms).
 
-Run: ``.venv/bin/python bench/training.py [--loops mlp cnn64] [--steps 200]``;
-writes bench/results/training.json.
+Run: ``.venv/bin/python bench/training.py [--loops mlp cnn64] [--steps 200]
+[--rtt-ms 10] [--run-ahead 32]``; writes bench/results/training.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,7 @@ from flax import linen as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
-from _servers import cpu_seconds, jitserve, write_results  # noqa: E402
+from _servers import cpu_seconds, free_port, jitserve, write_results  # noqa: E402
 
 from jitserve.client import Client  # noqa: E402
 
@@ -81,7 +87,8 @@ def make_loop(name: str) -> tuple[Callable[..., Any], Any, Any, np.ndarray, np.n
     images = rng.random((batch, 28, 28, 1), dtype=np.float32)
     labels = rng.integers(0, 10, size=batch).astype(np.int32)
     params = model.init(jax.random.key(0), images[:1])["params"]
-    return train_step, params, optimizer.init(params), images, labels
+    # numpy copies: each loop puts its own (the local one donates its jax arrays)
+    return train_step, *jax.tree.map(np.asarray, (params, optimizer.init(params))), images, labels
 
 
 def run_steps(step: Callable[..., Any], state: tuple[Any, Any], images: Any, labels: Any,
@@ -97,35 +104,59 @@ def run_steps(step: Callable[..., Any], state: tuple[Any, Any], images: Any, lab
     return (params, opt_state), time.perf_counter() - start, losses
 
 
-def bench_loop(name: str, c: Client, server_pid: int, args: argparse.Namespace) -> dict[str, Any]:
+def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """Local jax.jit against each of ``clients`` (a label each), taking turns."""
     train_step, params, opt_state, images, labels = make_loop(name)
     local_step = jax.jit(train_step, donate_argnums=(0, 1))
-    remote_step = c.jit(train_step, donate_argnums=(0, 1))
     local = (jax.device_put(params), jax.device_put(opt_state))
-    remote = c.device_put((params, opt_state))
     local, _, local_losses = run_steps(local_step, local, images, labels, args.warmup, 1)
-    remote, _, remote_losses = run_steps(remote_step, remote, images, labels, args.warmup, 1)
-    np.testing.assert_allclose(remote_losses, local_losses, rtol=1e-4)  # the same training
-    local_ms, remote_ms, cpu = [], [], {"client": 0.0, "api": 0.0, "runtimes": 0.0}
+    remote: dict[str, Any] = {}
+    for label, c in clients.items():
+        step = c.jit(train_step, donate_argnums=(0, 1))
+        state, _, losses = run_steps(step, c.device_put((params, opt_state)), images, labels,
+                                     args.warmup, 1)
+        np.testing.assert_allclose(losses, local_losses, rtol=1e-4)  # the same training
+        remote[label] = {"step": step, "state": state, "ms": [],
+                         "cpu": {"client": 0.0, "api": 0.0, "runtimes": 0.0}}
+    local_ms = []
     for _ in range(args.rounds):
         local, seconds, _ = run_steps(local_step, local, images, labels, args.steps, args.fetch_every)
         local_ms.append(1e3 * seconds / args.steps)
-        client0, (api0, runtimes0) = time.process_time(), cpu_seconds(server_pid)
-        remote, seconds, _ = run_steps(remote_step, remote, images, labels, args.steps,
-                                       args.fetch_every)
-        remote_ms.append(1e3 * seconds / args.steps)
-        api1, runtimes1 = cpu_seconds(server_pid)
-        cpu["client"] += time.process_time() - client0
-        cpu["api"] += api1 - api0
-        cpu["runtimes"] += runtimes1 - runtimes0
+        for r in remote.values():
+            client0, (api0, runtimes0) = time.process_time(), cpu_seconds(server_pid)
+            r["state"], seconds, _ = run_steps(r["step"], r["state"], images, labels, args.steps,
+                                               args.fetch_every)
+            r["ms"].append(1e3 * seconds / args.steps)
+            api1, runtimes1 = cpu_seconds(server_pid)
+            r["cpu"]["client"] += time.process_time() - client0
+            r["cpu"]["api"] += api1 - api0
+            r["cpu"]["runtimes"] += runtimes1 - runtimes0
     total = args.rounds * args.steps
-    out = {"local_ms_per_step": statistics.median(local_ms),
-           "remote_ms_per_step": statistics.median(remote_ms),
-           "leaves": len(jax.tree.leaves((params, opt_state))),
-           "cpu_ms_per_remote_step": {k: round(1e3 * v / total, 3) for k, v in cpu.items()},
-           "local_ms_rounds": local_ms, "remote_ms_rounds": remote_ms}
-    out["remote_speed_over_local"] = out["local_ms_per_step"] / out["remote_ms_per_step"]
+    out: dict[str, Any] = {"local_ms_per_step": statistics.median(local_ms),
+                           "leaves": len(jax.tree.leaves((params, opt_state))),
+                           "local_ms_rounds": local_ms}
+    for label, r in remote.items():
+        ms = statistics.median(r["ms"])
+        out[label] = {"ms_per_step": ms, "ms_rounds": r["ms"],
+                      "speed_over_local": out["local_ms_per_step"] / ms,
+                      "cpu_ms_per_step": {k: round(1e3 * v / total, 3) for k, v in r["cpu"].items()}}
     return out
+
+
+@contextlib.contextmanager
+def delay_relay(target_url: str, delay_ms: float) -> Iterator[str]:
+    """``bench/_delay_relay.py`` in front of ``target_url``: its url."""
+    port = free_port()
+    target = int(target_url.rsplit(":", 1)[1])
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_delay_relay.py")),
+                             str(port), str(target), str(delay_ms)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def main() -> int:
@@ -136,16 +167,37 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles)")
     parser.add_argument("--fetch-every", type=int, default=10, help="read the loss every N steps")
     parser.add_argument("--runtimes", default="1", help="JITSERVE_RUNTIMES of the server")
+    parser.add_argument("--run-ahead", type=int, default=32,
+                        help="Client(run_ahead=N) of the run-ahead clients (0: none of them)")
+    parser.add_argument("--rtt-ms", type=float, default=10.0,
+                        help="round trip of the delay relay (0: no relay)")
     args = parser.parse_args()
     results: dict[str, Any] = {"config": vars(args)}
-    with jitserve(JITSERVE_RUNTIMES=args.runtimes) as (url, proc), Client(url, timeout=300) as c:
+    with contextlib.ExitStack() as stack:
+        url, proc = stack.enter_context(jitserve(JITSERVE_RUNTIMES=args.runtimes))
+        urls = {"loopback": url}
+        if args.rtt_ms:
+            urls[f"rtt{args.rtt_ms:g}ms"] = stack.enter_context(delay_relay(url, args.rtt_ms / 2))
+        clients = {}
+        for where, target in urls.items():
+            clients[where] = stack.enter_context(Client(target, timeout=300))
+            if args.run_ahead:
+                clients[f"{where}+ahead"] = stack.enter_context(
+                    Client(target, timeout=300, run_ahead=args.run_ahead))
         for name in args.loops:
-            r = results[name] = bench_loop(name, c, proc.pid, args)
-            cpu = r["cpu_ms_per_remote_step"]
-            print(f"{name} ({r['leaves']} state leaves): local {r['local_ms_per_step']:.2f} ms/step, "
-                  f"Client.jit {r['remote_ms_per_step']:.2f} ms/step, remote ÷ local speed "
-                  f"{r['remote_speed_over_local']:.2f}; CPU ms per remote step: client "
-                  f"{cpu['client']:.2f}, API process {cpu['api']:.2f}, runtimes {cpu['runtimes']:.2f}")
+            r = results[name] = bench_loop(name, clients, proc.pid, args)
+            print(f"{name} ({r['leaves']} state leaves): local {r['local_ms_per_step']:.2f} ms/step")
+            for label in clients:
+                x = r[label]
+                cpu = x["cpu_ms_per_step"]
+                print(f"  {label:>20}: {x['ms_per_step']:7.2f} ms/step, {x['speed_over_local']:.2f}x "
+                      f"local speed; CPU ms/step client {cpu['client']:.2f}, API {cpu['api']:.2f}, "
+                      f"runtimes {cpu['runtimes']:.2f}")
+            for label in clients:
+                if label.startswith("rtt"):
+                    base = r[label.replace(f"rtt{args.rtt_ms:g}ms", "loopback")]["ms_per_step"]
+                    r[label]["speed_over_loopback"] = ratio = base / r[label]["ms_per_step"]
+                    print(f"  {label}: {ratio:.2f}x the speed of the same client over loopback")
     write_results("training", results)
     return 0
 
