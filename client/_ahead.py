@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jitserve import wire
-from jitserve.client._base import _array_bytes, _Call
+from jitserve.client._base import _array_bytes
 from jitserve.client._remote import _FutureState, _RemoteBase
 from jitserve.client.errors import (
     APIError,
     FutureFailed,
     JitserveError,
+    JitserveTimeout,
     PayloadTooLarge,
     error_class,
 )
@@ -91,8 +92,6 @@ class RunAhead:
                 raise RuntimeError("the client is closed")
             if not self._cv.wait_for(lambda: len(self._queue) + self._in_flight < self.limit
                                      or self._closed, timeout):
-                from jitserve.client.errors import JitserveTimeout
-
                 raise JitserveTimeout(f"{self.limit} calls still on their way after {timeout} s "
                                       "(run_ahead)")
             self._queue.append(_Queued(program_id, args, donate, state))
@@ -137,13 +136,11 @@ class RunAhead:
                 self._send(batch)
             except _TooBig:
                 with self._cv:  # nothing of it started: back to the front, smaller
-                    self._queue.extendleft(reversed([q for q in batch if q.state._id is None
-                                                     and not _settled(q.state)]))
+                    self._queue.extendleft(reversed([q for q in batch if not _settled(q.state)]))
                     self._batch_bytes = max(1, nbytes // 2)
             except BaseException as e:  # noqa: BLE001 - no call may wait forever for its answer
                 for queued in batch:
-                    sent = queued.state._sent
-                    if sent is not None and not sent.is_set():
+                    if not _settled(queued.state):
                         queued.state.sent(None, e if isinstance(e, Exception) else
                                           RuntimeError(f"the run-ahead sender stopped: {e!r}"))
                 if not isinstance(e, Exception):
@@ -174,22 +171,11 @@ class RunAhead:
         sent = [c for c in calls if c is not None]
         if not sent:
             return
-        client = self._client
         try:
-            content, ctype = client._encode({"calls": sent})
-            reply = client._drive(_one(_Call("POST", "/v1/calls", None, content, ctype)))
-            entries = reply.body.get("calls") if isinstance(reply.body, dict) else None
-            if not isinstance(entries, list) or len(entries) != len(sent):
-                raise JitserveError(f"POST /v1/calls: expected {len(sent)} entries, got "
-                                    f"{reply.body!r:.200}")
-        except PayloadTooLarge as e:
-            if len(sent) > 1:
-                raise _TooBig() from e
-            for queued, call in zip(batch, calls):
-                if call is not None:
-                    queued.state.sent(None, _named(e, queued.state.name))
-            return
+            entries = self._client._drive(self._client._op_calls(sent))
         except JitserveError as e:  # never reached the server, or not understood: each call fails
+            if isinstance(e, PayloadTooLarge) and len(sent) > 1:
+                raise _TooBig() from e
             for queued, call in zip(batch, calls):
                 if call is not None:
                     queued.state.sent(None, _named(e, queued.state.name))
@@ -222,12 +208,6 @@ class RunAhead:
 
 def _settled(state: _FutureState) -> bool:
     return state._sent is not None and state._sent.is_set()
-
-
-def _one(call: _Call) -> Any:
-    """An op of one request (``Client._drive``)."""
-    reply = yield call
-    return reply
 
 
 def _named(e: JitserveError, name: str) -> JitserveError:

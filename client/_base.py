@@ -535,6 +535,17 @@ class BaseClient:
         return _Call("POST", "/v1/futures/release", None, content, ctype,
                      replica=_holder(f for f, _ in refs))
 
+    def _op_calls(self, calls: list[dict[str, Any]]) -> Op[list[Any]]:
+        """``POST /v1/calls``: start ``calls`` in order; one entry per call, its future
+        or its error (``_ahead``)."""
+        content, ctype = self._encode({"calls": calls})
+        reply = yield _Call("POST", "/v1/calls", None, content, ctype)
+        entries = reply.body.get("calls") if isinstance(reply.body, Mapping) else None
+        if not isinstance(entries, list) or len(entries) != len(calls):
+            raise ProtocolError(f"POST /v1/calls: expected {len(calls)} entries, got "
+                                f"{reply.body!r:.200}", request=reply.request)
+        return entries
+
     def _op_release(self, refs: Iterable[Ref]) -> Op[int]:
         reply = yield self._release_call(refs)
         body = reply.body

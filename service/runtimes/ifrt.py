@@ -286,9 +286,14 @@ class Sessions:
             if free and array is not None and not isinstance(array, (IfrtFailure, Donated)):
                 array.delete()
             session.arrays[handle] = Donated()
-            freed = session.sizes.get(handle, 0)
-            session.sizes[handle] = 0
-            self.held[session.owner][0] -= freed
+            self._unheld(session, handle)
+
+    def _unheld(self, session: Session, handle: int) -> None:
+        """Stop counting ``handle``'s device bytes for its key: the handle stays (deleted
+        or donated), its memory does not."""
+        freed = session.sizes.get(handle, 0)
+        session.sizes[handle] = 0
+        self.held[session.owner][0] -= freed
 
     def _put(self, session: Session, wanted: int, array: Any, nbytes: int | None = None) -> int:
         """Keep ``array`` under the client's handle ``wanted`` (or a new one, if 0), counted
@@ -741,9 +746,7 @@ class Sessions:
             except IfrtFailure as e:
                 failure = failure or e
                 continue
-            freed = session.sizes.get(handle, 0)  # the handle stays, its memory does not
-            session.sizes[handle] = 0
-            self.held[session.owner][0] -= freed
+            self._unheld(session, handle)
         future = next(session.handles)
         session.futures[future] = failure
         response.delete_array_response.deletion_future_handle = future

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from jitserve.wire import ErrorCode
 
 from ...calls.calls import Call
-from ...errors import error_body, refusal_body
+from ...errors import BadRequest, FutureFailed, error_body, refusal_body
 from ..bodies import BodyReader
 from ..deps import request_owner, services_of
 from ..openapi import errors, message_body
@@ -95,8 +95,6 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
                  owner: str | None) -> Call:
     """Start call ``index`` of a batch (``started``: the calls before it, ``None`` where
     refused)."""
-    from ...errors import BadRequest, FutureFailed
-
     services = services_of(request)
     args = []
     for n, arg in enumerate(item.args):
