@@ -543,17 +543,19 @@ class AsyncRemoteArray(_RemoteBase):
 def register_with_jax() -> None:
     """Let jax functions take remote arrays as they take numpy arrays: by their fetched value.
 
-    jax 0.10 no longer calls ``__jax_array__`` when it abstracts the argument of a
-    jitted function (``jnp.sum`` is one), so the remote array types join jax's
+    jax (0.9 on) no longer calls ``__jax_array__`` when it abstracts the argument of
+    a jitted function (``jnp.sum`` is one), so the remote array types join jax's
     tables of array types, with the aval and value of the fetched value. The tables
-    are jax internals (jax is pinned); if they move, only ``jnp.asarray(y)`` and
-    operators with jax arrays keep working, and this says so once in the log.
+    are jax internals, the same from jax 0.8 to 0.11; if they move, only
+    ``jnp.asarray(y)`` and operators with jax arrays keep working, and this says so
+    once in the log.
     """
     try:
         from jax._src import core, dtypes
 
         core.pytype_aval_mappings[_RemoteBase] = lambda x: core.shaped_abstractify(x._local())
-        dtypes.register_canonicalize_value_handler(
-            _RemoteBase, lambda x: dtypes.canonicalize_value(x._local()))
+        # A plain dict before jax 0.10, a shim over register_canonicalize_value_handler since.
+        dtypes.canonicalize_value_handlers[_RemoteBase] = (
+            lambda x: dtypes.canonicalize_value(x._local()))
     except (ImportError, AttributeError) as e:
         logger.warning("jax functions will not take remote arrays (jnp.asarray(y) will): %s", e)

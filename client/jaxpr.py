@@ -133,7 +133,8 @@ class _Encoder:
         const_docs = [{"var": scope.name(v), "value": self.array(c)}
                       for v, c in zip(jaxpr.constvars, consts)]
         doc["invars"] = [{"var": scope.name(v), "aval": _aval(v.aval)} for v in jaxpr.invars]
-        doc["eqns"] = [self.eqn(e, scope, _join(where, f"eqn {i}")) for i, e in enumerate(jaxpr.eqns)]
+        doc["eqns"] = [out for i, e in enumerate(jaxpr.eqns)
+                       for out in self.eqns(e, scope, _join(where, f"eqn {i}"))]
         doc["outvars"] = [self.atom(a, scope) for a in jaxpr.outvars]
         # Array literals (rare) were hoisted into consts while walking.
         const_docs += [{"var": n, "value": self.array(v)} for n, v in scope.hoisted]
@@ -141,20 +142,34 @@ class _Encoder:
             doc = {"consts": const_docs, **doc}
         return doc
 
-    def eqn(self, eqn: Any, scope: _Scope, where: str) -> dict[str, Any]:
+    def eqns(self, eqn: Any, scope: _Scope, where: str) -> list[dict[str, Any]]:
+        """The document's equations for one of jax's: one, or a few for a primitive
+        that a newer jax added and the format spells with older ones."""
         name = eqn.primitive.name
         where = f"{where} ({name})"
         if eqn.effects:
             raise JaxprEncodeError(f"{where}: has effects {sorted(map(str, eqn.effects))}; "
                                    "the format carries pure evaluation only")
+        if name in _SPELLED_WITH_OLDER:
+            return _SPELLED_WITH_OLDER[name](self, eqn, scope, where)
+        name = _RENAMED.get(name, name)
         params = _PARAM_FILTERS.get(name, _keep)(dict(eqn.params), where)
+        if name == "top_k":  # jax 0.8: of the last axis only, with no axis param
+            params.setdefault("axis", eqn.invars[0].aval.ndim - 1)
         out: dict[str, Any] = {"primitive": name}
-        if params:
+        if params:  # first, so that a param out of scope (a sharding) is what is named
             out["params"] = {k: self.value(v, f"{where} param {k!r}")
                              for k, v in sorted(params.items())}
+        if name not in wire.JAXPR_PRIMITIVES:
+            raise JaxprEncodeError(
+                f"{where}: primitive {name!r} is not in the jitserve jaxpr format (version "
+                f"{wire.JAXPR_FORMAT_VERSION}), which carries pure programs on one device "
+                f"(docs/jaxpr-format.md). This SDK spells what jax {SUPPORTED_JAX} binds in "
+                f"the format's names; this is jax {_jax_version()}. Use format='jax_export', "
+                "or a jax in that range")
         out["invars"] = [self.atom(a, scope) for a in eqn.invars]
         out["outvars"] = [{"var": scope.binder(v), "aval": _aval(v.aval)} for v in eqn.outvars]
-        return out
+        return [out]
 
     def atom(self, atom: Any, scope: _Scope) -> Any:
         if not hasattr(atom, "val"):  # a Var
@@ -213,7 +228,7 @@ class _Scope:
         self.hoisted: list[tuple[str, np.ndarray]] = []
         self._count = 0
 
-    def _fresh(self) -> str:
+    def fresh(self) -> str:
         n, self._count = self._count, self._count + 1
         letters = ""
         while True:
@@ -223,14 +238,14 @@ class _Scope:
                 return letters
 
     def name(self, var: Any) -> str:
-        self.names[var] = self._fresh()
+        self.names[var] = self.fresh()
         return self.names[var]
 
     def binder(self, var: Any) -> str:
         return "_" if type(var).__name__ == "DropVar" else self.name(var)
 
     def hoist(self, value: np.ndarray) -> str:
-        name = self._fresh()
+        name = self.fresh()
         self.hoisted.append((name, value))
         return name
 
@@ -251,6 +266,11 @@ def _only(*names: str) -> Callable[[dict[str, Any], str], dict[str, Any]]:
 
 
 def _jit_params(params: dict[str, Any], where: str) -> dict[str, Any]:
+    inline = params.get("inline")
+    if isinstance(inline, enum.Enum):
+        # jax 0.11: an Inline policy. Only JAX_EARLY is what True was; every other
+        # policy leaves the call to the compiler, as False did.
+        params["inline"] = inline.name == "JAX_EARLY"
     if params.get("compiler_options_kvs"):
         raise JaxprEncodeError(f"{where}: compiler options on a nested jit are not supported")
     for key in ("in_shardings", "out_shardings"):
@@ -278,9 +298,29 @@ def _close(*pairs: tuple[str, str]) -> Callable[[dict[str, Any], str], dict[str,
     return close
 
 
+def _scan_params(params: dict[str, Any], where: str) -> dict[str, Any]:
+    ft_in = params.pop("ft_in", None)
+    params.pop("ft_out", None)  # the outputs' tree: the equation's outvars, for plain arrays
+    if ft_in is not None:
+        # jax 0.11: consts, carry and xs as one flat tree, whose leaves are None for
+        # plain arrays; the format counts the first two.
+        if any(v is not None for v in ft_in.vals):
+            raise JaxprEncodeError(f"{where}: a scan over values that are not plain arrays "
+                                   "(hijax types) is out of scope")
+        consts, carry, _ = ft_in.unpack()
+        params["num_consts"], params["num_carry"] = len(consts), len(carry)
+    if params.pop("_split_transpose", False):
+        raise JaxprEncodeError(f"{where}: _split_transpose=True is out of scope")
+    # jax before 0.10: which inputs are linear, a hint for transposition only.
+    params.pop("linear", None)
+    return params
+
+
 _SCATTERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max")
 _PARAM_FILTERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "jit": _jit_params,
+    "scan": _scan_params,
+    "closed_call": _only("call_jaxpr"),
     "custom_jvp_call": _only("call_jaxpr", "num_consts", "symbolic_zeros"),
     "custom_vjp_call": _only("call_jaxpr", "num_consts", "symbolic_zeros"),
     "remat2": _only("jaxpr", "prevent_cse", "differentiated"),
@@ -313,6 +353,80 @@ def _special_value(v: Any, where: str) -> Any:
         return _dtype_name(v)
     raise JaxprEncodeError(f"{where}: cannot encode a {kind} ({str(v)[:60]}); the format "
                            "carries arrays, numbers, strings, dtypes, enums and nested jaxprs")
+
+
+# -- other jax releases: their primitives in the format's names ----------------------------------
+
+#: The jax releases whose jaxprs this writer spells in the format (the ``jit`` extra's
+#: range in pyproject.toml; a test keeps the two equal).
+SUPPORTED_JAX = ">=0.8.0,<0.12"
+
+# jax 0.11 names closed_call eval_jaxpr.
+_RENAMED = {"eval_jaxpr": "closed_call"}
+
+
+def _jax_version() -> str:
+    import jax
+
+    return str(jax.__version__)
+
+
+def _one_minus_square(enc: _Encoder, eqn: Any, scope: _Scope, where: str) -> list[dict[str, Any]]:
+    # jax 0.11's 1 - x², spelled (1 + x) * (1 - x), as older jax computes tanh's derivative.
+    (x,), (out,) = eqn.invars, eqn.outvars
+    _plain_params(eqn, where)
+    one, xa, aval = _literal(1, out.aval.dtype), enc.atom(x, scope), _aval(out.aval)
+    plus, minus = scope.fresh(), scope.fresh()
+    return [_eqn("add", [one, xa], [(plus, aval)]),
+            _eqn("sub", [one, xa], [(minus, aval)]),
+            _eqn("mul", [plus, minus], [(scope.binder(out), aval)])]
+
+
+def _log2(enc: _Encoder, eqn: Any, scope: _Scope, where: str) -> list[dict[str, Any]]:
+    # jax 0.11's log2, spelled as older jax's jnp.log2: log(x) / log(2), by parts for complex.
+    (x,), (out,) = eqn.invars, eqn.outvars
+    params = _plain_params(eqn, where)
+    dtype, aval = np.dtype(out.aval.dtype), _aval(out.aval)
+    log = scope.fresh()
+    eqns = [_eqn("log", [enc.atom(x, scope)], [(log, aval)], params)]
+    if dtype.kind != "c":
+        return eqns + [_eqn("div", [log, _literal(np.log(2.0), dtype)], [(scope.binder(out), aval)])]
+    part_dtype = np.empty(0, dtype).real.dtype
+    part = {**aval, "dtype": _dtype_name(part_dtype)}
+    ln2 = _literal(np.log(2.0), part_dtype)
+    re, im, re2, im2 = (scope.fresh() for _ in range(4))
+    return eqns + [_eqn("real", [log], [(re, part)]), _eqn("imag", [log], [(im, part)]),
+                   _eqn("div", [re, ln2], [(re2, part)]), _eqn("div", [im, ln2], [(im2, part)]),
+                   _eqn("complex", [re2, im2], [(scope.binder(out), aval)])]
+
+
+_SPELLED_WITH_OLDER: dict[str, Callable[[_Encoder, Any, _Scope, str], list[dict[str, Any]]]] = {
+    "one_minus_square": _one_minus_square,
+    "log2": _log2,
+}
+
+
+def _plain_params(eqn: Any, where: str) -> dict[str, Any]:
+    # An elementwise primitive's params: none, or log's accuracy (kept only when set).
+    params = dict(eqn.params)
+    accuracy = params.pop("accuracy", None)
+    if params:
+        raise JaxprEncodeError(f"{where}: params {sorted(params)} are out of scope")
+    return {} if accuracy is None else {"accuracy": accuracy}
+
+
+def _literal(value: Any, dtype: Any) -> dict[str, Any]:
+    return {"literal": _scalar(np.asarray(value, dtype)), "dtype": _dtype_name(dtype)}
+
+
+def _eqn(primitive: str, invars: list[Any], outvars: list[tuple[str, dict[str, Any]]],
+         params: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"primitive": primitive}
+    if params:
+        out["params"] = params
+    out["invars"] = invars
+    out["outvars"] = [{"var": var, "aval": aval} for var, aval in outvars]
+    return out
 
 
 # -- plain-data spellings ----------------------------------------------------------------------

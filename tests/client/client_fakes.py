@@ -15,9 +15,25 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
+from versions import ON_SERVER_JAX, SERVER_JAX
 
 from jitserve import wire
 from jitserve.client import Timeout
+
+
+def server_decoder() -> Any:
+    """The server's jaxpr decoder, for a fake that runs documents here; skips the test
+    on another jax than the server's, where tests/e2e/test_jaxpr_e2e.py sends this
+    jax's documents to a real server instead."""
+    import jax
+
+    if not ON_SERVER_JAX:
+        pytest.skip(f"the server's jaxpr decoder runs on the server's jax {SERVER_JAX}, "
+                    f"not {jax.__version__}")
+    from jitserve.compiler.jaxpr import decode_document
+
+    return decode_document
 
 
 def error(status: int, code: str, message: str, headers: dict[str, str] | None = None,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
-from client_fakes import FakeServer
+from client_fakes import FakeServer, server_decoder
 
 from jitserve import wire
 from jitserve.client import (
@@ -31,7 +31,6 @@ from jitserve.client import (
 )
 from jitserve.client._jit import JIT_FORMATS
 from jitserve.client.jaxpr import JaxprEncodeError
-from jitserve.compiler.jaxpr import decode_document
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,6 +43,7 @@ class JaxprFakeServer(FakeServer):
     def __init__(self) -> None:
         super().__init__()
         self.formats: dict[str, str] = {}
+        self.decode = server_decoder()
 
     def _post_programs(self, request: httpx.Request) -> httpx.Response:
         pid = hashlib.sha256(request.content).hexdigest()
@@ -53,7 +53,7 @@ class JaxprFakeServer(FakeServer):
     def program_doc(self, pid: str) -> dict[str, Any]:
         if self.formats.get(pid) != "jaxpr":
             return super().program_doc(pid)
-        decoded = decode_document(self.programs[pid])
+        decoded = self.decode(self.programs[pid])
         avals = lambda xs: [a.to_json() for a in xs]  # noqa: E731
         # A jaxpr names no platform; the fake's execute route wants to see its own.
         return {"program_id": pid, "format": "jaxpr", "in_avals": avals(decoded.in_avals),
@@ -63,7 +63,7 @@ class JaxprFakeServer(FakeServer):
     def _run(self, pid: str, args: list[np.ndarray]) -> dict[str, Any]:
         if self.formats.get(pid) != "jaxpr" or self.fail_with is not None:
             return super()._run(pid, args)
-        decoded = decode_document(self.programs[pid])
+        decoded = self.decode(self.programs[pid])
         outs = [np.asarray(o) for o in jax.jit(decoded.as_function(), keep_unused=True)(*args)]
         avals = [{"shape": list(o.shape), "dtype": o.dtype.name} for o in outs]
         return {"status": "done", "error": None, "outputs": outs, "out_avals": avals}

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from client_fakes import server_decoder
 
 from jitserve.client import HostCallbackError
 from jitserve.client._jit import _donated_leaves
 from jitserve.client._trace import Compiled, check_host_callbacks, local_input, split_key, trace
-from jitserve.compiler.jaxpr import decode_document
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,7 +58,8 @@ def run(fn: Any, *args: Any, format: str) -> tuple[Any, Compiled]:
                      platforms=("cpu",))
     values = [v for v, _, _ in inputs]
     if format == "jaxpr":
-        outs = jax.jit(decode_document(compiled.program).as_function(), keep_unused=True)(*values)
+        decoded = server_decoder()(compiled.program)
+        outs = jax.jit(decoded.as_function(), keep_unused=True)(*values)
     else:
         outs = jax.export.deserialize(bytearray(compiled.program)).call(*values)
     outs = [k.wrap(o) if k else o for o, k in zip(outs, compiled.out_keys)]

@@ -126,6 +126,12 @@ def test_every_public_primitive_is_allowed_or_refused() -> None:
         assert name in refused
 
 
+def test_the_wire_vocabulary_is_the_allowlist() -> None:
+    # The SDK checks a document's primitives against wire.JAXPR_PRIMITIVES before it
+    # sends it (on whatever jax the user has); the server reads exactly the allowlist.
+    assert wire.JAXPR_PRIMITIVES == set(supported_primitives())
+
+
 # -- hand-written documents ---------------------------------------------------------------
 
 # The example of docs/jaxpr-format.md: y = sum(relu(x * w + b)) over axis 1, and

@@ -36,6 +36,11 @@ E2E_ENV = {
 }
 
 
+# The server's interpreter: this one, or (for the SDK's tests on another jax, .ci/jax-range)
+# the project's own venv with the server's pinned jax.
+SERVER_PYTHON = os.environ.get("JITSERVE_TEST_SERVER_PYTHON") or sys.executable
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +67,7 @@ def _serve(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()) -> It
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("JITSERVE_") and k != "REDIS_URL"}
     env.update(E2E_ENV, **extra_env)
-    cmd = [sys.executable, "-m", "jitserve.service", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [SERVER_PYTHON, "-m", "jitserve.service", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--cache-dir", str(tmp / "cache"), *args]
     log = tmp / "server.log"
     with log.open("wb") as out:

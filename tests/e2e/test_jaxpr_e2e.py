@@ -473,3 +473,120 @@ def test_fuzz_mutated_documents_are_never_a_5xx(server_url: str, data: Any) -> N
                     _check_answer(http.get(f"/v1/futures/{fid}/result", params={"wait": 30_000}),
                                   "result", doc)
         _healthy(server_url)
+
+
+# -- (e) other jax releases' spellings, read by this server -----------------------------------
+#
+# The SDK supports a range of jax (client/jaxpr.py SUPPORTED_JAX); the server keeps its
+# pin. jax 0.11 binds primitives and params that the pinned jax has not: each is
+# modelled here on the jax running the test (a primitive of the same name and
+# params, or an equation's params respelled as 0.11 writes them), written by the
+# SDK, and run by this server against the local result.
+
+
+def _run(http: httpx.Client, closed: Any, *args: np.ndarray) -> list[np.ndarray]:
+    from jitserve.client.jaxpr import encode_jaxpr
+
+    r = http.post("/v1/programs", params={"format": "jaxpr"},
+                  content=encode_jaxpr(closed, format="msgpack"))
+    assert r.status_code in (200, 201), r.text
+    r = http.post(f"/v1/programs/{r.json()['program_id']}/execute", params={"wait": 30_000},
+                  content=wire.packb({"args": list(args)}), headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 200, r.text
+    return [np.asarray(o) for o in wire.unpackb(r.content)["outputs"]]
+
+
+def _elementwise(name: str, **params: Any) -> Any:
+    """A primitive named as jax 0.11's, typed as an elementwise op (no impl: only traced)."""
+    from jax.extend.core import Primitive
+
+    prim = Primitive(name)
+    prim.def_abstract_eval(lambda x, **_: jax.core.ShapedArray(x.shape, x.dtype))
+    return lambda x: prim.bind(x, **params)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_jax_011s_log2_is_written_as_log_over_log2(http: httpx.Client, dtype: Any) -> None:
+    x = (np.arange(1, 7) * 0.75).astype(dtype) * (1 + 1j if np.dtype(dtype).kind == "c" else 1)
+    closed = jax.make_jaxpr(_elementwise("log2", accuracy=None))(x)
+    (got,) = _run(http, closed, x)
+    want = np.asarray(jnp.log2(x))
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=2e-7 if dtype == np.float64 else 2e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_jax_011s_one_minus_square_is_written_as_older_jax_computes_it(
+        http: httpx.Client, dtype: Any) -> None:
+    x = np.linspace(-1.5, 1.5, 13).astype(dtype)
+    closed = jax.make_jaxpr(lambda v: _elementwise("one_minus_square")(v) * 2)(x)
+    (got,) = _run(http, closed, x)
+    np.testing.assert_allclose(got, 2 * (1 + x) * (1 - x), rtol=1e-6)
+
+
+def _respelled(closed: Any, name: str, edit: Any) -> Any:
+    """``closed`` with each top-level equation of primitive ``name`` passed through ``edit``."""
+    from jax.extend.core import ClosedJaxpr
+
+    eqns = [edit(e) if e.primitive.name == name else e for e in closed.jaxpr.eqns]
+    assert eqns != closed.jaxpr.eqns, f"no {name} equation to respell"
+    return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+
+
+class _FlatTree:
+    """What jax 0.11 puts in a scan's ft_in: a tuple of flat trees, None for plain arrays."""
+
+    def __init__(self, *sizes: int) -> None:
+        self.sizes = sizes
+        self.vals = [None] * sum(sizes)
+
+    def unpack(self) -> tuple[list[None], ...]:
+        return tuple([None] * n for n in self.sizes)
+
+
+def test_jax_011s_scan_flat_trees(http: httpx.Client) -> None:
+    w = np.arange(3, dtype=np.float32)
+
+    def f(c: Any, xs: Any) -> Any:
+        return lax.scan(lambda c, x: (c * 0.5 + x * w, c.sum()), c, xs)
+
+    c, xs = np.ones(3, np.float32), np.arange(12, dtype=np.float32).reshape(4, 3)
+
+    def as_011(eqn: Any) -> Any:
+        params = {k: v for k, v in eqn.params.items() if k not in ("num_consts", "num_carry")}
+        num_xs = len(eqn.invars) - eqn.params["num_consts"] - eqn.params["num_carry"]
+        ft_in = _FlatTree(eqn.params["num_consts"], eqn.params["num_carry"], num_xs)
+        return eqn.replace(params={**params, "ft_in": ft_in, "ft_out": object()})
+
+    closed = _respelled(jax.make_jaxpr(f)(c, xs), "scan", as_011)
+    carry, ys = _run(http, closed, c, xs)
+    want_carry, want_ys = f(c, xs)
+    np.testing.assert_allclose(carry, want_carry, rtol=1e-6)
+    np.testing.assert_allclose(ys, want_ys, rtol=1e-6)
+
+
+def test_jax_011s_jit_inline_policies_and_eval_jaxpr(http: httpx.Client) -> None:
+    import enum
+
+    from jax.extend.core import Primitive
+
+    class Inline(enum.Enum):  # jax 0.11's jax.Inline
+        JAX_EARLY = "jax_early"
+        AUTO = "auto"
+
+    eval_jaxpr = Primitive("eval_jaxpr")  # jax 0.11's name for closed_call
+    eval_jaxpr.multiple_results = True
+    x = np.arange(4.0, dtype=np.float32)
+    inner = jax.jit(lambda v: jnp.sin(v) * 3)
+    closed = jax.make_jaxpr(lambda v: inner(v) + inner(v + 1) + inner(v + 2))(x)
+    policies = iter([Inline.AUTO, Inline.JAX_EARLY, None])
+
+    def as_011(eqn: Any) -> Any:
+        policy = next(policies)
+        if policy is None:
+            return eqn.replace(primitive=eval_jaxpr, params={"call_jaxpr": eqn.params["jaxpr"]})
+        return eqn.replace(params={**eqn.params, "inline": policy})
+
+    (got,) = _run(http, _respelled(closed, "jit", as_011), x)
+    np.testing.assert_allclose(got, np.sin(x) * 3 + np.sin(x + 1) * 3 + np.sin(x + 2) * 3,
+                               rtol=1e-6)

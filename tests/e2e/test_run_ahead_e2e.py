@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,7 +117,7 @@ def test_no_more_than_run_ahead_calls_are_on_their_way(server_url: str) -> None:
 @pytest.fixture
 def doomed(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A server of this test's own, to be killed."""
-    from e2e.conftest import E2E_ENV, _wait_healthy
+    from e2e.conftest import E2E_ENV, SERVER_PYTHON, _wait_healthy
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -126,7 +125,7 @@ def doomed(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     env.update(E2E_ENV)
     with (tmp_path / "server.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jitserve.service", "serve", "--host", "127.0.0.1",
+            [SERVER_PYTHON, "-m", "jitserve.service", "serve", "--host", "127.0.0.1",
              "--port", str(port), "--cache-dir", str(tmp_path / "cache")],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

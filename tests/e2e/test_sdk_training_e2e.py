@@ -27,6 +27,7 @@ import optax
 import pytest
 from e2e.conftest import _serve, metric_total
 from flax import linen as nn
+from versions import ON_SERVER_JAX
 
 from jitserve.client import (
     AsyncClient,
@@ -131,8 +132,11 @@ def test_flax_cnn_with_adamw_matches_local_jit(client: Client) -> None:
         local_losses.append(local_loss)
     np.testing.assert_allclose([float(v) for v in remote_losses], local_losses, rtol=1e-5, atol=1e-6)
     assert jax.tree.structure(rs) == jax.tree.structure(ls)  # optax's own node types, here
+    # On another jax's XLA (.ci/jax-range) a gradient near zero may differ in its last
+    # bits, and adamw's normalized step turns that into up to lr (1e-3) a step.
+    atol = 1e-6 if ON_SERVER_JAX else 1e-4
     for got, want in zip(jax.tree.leaves(rp), jax.tree.leaves(lp)):
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=atol)
 
 
 def test_optax_state_round_trip_as_a_jaxpr(client: Client) -> None:
