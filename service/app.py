@@ -24,15 +24,17 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from jitserve.compiler import Catalog, Compiler
+from jitserve.wire import ErrorCode
 
 from . import v2
 from .api.announce import AnnounceReplica
-from .api.deps import Services
+from .api.deps import Services, refused_owner
 from .api.lane import ExecuteLane
 from .api.openapi import install_docs
 from .api.routes import arrays as arrays_routes
 from .api.routes import batching as batching_routes
 from .api.routes import calls as calls_routes
+from .api.routes import console as console_routes
 from .api.routes import executables as executables_routes
 from .api.routes import execute as execute_routes
 from .api.routes import futures as futures_routes
@@ -51,9 +53,10 @@ from .calls.scheduler import FairScheduler
 from .calls.tenants import Tenants
 from .calls.warming import WarmResult, start_warming
 from .cluster import Cluster
+from .console import Console
 from .errors import install_error_handlers
 from .metrics import Metrics, RequestMetricsMiddleware
-from .runtimes import RuntimePool, make_pool
+from .runtimes import Runtime, RuntimePool, make_pool
 from .settings import Settings
 
 __all__ = ["JitserveApp", "create_app", "make_compiler", "serving", "start_pool"]
@@ -90,15 +93,18 @@ class JitserveApp(FastAPI):
     Args:
       settings: configuration.
       metrics: this process's counters (the middleware counts every request in them).
+      console: this process's recent history (``/console``; the error handlers note
+        refusals in it).
       runtimes: started runtimes to share (tests reuse them); the lifespan starts and
         stops its own when omitted.
     """
 
-    def __init__(self, settings: Settings, metrics: Metrics, *,
+    def __init__(self, settings: Settings, metrics: Metrics, console: Console, *,
                  runtimes: RuntimePool | None = None, **kwargs: Any) -> None:
         super().__init__(lifespan=self._lifespan, **kwargs)
         self.settings = settings
         self.metrics = metrics
+        self.console = console
         self._shared_runtimes = runtimes
         self._services: Services | None = None
         self.lane = ExecuteLane(self, execute_routes.ROUTE, execute_routes.execute)
@@ -122,19 +128,22 @@ class JitserveApp(FastAPI):
         shared = self._shared_runtimes
         pool = shared or await start_pool(self.settings, own_loop=True)
         try:
-            async with serving(self.settings, self.metrics, pool) as services:
+            async with serving(self.settings, self.metrics, pool,
+                               console=self.console) as services:
                 grpc_server = await v2.start_grpc(services, self.version)  # JITSERVE_GRPC_PORT
                 ifrt_server = None
                 if self.settings.ifrt_port is not None:  # JAX's own protocol (service/ifrt)
                     from .ifrt.server import start as start_ifrt
 
-                    ifrt_server, _ = await start_ifrt(self.settings, pool, self.metrics)
+                    ifrt_server, ifrt = await start_ifrt(self.settings, pool, self.metrics)
+                    self.console.sessions_from(ifrt.describe)  # the console's sessions panel
                 self._services = services
                 try:
                     yield
                 finally:
                     self._services = None
                     if ifrt_server is not None:
+                        self.console.sessions_from(None)
                         await ifrt_server.stop(5)
                     if grpc_server is not None:
                         await grpc_server.stop(5)
@@ -153,13 +162,16 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     """
     settings = settings or Settings()
     metrics = Metrics()
-    app = JitserveApp(settings, metrics, runtimes=runtimes, title="jitserve", version="0.1.0",
+    console = Console()
+    app = JitserveApp(settings, metrics, console, runtimes=runtimes, title="jitserve",
+                      version="0.1.0",
                       docs_url=None, redoc_url=None,  # served by install_docs, without a CDN
                       description="JIT-as-a-service for JAX and XLA: send programs, get array "
                                   "futures back. See docs/api.md.")
     app.add_middleware(AnnounceReplica)  # with replicas: answers name theirs
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    install_error_handlers(app, metrics)
+    install_error_handlers(app, metrics, on_refused=lambda request, code, quota: console.refused(
+        None if code == ErrorCode.UNAUTHORIZED else refused_owner(request), code, quota))
     install_docs(app)
     app.include_router(execute_routes.router)  # first: every call matches it
     app.include_router(calls_routes.router)
@@ -170,19 +182,24 @@ def create_app(settings: Settings | None = None, *, runtimes: RuntimePool | None
     app.include_router(executables_routes.router)
     app.include_router(futures_routes.router)
     app.include_router(arrays_routes.router)
+    app.include_router(console_routes.router)  # /v1/console/..., and the page at /console
+    app.include_router(console_routes.page_router)
     app.include_router(v2.router)  # the Open Inference Protocol (docs/v2.md)
     return app
 
 
 @contextlib.asynccontextmanager
 async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
-                  on_warm: Callable[[WarmResult], None] | None = None) -> AsyncIterator[Services]:
+                  on_warm: Callable[[WarmResult], None] | None = None,
+                  console: Console | None = None) -> AsyncIterator[Services]:
     """The server's parts on started runtimes, built in dependency order, for as long as
     the context lasts (the app's lifespan; ``jitserve warm``).
 
     ``on_warm``: called with each result of the ``--warm`` manifest's compiles.
+    ``console``: where the parts note what the console shows (a new one when omitted).
     """
     loop = asyncio.get_running_loop()
+    console = console or Console()
     workers = settings.compile_workers
     quotas = Quotas.from_settings(settings, workers)
     tenants = Tenants(quotas, scoped=settings.auth_enabled,
@@ -192,6 +209,11 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     # for its live futures when Redis comes back, and fails them if this replica was
     # declared lost: the cluster, built first, reaches the store through these closures.
     futures: FutureStore
+
+    def finished(fut: Future) -> None:  # each future's end: counted in both
+        metrics.execution_finished(fut.status.value)
+        console.call_finished(fut)
+
     cluster = _cluster(settings, metrics, live=lambda: futures.live(),
                        on_self_lost=lambda old, new: futures.replica_lost(old, new))
     futures = FutureStore(
@@ -199,12 +221,13 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
         max_device_bytes=settings.max_device_bytes,
         owner_max_live=quotas.live_futures if tenants.scoped else None,
         owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None,
-        on_final=lambda fut: metrics.execution_finished(fut.status.value),
+        on_final=finished,
         on_release=pool.release,
         on_change=cluster.mirror.changed if cluster is not None else None,
         id_prefix=f"{cluster.replica_id}." if cluster is not None else "")
 
-    def lost(runtime: object, generation: int, why: str) -> None:  # a supervisor thread
+    def lost(runtime: Runtime, generation: int, why: str) -> None:  # a supervisor thread
+        console.runtime_exited(runtime.index, generation, why, runtime.last_exit_code)
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody left to tell
             loop.call_soon_threadsafe(futures.fail_lost, runtime, generation, why)
 
@@ -214,7 +237,8 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     calls = Calls(pool, futures, executor, metrics, index,
                   lookup_timeout_s=settings.lookup_timeout_s, tenants=tenants,
                   scheduler=scheduler,
-                  shared_batching=cluster.ownership if cluster is not None else None)
+                  shared_batching=cluster.ownership if cluster is not None else None,
+                  console=console)
     programs = ProgramStore(pool, tenants, max_entries=settings.programs_max_entries,
                             max_bytes=settings.programs_max_bytes,
                             timeout_s=settings.decode_timeout_s,
@@ -227,7 +251,7 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
                         futures=futures, executor=executor, programs=programs, calls=calls,
                         models=ModelRegistry(tenants), catalog=catalog,
                         drain=Drain(futures, cluster, settings.drain_timeout_s),
-                        cluster=cluster, warming=warming)
+                        cluster=cluster, warming=warming, console=console)
     pool.add_lost_listener(lost)
     sweeper = loop.create_task(futures.sweep_forever(settings.sweep_interval_s))
     try:

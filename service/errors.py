@@ -55,6 +55,7 @@ __all__ = [
     "FutureFailed",
     "FuturePending",
     "NotFound",
+    "OnRefused",
     "PayloadTooLarge",
     "ServiceError",
     "TooManyRequests",
@@ -272,14 +273,39 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _response(ErrorCode.INTERNAL, "internal server error")
 
 
-def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+#: Told of each refusal: the request, its error code and the quota it ran into, if any.
+OnRefused = Callable[[Request, str, "str | None"], None]
+
+
+def _noted(handler: Callable[[Request, Exception], Awaitable[Response]],
+           on_refused: OnRefused) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """``handler``, telling ``on_refused`` of each refusal it answers."""
+    async def handle(request: Request, exc: Exception) -> Response:
+        response = await handler(request, exc)
+        error = (refusal_body(exc) or {}).get("error") or {"code": ErrorCode.BAD_REQUEST.value}
+        quota = error.get("quota")
+        on_refused(request, str(error["code"]), None if quota is None else str(quota))
+        return response
+
+    return handle
+
+
+def install_error_handlers(app: FastAPI, metrics: Metrics,
+                           on_refused: OnRefused | None = None) -> None:
     """Register the handlers that map every exception to an error document (``metrics``
-    counts the bodies that clients broke off)."""
-    app.add_exception_handler(ServiceError, _service_error)
-    app.add_exception_handler(CompilerError, _compiler_error)
-    app.add_exception_handler(CacheUnavailable, _cache_unavailable)
-    app.add_exception_handler(WireError, _wire_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    counts the bodies that clients broke off; ``on_refused`` hears of each refusal:
+    the console's errors by code).
+
+    Unknown routes and wrong methods (starlette's own errors) and server errors are
+    not refusals.
+    """
+    refusals: list[tuple[type[Exception], Callable[[Request, Exception], Awaitable[Response]]]] = [
+        (ServiceError, _service_error), (CompilerError, _compiler_error),
+        (CacheUnavailable, _cache_unavailable), (WireError, _wire_error),
+        (RequestValidationError, _validation_error)]
+    for cls, handler in refusals:
+        app.add_exception_handler(cls, handler if on_refused is None
+                                  else _noted(handler, on_refused))
     app.add_exception_handler(ClientDisconnect, _client_disconnect(metrics))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -31,7 +31,8 @@ from ..calls.programs import ProgramStore
 from ..calls.tenants import Tenants
 from ..calls.warming import Warming
 from ..cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
-from ..errors import Unauthorized
+from ..console import Console
+from ..errors import ServiceError, Unauthorized
 from ..metrics import Metrics
 from ..runtimes import RuntimePool
 from ..settings import Settings
@@ -49,6 +50,7 @@ __all__ = [
     "bearer_token",
     "get_owner",
     "get_services",
+    "refused_owner",
     "request_cluster",
     "request_owner",
     "services_of",
@@ -73,6 +75,7 @@ class Services:
       drain: refuses new work once SIGTERM came.
       cluster: the other replicas (``None`` without Redis).
       warming: the ``--warm`` manifest's compiles (``None`` without one).
+      console: the last minutes of this process, for ``/console``.
     """
 
     settings: Settings
@@ -88,6 +91,7 @@ class Services:
     drain: Drain
     cluster: Cluster | None
     warming: Warming | None
+    console: Console
 
 
 def services_of(request: Request) -> Services:
@@ -134,6 +138,15 @@ def request_owner(request: Request) -> str | None:
     cluster.signing.check(signature, request.scope["method"], scope_path(request.scope), owner)
     request.state.forwarded = True
     return owner
+
+
+def refused_owner(request: Request) -> str | None:
+    """Whose a refused request was, for the console's errors by key: the owner of its
+    valid key, else ``None`` (its key is no key: nobody's)."""
+    try:
+        return request_owner(request)
+    except ServiceError:
+        return None
 
 
 def bearer_token(request: Request) -> str | None:

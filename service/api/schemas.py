@@ -26,6 +26,24 @@ __all__ = [
     "AvalModel",
     "CompileRequest",
     "CompileResult",
+    "ConsoleCompile",
+    "ConsoleCompiles",
+    "ConsoleDevice",
+    "ConsoleDevices",
+    "ConsoleExit",
+    "ConsoleHolder",
+    "ConsoleProgram",
+    "ConsoleQuotaRefusal",
+    "ConsoleRuntime",
+    "ConsoleSession",
+    "ConsoleSessions",
+    "ConsoleTierPoint",
+    "ConsoleTierTotals",
+    "ConsoleTiers",
+    "ConsoleViewer",
+    "ConsoleWork",
+    "ConsoleWorkPoint",
+    "ConsoleWorkTotals",
     "CostInfo",
     "CallRef",
     "CallRefused",
@@ -460,6 +478,200 @@ class DeleteResult(BaseModel):
     future_id: str
     status: str
     detail: str | None = None
+
+
+# The console's panels (``GET /v1/console/...``, ``service.console``): what the page at
+# ``/console`` draws. A key is named by its digest's first 12 hex digits ("none"
+# without keys); a non-admin key sees only its own programs, sessions and refusals.
+class ConsoleViewer(BaseModel):
+    """Who asked, as the console sees them."""
+
+    key: str = Field(description="the caller's key: its digest's first 12 hex digits")
+    admin: bool = Field(description="sees every key's (an admin key, or auth off)")
+
+
+class ConsoleDevice(BaseModel):
+    """One device (as ``GET /v1/devices`` lists it) and its memory."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: int
+    group: int
+    memory: dict[str, int] = Field(default_factory=dict, description=(
+        "in_use bytes (on the CPU: the runtimes' live arrays there), and limit and peak "
+        "where XLA reports them"))
+
+
+class ConsoleRuntime(BaseModel):
+    """One runtime process, as ``/readyz`` describes it, with its last exit."""
+
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    state: str
+    pid: int | None
+    restarts: int
+    in_flight: int
+    group: int
+    last_exit: str | None = Field(None, description="why its last process ended")
+    last_exit_at: float | None = Field(None, description="when (seconds since the epoch)")
+    last_exit_code: str | None = Field(None, description="what its work failed with")
+
+
+class ConsoleExit(BaseModel):
+    """A runtime process that ended."""
+
+    at: float
+    runtime: int
+    generation: int
+    why: str
+    code: str
+
+
+class ConsoleHolder(BaseModel):
+    """What one key's live futures hold."""
+
+    key: str
+    live_futures: int
+    device_bytes: int
+
+
+class ConsoleDevices(BaseModel):
+    """Answer of ``GET /v1/console/devices``."""
+
+    viewer: ConsoleViewer
+    backend: dict[str, Any]
+    devices: list[ConsoleDevice]
+    groups: list[dict[str, Any]]
+    runtimes: list[ConsoleRuntime]
+    exits: list[ConsoleExit] = Field(description="recent runtime exits, newest first")
+    holders: list[ConsoleHolder] = Field(description="the keys whose futures hold device bytes")
+    device_bytes_in_use: int = Field(description="held or promised by all live futures")
+    max_device_bytes: int
+    live_futures: int
+    max_live_futures: int
+
+
+class ConsoleCompile(BaseModel):
+    """A lookup the API process's index could not answer: compiled, loaded, or refused."""
+
+    at: float
+    key: str
+    program_id: str
+    name: str = Field(description="the exported function's name, when known")
+    signature: str
+    tier: str = Field(description="memory, disk, redis, compiled; failed when refused")
+    seconds: float
+    executable_id: str
+    recompiled_because: list[str] | None = Field(
+        description="what differed from the program's last compile, when it compiled")
+    error: dict[str, str] | None = Field(description="code and message of a refusal")
+
+
+class ConsoleProgram(BaseModel):
+    """A program's compiles among those kept."""
+
+    key: str
+    program_id: str
+    name: str
+    compiles: int
+    seconds: float
+    signatures: list[str]
+    recompiled_because: list[str] | None
+
+
+class ConsoleTierPoint(BaseModel):
+    t: int = Field(description="the first second of the point (since the epoch)")
+    tiers: dict[str, int] = Field(description="calls by the tier of their executable")
+    hit_rate: float | None = Field(description="memory, disk and redis of all; null: no calls")
+
+
+class ConsoleTierTotals(BaseModel):
+    tiers: dict[str, int]
+    hit_rate: float | None
+
+
+class ConsoleTiers(BaseModel):
+    """Where calls' executables came from, over the last minutes."""
+
+    window_s: int
+    step_s: int
+    points: list[ConsoleTierPoint]
+    totals: ConsoleTierTotals
+
+
+class ConsoleCompiles(BaseModel):
+    """Answer of ``GET /v1/console/compiles``."""
+
+    viewer: ConsoleViewer
+    recent: list[ConsoleCompile] = Field(description="newest first")
+    kept: int = Field(description="how many of the caller's are kept (the newest 512 of all)")
+    failed: int
+    slowest: list[ConsoleCompile]
+    most_recompiled: list[ConsoleProgram]
+    hit_rate: ConsoleTiers
+
+
+class ConsoleWorkPoint(BaseModel):
+    t: int = Field(description="the first second of the point (since the epoch)")
+    calls: int = Field(description="calls that ended (done, failed or cancelled)")
+    per_s: float
+    errors: dict[str, int] = Field(description="failed calls and refused requests, by code")
+    p50_s: float | None = Field(description="latency from accepted to ended (bins of 26%)")
+    p90_s: float | None
+    p99_s: float | None
+
+
+class ConsoleQuotaRefusal(BaseModel):
+    key: str
+    quota: str
+    count: int
+
+
+class ConsoleWorkTotals(BaseModel):
+    calls: int
+    per_s: float
+    p50_s: float | None
+    p90_s: float | None
+    p99_s: float | None
+    errors: dict[str, int]
+    quota_refusals: list[ConsoleQuotaRefusal]
+
+
+class ConsoleWork(BaseModel):
+    """Answer of ``GET /v1/console/work``."""
+
+    viewer: ConsoleViewer
+    window_s: int
+    step_s: int
+    now: float
+    points: list[ConsoleWorkPoint]
+    totals: ConsoleWorkTotals
+
+
+class ConsoleSession(BaseModel):
+    """An open IFRT proxy session."""
+
+    session: str
+    key: str
+    runtime: int
+    protocol: int
+    age_s: float
+    requests: int
+    bytes_in: int
+    bytes_out: int
+    host_bytes_held: int = Field(description="host buffers waiting here")
+    device_bytes: int = Field(description="its arrays' device bytes, as of its last batch")
+    compiles: dict[str, int] = Field(description="by tier")
+
+
+class ConsoleSessions(BaseModel):
+    """Answer of ``GET /v1/console/sessions``."""
+
+    viewer: ConsoleViewer
+    enabled: bool = Field(description="whether the IFRT proxy listens (JITSERVE_IFRT_PORT)")
+    sessions: list[ConsoleSession]
+
 
 
 def parse(model: type[M], obj: Any, what: str) -> M:

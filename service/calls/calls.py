@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from jitserve.compiler.errors import CompilerError
 from jitserve.compiler.programs import Program
 from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
 
+from ..console import CompileRecord, Console
 from ..errors import (
     BadRequest,
     FutureCancelled,
@@ -152,13 +154,16 @@ class Calls:
         lookup goes straight to its runtime (one tenant: nobody to be fair to).
       shared_batching: where the replicas keep their callers' batching configurations
         (``service.cluster``); omitted, this process keeps its own.
+      console: keeps each lookup the index could not answer (``service.console``).
     """
 
     def __init__(self, runtimes: RuntimePool, futures: FutureStore, executor: Executor,
                  metrics: Metrics, index: ExecutableIndex, *, lookup_timeout_s: float,
                  tenants: Tenants | None = None, scheduler: FairScheduler | None = None,
-                 shared_batching: SharedConfigs | None = None) -> None:
+                 shared_batching: SharedConfigs | None = None,
+                 console: Console | None = None) -> None:
         self._runtimes = runtimes
+        self._console = console
         self._futures = futures
         self._executor = executor
         self._metrics = metrics
@@ -189,15 +194,44 @@ class Calls:
         else:
             runtime = runtime or self._runtimes.place(owner, program.program_id,
                                                       program.nr_devices)
-            lookup = await self._lookup(runtime, program, in_avals, options, owner)
+            try:
+                lookup = await self._lookup(runtime, program, in_avals, options, owner)
+            except CompilerError as e:  # the console lists refused compiles too
+                self._record(program, in_avals, owner, error=e)
+                raise
             self._index.put(key, lookup.executable)
             # Also by the avals an execute of host arrays names (a compile may give none).
             plain = [Aval(a.shape, a.dtype) for a in lookup.executable.in_avals]
             self._index.put(call_key(program.program_id, plain, options), lookup.executable)
             _log_lookup(program, lookup)
+            self._record(program, in_avals, owner, lookup=lookup)
         self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
+
+    def _record(self, program: Program, in_avals: Sequence[Aval] | None, owner: str | None, *,
+                lookup: Resolved | None = None, error: CompilerError | None = None) -> None:
+        """Tell the console of a lookup the index could not answer: what it found, or
+        why there is nothing."""
+        if self._console is None:
+            return
+        if lookup is not None:
+            exe = lookup.executable
+            compiled = lookup.tier == TierName.COMPILED
+            reasons = exe.meta.get("recompiled_because") if compiled else None
+            record = CompileRecord(
+                time.time(), owner, program.program_id, program.name,
+                ", ".join(str(a) for a in exe.in_avals), str(lookup.tier),
+                lookup.compile_seconds, tuple(reasons) if reasons else None,
+                lookup.executable_id)
+        else:
+            assert error is not None
+            record = CompileRecord(
+                time.time(), owner, program.program_id, program.name,
+                "" if in_avals is None else ", ".join(str(a) for a in in_avals), "failed", 0.0,
+                error={"code": str(error.code),
+                       "message": str(error)})
+        self._console.compiled(record)
 
     async def _lookup(self, runtime: Runtime, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions, owner: str | None) -> Resolved:

@@ -286,6 +286,12 @@ class FutureStore:
         """How many device bytes ``owner``'s futures hold (or are promised)."""
         return self._bytes_of[owner]
 
+    def holders(self) -> list[tuple[str | None, int, int]]:
+        """Who holds what: ``(owner, live futures, device bytes)`` of each owner holding
+        either (the console's devices panel)."""
+        return [(owner, self._live_of[owner], self._bytes_of[owner])
+                for owner in self._live_of.keys() | self._bytes_of.keys()]
+
     def _fits(self, need: int, owner: str | None) -> bool:
         if owner is not None and (
                 (self.owner_max_live is not None and self._live_of[owner] >= self.owner_max_live)

@@ -88,6 +88,7 @@ class _Session:
     bytes_in: int = 0
     bytes_out: int = 0
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
+    device_bytes: int = 0  # its arrays' on the runtime, as of its last batch
     ended: str | None = None
 
     def event(self, handle: int) -> asyncio.Event:
@@ -137,6 +138,18 @@ class IfrtService:
         self.quotas = ({"device_bytes": quotas.device_bytes, "arrays": quotas.live_futures,
                         "compiles_per_minute": quotas.compiles_per_minute}
                        if settings.auth_enabled else None)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The open sessions, for the console (``service.console``): each one's id, owner
+        (its key's digest, "" without keys), runtime, age, requests, bytes each way,
+        compiles by tier, and the device bytes its arrays held after its last batch."""
+        now = time.monotonic()
+        return [{"session": f"{s.id:016x}", "owner": s.owner, "runtime": s.runtime.index,
+                 "protocol": s.protocol, "age_s": round(now - s.opened, 3),
+                 "requests": s.requests, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+                 "host_bytes_held": s.held, "device_bytes": s.device_bytes,
+                 "compiles": dict(s.compiles)}
+                for s in list(self.sessions.values())]
 
     # -- GetVersion ------------------------------------------------------------------
 
@@ -382,6 +395,7 @@ class IfrtService:
                 "executables are gone; open a new session"), "runtime_lost")
         moved = sum(b.size for b in buffers.values())
         session.bytes_in += moved
+        session.device_bytes = int(reply.get("device_bytes", 0))
         self.metrics.ifrt_bytes.labels("in").inc(moved)
         return list(reply["responses"]), dict(reply.get("host", {})), list(reply.get("compiles", ()))
 

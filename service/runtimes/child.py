@@ -717,7 +717,8 @@ class RuntimeServer:
                     host[handle] = frames.write_arrays([np.asarray(data)], [None], None, None)[0]
                 else:
                     host[handle] = {"nbytes": int(data.nbytes)}
-        return {"responses": responses, "host": host, "compiles": tiers}
+        return {"responses": responses, "host": host, "compiles": tiers,
+                "device_bytes": self._sessions.device_bytes(int(m["session"]))}
 
     def op_ifrt_read(self, m: IfrtReadRequest) -> IfrtReadAnswer:
         from .ifrt import IfrtFailure

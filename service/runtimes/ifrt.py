@@ -121,6 +121,7 @@ class Session:
         self.scope = scope  # its executables' keys, when keys share none (Compiler.lookup)
         self.arrays: dict[int, Any] = {}  # handle -> jax.Array, or the IfrtFailure that made it
         self.sizes: dict[int, int] = {}  # handle -> device bytes it counts for its key
+        self.device_bytes = 0  # the sum of ``sizes``: what it holds on the devices now
         self.executables: dict[int, Any] = {}  # handle -> compiler.compile.Executable
         # The host buffers of the batch being served (its own: two sessions' batches run
         # on two threads at once).
@@ -210,6 +211,11 @@ class Sessions:
         tiers, session.tiers = session.tiers, []
         return responses, made, tiers
 
+    def device_bytes(self, session_id: int) -> int:
+        """The device bytes session ``session_id``'s arrays hold here now."""
+        session = self.sessions.get(session_id)
+        return 0 if session is None else session.device_bytes
+
     def read(self, session_id: int, handle: int) -> np.ndarray:
         """A host buffer a ``copy_to_host_buffer`` made, handed over once."""
         session = self.sessions.get(session_id)
@@ -294,6 +300,7 @@ class Sessions:
         freed = session.sizes.get(handle, 0)
         session.sizes[handle] = 0
         self.held[session.owner][0] -= freed
+        session.device_bytes -= freed
 
     def _put(self, session: Session, wanted: int, array: Any, nbytes: int | None = None) -> int:
         """Keep ``array`` under the client's handle ``wanted`` (or a new one, if 0), counted
@@ -306,6 +313,7 @@ class Sessions:
             nbytes = 0 if isinstance(array, IfrtFailure) else _held_bytes(array)
         session.arrays[handle] = array
         session.sizes[handle] = nbytes
+        session.device_bytes += nbytes
         held = self.held[session.owner]
         held[0] += nbytes
         held[1] += 1
@@ -315,6 +323,7 @@ class Sessions:
         """Stop counting ``handle`` for its key (destructed, or its session closed)."""
         nbytes = session.sizes.pop(handle, None)
         if nbytes is not None:
+            session.device_bytes -= nbytes
             held = self.held[session.owner]
             held[0] -= nbytes
             held[1] -= 1

@@ -332,6 +332,7 @@ class IfrtAnswer(TypedDict):
     # (inline) when small, else ``{"nbytes": n}``: read it with ``ifrt_read``
     host: dict[int, dict[str, Any]]
     compiles: list[str]  # the tier each compile of the batch was served from
+    device_bytes: int  # the session's arrays' device bytes here, after the batch
 
 
 class IfrtReadRequest(TypedDict):

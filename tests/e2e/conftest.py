@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,6 +40,24 @@ E2E_ENV = {
 # The server's interpreter: this one, or (for the SDK's tests on another jax, .ci/jax-range)
 # the project's own venv with the server's pinned jax.
 SERVER_PYTHON = os.environ.get("JITSERVE_TEST_SERVER_PYTHON") or sys.executable
+
+
+#: Debian's chromium (apt-get install chromium), for the pages' browser checks.
+CHROMIUM = (os.environ.get("JITSERVE_TEST_CHROMIUM") or shutil.which("chromium")
+            or shutil.which("chromium-browser"))
+
+
+def chromium(tmp_path: Path, *args: str, budget_ms: int = 20000,
+             window: str = "1280,3000") -> subprocess.CompletedProcess[str]:
+    """Headless Chromium on ``args`` (``--dump-dom URL``, ``--screenshot=F URL``): it
+    resolves no host but 127.0.0.1, so a page that reached elsewhere would show it."""
+    assert CHROMIUM is not None
+    cmd = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
+           "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
+           f"--user-data-dir={tmp_path / 'profile'}", "--proxy-server=direct://",
+           "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+           f"--virtual-time-budget={budget_ms}", f"--window-size={window}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
 
 
 def _free_port() -> int:

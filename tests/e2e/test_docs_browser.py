@@ -11,41 +11,28 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
+from e2e.conftest import CHROMIUM, chromium
 
 pytestmark = pytest.mark.timeout(180)
 
-CHROMIUM = (os.environ.get("JITSERVE_TEST_CHROMIUM") or shutil.which("chromium")
-            or shutil.which("chromium-browser"))
 _OPERATION = re.compile(r'opblock-summary-method">(\w+)</span>.*?data-path="([^"]+)"', re.S)
-
-
-def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    cmd = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
-           "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
-           f"--user-data-dir={tmp_path / 'profile'}", "--proxy-server=direct://",
-           "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-           "--virtual-time-budget=20000", "--window-size=1280,3000", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)")
 def test_swagger_ui_renders_every_route_offline(server_url: str, tmp_path: Path) -> None:
     spec = httpx.get(f"{server_url}/openapi.json", timeout=30).json()
     served = {(method.upper(), path) for path, ops in spec["paths"].items() for method in ops}
-    dom = _chromium(tmp_path, "--dump-dom", f"{server_url}/docs").stdout
+    dom = chromium(tmp_path, "--dump-dom", f"{server_url}/docs").stdout
     rendered = set(_OPERATION.findall(dom))
     assert served - rendered == set(), "routes the page did not render"
     assert rendered - served == set()
     artifacts = Path(os.environ.get("JITSERVE_TEST_ARTIFACTS") or tmp_path)
     artifacts.mkdir(parents=True, exist_ok=True)
     screenshot = artifacts / "docs-swagger-ui.png"
-    _chromium(tmp_path, f"--screenshot={screenshot}", f"{server_url}/docs")
+    chromium(tmp_path, f"--screenshot={screenshot}", f"{server_url}/docs")
     assert screenshot.stat().st_size > 10_000
     print(f"screenshot of /docs: {screenshot}")
