@@ -512,7 +512,12 @@ class Compiler:
             out_tokens = [i for i, t in enumerate(stablehlo.main_result_types(module))
                           if str(t) == "!stablehlo.token"]
             bytecode = stablehlo.to_bytecode(module)
+            name = stablehlo.module_name(module)
         program_id = hashlib.sha256(data).hexdigest()
+        # jax lowers a function again for each signature, so each is another module: its
+        # compiles are remembered by the module's name ("jit_train_step"), and a new
+        # signature of it says so (recompiled_because), as a /v1 program's does.
+        history_id = f"ifrt:{name}" if name else program_id
         backend = dataclasses.replace(self._backend_for(n),
                                       options_digest=hashlib.sha256(options).hexdigest())
         parts = key_parts(program_id=program_id, in_avals=in_avals, static_key="ifrt",
@@ -541,10 +546,12 @@ class Compiler:
                 serialized = self._pool.compile(bytecode, options)
                 self._compilations += 1
                 meta = {**self._expected_meta(key), "program_id": program_id, "format": "ifrt",
-                        "static_key": "ifrt", "in_avals": [a.to_json() for a in in_avals],
+                        "name": name, "static_key": "ifrt", "in_avals": [a.to_json() for a in in_avals],
                         "out_avals": [a.to_json() for a in out_avals], "out_tree": None,
                         "out_tokens": out_tokens, "created": time.time(),
-                        "key_parts": dict(parts), "recompiled_because": None,
+                        "key_parts": dict(parts),
+                        "recompiled_because": _ifrt_reasons(
+                            self._recompile_reasons(history_id, key, parts)),
                         "device_count": n, "partitions": partitions, "replicas": replicas}
                 meta["compile_seconds"] = seconds = time.perf_counter() - start
                 executable = Executable(self._deserialize(serialized, meta), key, meta,
@@ -555,7 +562,12 @@ class Compiler:
                                       executable)
                 return Lookup(executable, key, TierName.COMPILED, seconds)
 
-        return on_assigned(self._single_flight(key, resolve))
+        def resolve_and_record() -> Lookup:
+            lookup = resolve()
+            self._history.record(history_id, key, parts, lookup.executable.meta.get("created"))
+            return lookup
+
+        return on_assigned(self._single_flight(key, resolve_and_record))
 
     def _normalized(self, options: bytes) -> tuple[bytes, int, int, tuple[Any, ...]]:
         """IFRT compile ``options`` with their device assignment made this process's first
@@ -903,3 +915,12 @@ def _open_redis(settings: RedisSettings | None, secret: CacheSecret) -> RedisTie
     from jitserve.compiler.redis.tiers import RedisTiers
 
     return RedisTiers(settings, secret)
+
+
+def _ifrt_reasons(reasons: list[str] | None) -> list[str] | None:
+    """An IFRT compile's reasons without the module's change when others say why: jax
+    writes another module for each new signature, so that one goes without saying."""
+    if not reasons:
+        return reasons
+    said = [r for r in reasons if not r.startswith("program:")]
+    return said or reasons

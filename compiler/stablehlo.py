@@ -42,6 +42,7 @@ __all__ = [
     "device_count",
     "main_result_types",
     "main_signature",
+    "module_name",
     "new_context",
     "parse_module",
     "partitions",
@@ -222,6 +223,14 @@ def _refine(module: ir.Module) -> ir.Module:
     except Exception as e:
         cause = e.__cause__ or e
         raise SignatureMismatch(f"the inputs do not fit the program's shapes: {message_of(cause)}") from None
+
+
+def module_name(module: ir.Module) -> str:
+    """The module's ``sym_name`` (jax names it ``jit_<function>``); "" when it has none."""
+    attributes = module.operation.attributes
+    if "sym_name" not in attributes:
+        return ""
+    return ir.StringAttr(attributes["sym_name"]).value[:256]
 
 
 def _main(module: ir.Module) -> ir.Operation:

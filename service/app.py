@@ -135,7 +135,8 @@ class JitserveApp(FastAPI):
                 if self.settings.ifrt_port is not None:  # JAX's own protocol (service/ifrt)
                     from .ifrt.server import start as start_ifrt
 
-                    ifrt_server, ifrt = await start_ifrt(self.settings, pool, self.metrics)
+                    ifrt_server, ifrt = await start_ifrt(self.settings, pool, self.metrics,
+                                                         self.console)
                     self.console.sessions_from(ifrt.describe)  # the console's sessions panel
                 self._services = services
                 try:

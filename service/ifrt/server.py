@@ -45,16 +45,18 @@ from jitserve.compiler.ifrt_protos import message
 from ..api.auth import authenticate
 from ..calls.quotas import Quotas
 from ..calls.tenants import scope_of
+from ..console import CompileRecord, Console
 from ..errors import Unauthorized
 from ..metrics import Metrics
 from ..runtimes import frames
 from ..runtimes.pool import RemoteError, Runtime, RuntimeLost, RuntimePool
-from ..runtimes.protocol import Op
+from ..runtimes.protocol import IfrtCompiled, Op
 from ..settings import Settings
 
 __all__ = ["PROTOCOL_VERSIONS", "IfrtService", "start"]
 
 log = logging.getLogger("jitserve.ifrt")
+compile_log = logging.getLogger("jitserve.compile")  # as /v1's compiles (service.calls)
 
 SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
 # The protocol versions this server speaks: jaxlib 0.10.2's and 0.11.2's clients ask
@@ -127,10 +129,12 @@ class _SessionEnded(Exception):
 class IfrtService:
     """The handlers of ``GrpcIfrtService``; ``sessions`` are those open now."""
 
-    def __init__(self, settings: Settings, runtimes: RuntimePool, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, runtimes: RuntimePool, metrics: Metrics,
+                 console: Console | None = None) -> None:
         self.settings = settings
         self.runtimes = runtimes
         self.metrics = metrics
+        self.console = console
         self.sessions: dict[int, _Session] = {}
         # With API keys, a key's quotas, counted by the runtime that holds its sessions
         # (placement is by key): device bytes and arrays over its IFRT arrays, and compiles.
@@ -334,10 +338,10 @@ class IfrtService:
             sent.append(data)
             kinds.append(kind)
         if sent:
-            responses, host, tiers = await self._to_runtime(session, sent, buffers, executes, compiles)
-            for tier in tiers:
-                session.compiles[tier] = session.compiles.get(tier, 0) + 1
-                self.metrics.ifrt_compiles.labels(tier).inc()
+            responses, host, compiled = await self._to_runtime(session, sent, buffers, executes,
+                                                               compiles)
+            for each in compiled:
+                self._compiled(session, each)
             for handle, desc in host.items():
                 session.host_out[int(handle)] = desc
                 session.held += len(desc.get("data", b""))
@@ -361,7 +365,7 @@ class IfrtService:
 
     async def _to_runtime(self, session: _Session, requests: list[bytes],
                           buffers: dict[int, _Stored], executes: int, compiles: int
-                          ) -> tuple[list[bytes], dict[int, Any], list[str]]:
+                          ) -> tuple[list[bytes], dict[int, Any], list[IfrtCompiled]]:
         settings = self.settings
         timeout = (executes * settings.execution_timeout_s + compiles * settings.lookup_timeout_s
                    or settings.decode_timeout_s)
@@ -398,6 +402,27 @@ class IfrtService:
         session.device_bytes = int(reply.get("device_bytes", 0))
         self.metrics.ifrt_bytes.labels("in").inc(moved)
         return list(reply["responses"]), dict(reply.get("host", {})), list(reply.get("compiles", ()))
+
+    def _compiled(self, session: _Session, found: IfrtCompiled) -> None:
+        """Count a compile of the session by its tier; one that memory did not answer is
+        logged as /v1's are (one line per compile or load) and kept for the console."""
+        tier, reasons = found["tier"], found["recompiled_because"]
+        session.compiles[tier] = session.compiles.get(tier, 0) + 1
+        self.metrics.ifrt_compiles.labels(tier).inc()
+        if tier == "memory":  # this runtime had it loaded: nothing to see
+            return
+        because = f" because {'; '.join(reasons)}" if reasons else ""
+        compile_log.info(
+            "%s %s %s(%s) tier=%s %.3fs%s (IFRT session %016x)",
+            "compiled" if tier == "compiled" else "loaded", found["program_id"][:12],
+            found["name"], found["signature"], tier, found["seconds"], because, session.id,
+            extra={"fields": {**found, "seconds": round(found["seconds"], 6),
+                              "session": f"{session.id:016x}"}})
+        if self.console is not None:
+            self.console.compiled(CompileRecord(
+                time.time(), session.owner or None, found["program_id"], found["name"],
+                found["signature"], tier, found["seconds"],
+                tuple(reasons) if reasons else None, found["executable_id"]))
 
     def _lost(self, session: _Session, e: RuntimeLost) -> _SessionEnded:
         if e.code == "execution_timeout":
@@ -622,10 +647,11 @@ def _status_of(data: bytes) -> str:
         (s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
 
 
-async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics
-                ) -> tuple[grpc.aio.Server, IfrtService]:
-    """A started IFRT proxy server on ``settings.host``:``settings.ifrt_port``."""
-    service = IfrtService(settings, runtimes, metrics)
+async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics,
+                console: Console | None = None) -> tuple[grpc.aio.Server, IfrtService]:
+    """A started IFRT proxy server on ``settings.host``:``settings.ifrt_port``
+    (``console``: where its compiles are kept for ``/console``)."""
+    service = IfrtService(settings, runtimes, metrics, console)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", min(settings.max_body_bytes + (1 << 20), 2**31 - 1)),
         ("grpc.max_send_message_length", -1),

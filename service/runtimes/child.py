@@ -707,7 +707,7 @@ class RuntimeServer:
         from .ifrt import unpack_buffers
 
         with self._ifrt_locks[int(m["session"])]:
-            responses, made, tiers = self._sessions.serve(
+            responses, made, compiled = self._sessions.serve(
                 int(m["session"]), str(m.get("owner", "")), list(m["requests"]),
                 unpack_buffers(m.get("buffers", {})), m.get("quotas"), str(m.get("scope", "")))
             host: dict[int, dict[str, Any]] = {}
@@ -717,7 +717,7 @@ class RuntimeServer:
                     host[handle] = frames.write_arrays([np.asarray(data)], [None], None, None)[0]
                 else:
                     host[handle] = {"nbytes": int(data.nbytes)}
-        return {"responses": responses, "host": host, "compiles": tiers,
+        return {"responses": responses, "host": host, "compiles": compiled,
                 "device_bytes": self._sessions.device_bytes(int(m["session"]))}
 
     def op_ifrt_read(self, m: IfrtReadRequest) -> IfrtReadAnswer:

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from jitserve.wire import Aval
+
 from . import frames
 
 log = logging.getLogger("jitserve.runtime.ifrt")
@@ -131,7 +133,7 @@ class Session:
         self.host_out: dict[int, np.ndarray] = {}  # copy_to_host results until they are read
         self.handles = itertools.count(_SERVER_HANDLES)
         self.compiles = self.executes = 0
-        self.tiers: list[str] = []  # the tier of each compile since the last batch
+        self.compiled: list[dict[str, Any]] = []  # each compile since the last batch
 
 
 class Sessions:
@@ -190,10 +192,10 @@ class Sessions:
 
     def serve(self, session_id: int, owner: str, requests: list[bytes],
               buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None,
-              scope: str = "") -> tuple[list[bytes], dict[int, np.ndarray], list[str]]:
+              scope: str = "") -> tuple[list[bytes], dict[int, np.ndarray], list[dict[str, Any]]]:
         """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
-        responses, the host buffers their ``copy_to_host_buffer``s made, and the tier
-        each compile was served from."""
+        responses, the host buffers their ``copy_to_host_buffer``s made, and what each
+        compile found (``protocol.IfrtCompiled``)."""
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(session_id, owner, scope)
@@ -208,8 +210,8 @@ class Sessions:
         finally:
             session.inbox = {}
         made = {h: session.host_out[h] for h in session.host_out.keys() - before}
-        tiers, session.tiers = session.tiers, []
-        return responses, made, tiers
+        compiled, session.compiled = session.compiled, []
+        return responses, made, compiled
 
     def device_bytes(self, session_id: int) -> int:
         """The device bytes session ``session_id``'s arrays hold here now."""
@@ -796,13 +798,21 @@ class Sessions:
         if str(lookup.tier) == "compiled":
             self.compiled_at[session.owner].append(time.monotonic())
         session.compiles += 1
-        session.tiers.append(str(lookup.tier))
         handle = next(session.handles)
         session.executables[handle] = lookup.executable
         out = response.compile_response
         out.loaded_executable_handle = handle
         loaded = lookup.executable.loaded
-        out.name = str(getattr(loaded, "name", "") or "jit")
+        meta = lookup.executable.meta
+        # The module's name ("jit_train_step"), as XLA's own server answers it.
+        out.name = str(meta.get("name") or getattr(loaded, "name", "") or "jit")
+        compiled = str(lookup.tier) == "compiled"
+        session.compiled.append({
+            "tier": str(lookup.tier), "program_id": str(meta.get("program_id", "")),
+            "name": out.name, "executable_id": lookup.executable_id,
+            "signature": ", ".join(str(Aval.from_json(a)) for a in meta.get("in_avals", ())),
+            "seconds": float(lookup.compile_seconds),
+            "recompiled_because": meta.get("recompiled_because") if compiled else None})
         devices = lookup.executable.devices
         out.num_devices = len(devices)
         out.device_ids.extend(d.id for d in devices)

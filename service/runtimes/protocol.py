@@ -70,7 +70,7 @@ from typing import Any, NotRequired, TypeAlias, TypedDict
 __all__ = [
     "ArgDesc", "ArrayDesc", "AvalDoc", "Config", "DecodeAnswer", "DecodeRequest", "DeviceDoc",
     "ExecutableDoc", "Failure", "FetchAnswer", "FetchInto", "FetchRequest", "ForgetAnswer",
-    "ForgetRequest", "FreeRequest", "IfrtAnswer", "IfrtCloseAnswer", "IfrtCloseRequest",
+    "ForgetRequest", "FreeRequest", "IfrtAnswer", "IfrtCloseAnswer", "IfrtCloseRequest", "IfrtCompiled",
     "IfrtReadAnswer", "IfrtReadRequest", "IfrtRequest", "Kind", "LookupAnswer", "LookupRequest",
     "Op", "ProgramAnswer",
     "ProgramDoc", "ProgramRequest", "PutAnswer", "PutRequest", "Ready", "Reply", "RunAnswer",
@@ -326,12 +326,26 @@ class IfrtRequest(TypedDict):
     quotas: NotRequired[dict[str, int]]
 
 
+class IfrtCompiled(TypedDict):
+    """One compile of an IFRT batch: where its executable came from (``tier``), the
+    program (its bytes' sha256, and the name XLA gave it), its input avals, the seconds
+    it took, and why it compiled although the program had another key."""
+
+    tier: str
+    program_id: str
+    name: str
+    executable_id: str
+    signature: str
+    seconds: float
+    recompiled_because: list[str] | None
+
+
 class IfrtAnswer(TypedDict):
     responses: list[bytes]  # serialized ``IfrtResponse``s, one per request
     # host buffers the batch made (``copy_to_host_buffer``), by handle: an ``ArrayDesc``
     # (inline) when small, else ``{"nbytes": n}``: read it with ``ifrt_read``
     host: dict[int, dict[str, Any]]
-    compiles: list[str]  # the tier each compile of the batch was served from
+    compiles: list[IfrtCompiled]  # what each compile of the batch found
     device_bytes: int  # the session's arrays' device bytes here, after the batch
 
 

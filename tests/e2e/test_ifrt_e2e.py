@@ -181,6 +181,35 @@ def test_a_second_run_is_served_from_the_cache(ifrt: dict[str, str], tmp_path: P
     assert _tier_count(ifrt["url"], "compiled") == compiled  # every compile was a hit
 
 
+def test_compiles_are_listed_with_why_they_recompiled(ifrt: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    # jax lowers a new module for each signature; the console lists each compile under
+    # the function's name, and the second says what changed, as /v1's do.
+    program = """
+        import jax, jax.numpy as jnp
+        def scaled_sum(a):
+            return (a * 3.5).sum()
+        g = jax.jit(scaled_sum)
+        print(float(g(jnp.ones(8))), float(g(jnp.ones(16))))
+    """
+    ran = run_program(ifrt, program, tmp_path)
+    assert ran.returncode == 0 and ran.stdout.split() == ["28.0", "56.0"], ran.stderr[-3000:]
+
+    def compiles(key: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{ifrt['url']}/v1/console/compiles", params={"seconds": 600},
+                      headers={"authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return [c for c in r.json()["recent"] if c["name"] == "jit_scaled_sum"]
+
+    mine = {c["signature"]: c for c in compiles(KEYS[0])}
+    assert set(mine) == {"float32[8]", "float32[16]"}, mine
+    first, second = mine["float32[8]"], mine["float32[16]"]
+    assert first["tier"] == second["tier"] == "compiled" and first["seconds"] > 0
+    assert first["recompiled_because"] is None
+    assert second["recompiled_because"] == ["shape: arg 0 float32[8] -> float32[16]"], second
+    assert compiles(KEYS[1]) == []  # another key's compiles are not its business
+
+
 def _tier_count(url: str, tier: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith(f'jitserve_ifrt_compiles_total{{tier="{tier}"}}'):
