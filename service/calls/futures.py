@@ -198,6 +198,12 @@ class FutureStore:
       id_prefix: starts every new id: the replica that holds the future
         (``service.cluster``), or "".
       clock: wall-clock seconds (injectable for tests).
+
+    Attributes:
+      held_elsewhere: ``owner -> (device bytes, arrays)`` that the owner holds through
+        another protocol (its IFRT proxy sessions, ``service.ifrt``): they count against
+        its quotas here, as its futures count against them there. Set once that
+        service starts.
     """
 
     def __init__(self, *, ttl_s: float, max_live: int, max_device_bytes: int,
@@ -228,6 +234,7 @@ class FutureStore:
         self._expiry_of: dict[str, _Expiry] = {}
         # Running futures past their TTL: they expire once they end.
         self._overdue: dict[str, Future] = {}
+        self.held_elsewhere: Callable[[str], tuple[int, int]] | None = None
 
     def create(self, *, owner: str | None, executable_id: str, out_avals: Sequence[Aval],
                out_tree: Any, compile_s: float = 0.0, compiling: bool = False,
@@ -292,19 +299,29 @@ class FutureStore:
         return [(owner, self._live_of[owner], self._bytes_of[owner])
                 for owner in self._live_of.keys() | self._bytes_of.keys()]
 
+    def _elsewhere(self, owner: str) -> tuple[int, int]:
+        return (0, 0) if self.held_elsewhere is None else self.held_elsewhere(owner)
+
     def _fits(self, need: int, owner: str | None) -> bool:
-        if owner is not None and (
-                (self.owner_max_live is not None and self._live_of[owner] >= self.owner_max_live)
-                or (self.owner_max_device_bytes is not None
-                    and self._bytes_of[owner] + need > self.owner_max_device_bytes)):
-            return False
+        if owner is not None and (self.owner_max_live is not None
+                                  or self.owner_max_device_bytes is not None):
+            other_bytes, other_arrays = self._elsewhere(owner)
+            if ((self.owner_max_live is not None
+                 and self._live_of[owner] + other_arrays >= self.owner_max_live)
+                    or (self.owner_max_device_bytes is not None
+                        and self._bytes_of[owner] + other_bytes + need
+                        > self.owner_max_device_bytes)):
+                return False
         return (len(self._futures) < self.max_live
                 and self.device_bytes + need <= self.max_device_bytes)
 
     def _check_owner_limits(self, need: int, owner: str | None) -> None:
         if owner is None:
             return
-        live, held = self._live_of[owner], self._bytes_of[owner]
+        other_bytes, other_arrays = self._elsewhere(owner)
+        live, held = self._live_of[owner] + other_arrays, self._bytes_of[owner] + other_bytes
+        also = (f" (of which its IFRT sessions: {other_arrays:,} arrays, {other_bytes:,} bytes)"
+                if other_arrays or other_bytes else "")
         cap = self.owner_max_device_bytes
         if cap is not None and need > cap:
             raise LimitExceeded(f"the call's outputs and inputs need {need:,} bytes of device "
@@ -312,14 +329,14 @@ class FutureStore:
                                 "(JITSERVE_TENANT_MAX_DEVICE_BYTES)")
         if self.owner_max_live is not None and live >= self.owner_max_live:
             raise QuotaExceeded(
-                "live_futures", f"this API key has {live} live futures, its quota "
+                "live_futures", f"this API key has {live} live futures{also}, its quota "
                 "(JITSERVE_TENANT_MAX_LIVE_FUTURES); fetch and DELETE finished ones",
                 self._retry_after(owner))
         if cap is not None and held + need > cap:
             raise QuotaExceeded(
-                "device_bytes", f"this API key's live futures hold {held:,} of its {cap:,} "
-                f"device bytes (JITSERVE_TENANT_MAX_DEVICE_BYTES) and this call needs "
-                f"{need:,}; DELETE futures you no longer need", self._retry_after(owner))
+                "device_bytes", f"this API key holds {held:,} of its {cap:,} device bytes"
+                f"{also} (JITSERVE_TENANT_MAX_DEVICE_BYTES) and this call needs {need:,}; "
+                "DELETE futures you no longer need", self._retry_after(owner))
 
     def _check_limits(self, need: int) -> None:
         if need > self.max_device_bytes:

@@ -43,6 +43,7 @@ import numpy as np
 from jitserve.compiler.ifrt_protos import message
 
 from ..api.auth import authenticate
+from ..calls.futures import FutureStore
 from ..calls.quotas import Quotas
 from ..calls.tenants import scope_of
 from ..console import CompileRecord, Console
@@ -91,6 +92,7 @@ class _Session:
     bytes_out: int = 0
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
     device_bytes: int = 0  # its arrays' on the runtime, as of its last batch
+    arrays: int = 0  # how many arrays it holds there, as of its last batch
     ended: str | None = None
 
     def event(self, handle: int) -> asyncio.Event:
@@ -130,11 +132,16 @@ class IfrtService:
     """The handlers of ``GrpcIfrtService``; ``sessions`` are those open now."""
 
     def __init__(self, settings: Settings, runtimes: RuntimePool, metrics: Metrics,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, futures: FutureStore | None = None) -> None:
         self.settings = settings
         self.runtimes = runtimes
         self.metrics = metrics
         self.console = console
+        # A key's /v1 futures and its sessions' arrays share its quotas: each side
+        # counts the other's (FutureStore.held_elsewhere, and the batch's quotas here).
+        self.futures = futures
+        if futures is not None:
+            futures.held_elsewhere = self.held
         self.sessions: dict[int, _Session] = {}
         # With API keys, a key's quotas, counted by the runtime that holds its sessions
         # (placement is by key): device bytes and arrays over its IFRT arrays, and compiles.
@@ -142,6 +149,11 @@ class IfrtService:
         self.quotas = ({"device_bytes": quotas.device_bytes, "arrays": quotas.live_futures,
                         "compiles_per_minute": quotas.compiles_per_minute}
                        if settings.auth_enabled else None)
+
+    def held(self, owner: str) -> tuple[int, int]:
+        """The device bytes and arrays ``owner``'s open sessions hold, as of their last batches."""
+        sessions = [s for s in list(self.sessions.values()) if s.owner == owner]
+        return sum(s.device_bytes for s in sessions), sum(s.arrays for s in sessions)
 
     def describe(self) -> list[dict[str, Any]]:
         """The open sessions, for the console (``service.console``): each one's id, owner
@@ -376,7 +388,10 @@ class IfrtService:
                                        "requests": requests,
                                        "buffers": {h: b.desc() for h, b in buffers.items()}}
             if self.quotas is not None:
-                message["quotas"] = self.quotas
+                futures = self.futures
+                message["quotas"] = self.quotas if futures is None else {
+                    **self.quotas, "v1_device_bytes": futures.device_bytes_of(session.owner),
+                    "v1_futures": futures.live_of(session.owner)}
             reply = await session.runtime.request(Op.IFRT, message, timeout_s=timeout)
         except RuntimeLost as e:
             raise self._lost(session, e) from None
@@ -400,6 +415,7 @@ class IfrtService:
         moved = sum(b.size for b in buffers.values())
         session.bytes_in += moved
         session.device_bytes = int(reply.get("device_bytes", 0))
+        session.arrays = int(reply.get("arrays", 0))
         self.metrics.ifrt_bytes.labels("in").inc(moved)
         return list(reply["responses"]), dict(reply.get("host", {})), list(reply.get("compiles", ()))
 
@@ -648,10 +664,12 @@ def _status_of(data: bytes) -> str:
 
 
 async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics,
-                console: Console | None = None) -> tuple[grpc.aio.Server, IfrtService]:
+                console: Console | None = None, futures: FutureStore | None = None
+                ) -> tuple[grpc.aio.Server, IfrtService]:
     """A started IFRT proxy server on ``settings.host``:``settings.ifrt_port``
-    (``console``: where its compiles are kept for ``/console``)."""
-    service = IfrtService(settings, runtimes, metrics, console)
+    (``console``: where its compiles are kept for ``/console``; ``futures``: the /v1
+    futures, whose keys' quotas its sessions share)."""
+    service = IfrtService(settings, runtimes, metrics, console, futures)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", min(settings.max_body_bytes + (1 << 20), 2**31 - 1)),
         ("grpc.max_send_message_length", -1),

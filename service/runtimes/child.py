@@ -717,8 +717,9 @@ class RuntimeServer:
                     host[handle] = frames.write_arrays([np.asarray(data)], [None], None, None)[0]
                 else:
                     host[handle] = {"nbytes": int(data.nbytes)}
+        device_bytes, arrays = self._sessions.holding(int(m["session"]))
         return {"responses": responses, "host": host, "compiles": compiled,
-                "device_bytes": self._sessions.device_bytes(int(m["session"]))}
+                "device_bytes": device_bytes, "arrays": arrays}
 
     def op_ifrt_read(self, m: IfrtReadRequest) -> IfrtReadAnswer:
         from .ifrt import IfrtFailure

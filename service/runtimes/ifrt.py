@@ -213,10 +213,11 @@ class Sessions:
         compiled, session.compiled = session.compiled, []
         return responses, made, compiled
 
-    def device_bytes(self, session_id: int) -> int:
-        """The device bytes session ``session_id``'s arrays hold here now."""
+    def holding(self, session_id: int) -> tuple[int, int]:
+        """The device bytes session ``session_id``'s arrays hold here now, and how many
+        arrays count for its key."""
         session = self.sessions.get(session_id)
-        return 0 if session is None else session.device_bytes
+        return (0, 0) if session is None else (session.device_bytes, len(session.sizes))
 
     def read(self, session_id: int, handle: int) -> np.ndarray:
         """A host buffer a ``copy_to_host_buffer`` made, handed over once."""
@@ -336,14 +337,20 @@ class Sessions:
         if not quotas:
             return
         held_bytes, held_arrays = self.held[session.owner]
-        if held_bytes + nbytes > quotas["device_bytes"]:
+        # What the key's /v1 futures hold (the API process's count, as of this batch): one
+        # account for both protocols.
+        v1_bytes, v1_arrays = quotas.get("v1_device_bytes", 0), quotas.get("v1_futures", 0)
+        also = (f" (and its /v1 futures {v1_arrays:,}, holding {v1_bytes:,} bytes)"
+                if v1_bytes or v1_arrays else "")
+        if held_bytes + v1_bytes + nbytes > quotas["device_bytes"]:
             raise IfrtFailure(RESOURCE_EXHAUSTED, (
-                f"quota device_bytes: this key holds {held_bytes:,} device bytes; {nbytes:,} more "
-                f"is over its quota of {quotas['device_bytes']:,} (JITSERVE_TENANT_MAX_DEVICE_BYTES)"))
-        if held_arrays + arrays > quotas["arrays"]:
+                f"quota device_bytes: this key holds {held_bytes:,} device bytes{also}; "
+                f"{nbytes:,} more is over its quota of {quotas['device_bytes']:,} "
+                "(JITSERVE_TENANT_MAX_DEVICE_BYTES)"))
+        if held_arrays + v1_arrays + arrays > quotas["arrays"]:
             raise IfrtFailure(RESOURCE_EXHAUSTED, (
-                f"quota live_arrays: this key holds {held_arrays:,} arrays; its quota is "
-                f"{quotas['arrays']:,} (JITSERVE_TENANT_MAX_LIVE_FUTURES)"))
+                f"quota live_arrays: this key holds {held_arrays:,} arrays{also}; its quota "
+                f"is {quotas['arrays']:,} (JITSERVE_TENANT_MAX_LIVE_FUTURES)"))
 
     def _executable(self, session: Session, handle: int) -> Any:
         found = session.executables.get(handle)

@@ -322,7 +322,8 @@ class IfrtRequest(TypedDict):
     scope: NotRequired[str]  # its executables' keys (``LookupRequest``); "" when shared
     requests: list[bytes]  # serialized ``xla.ifrt.proxy.IfrtRequest``s
     buffers: dict[int, ArrayDesc]  # host buffers the requests name, as uint8 arrays
-    # the key's quotas (device_bytes, arrays, compiles_per_minute); absent without keys
+    # the key's quotas (device_bytes, arrays, compiles_per_minute), and what its /v1
+    # futures hold of the first two (v1_device_bytes, v1_futures); absent without keys
     quotas: NotRequired[dict[str, int]]
 
 
@@ -347,6 +348,7 @@ class IfrtAnswer(TypedDict):
     host: dict[int, dict[str, Any]]
     compiles: list[IfrtCompiled]  # what each compile of the batch found
     device_bytes: int  # the session's arrays' device bytes here, after the batch
+    arrays: int  # and how many arrays count for its key
 
 
 class IfrtReadRequest(TypedDict):

@@ -537,3 +537,72 @@ def test_quotas_are_per_key(tmp_path_factory: pytest.TempPathFactory, tmp_path: 
             print(float(jax.jit(lambda v: v.sum())(x)))
         """, tmp_path, key=KEYS[0])
         assert other.returncode == 0 and other.stdout.strip() == str(float(3 << 20)), other.stderr[-2000:]
+
+
+def test_a_keys_futures_and_session_arrays_share_its_quotas(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """One account per key across protocols: what its /v1 futures hold counts against
+    its IFRT sessions' quota, and what its sessions hold against its futures'."""
+    from jitserve.client import Client
+    from jitserve.client.errors import APIError
+
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_API_KEYS": ",".join(KEYS),
+           "JITSERVE_TENANT_MAX_DEVICE_BYTES": str(16 << 20), "JITSERVE_MAX_BODY_BYTES": str(64 << 20)}
+    for url in _serve(tmp_path_factory.mktemp("ifrt-shared-quota"), env):
+        server = {"target": f"127.0.0.1:{port}"}
+        with Client(url, api_key=KEYS[0]) as client:
+            kept = client.device_put(np.ones(3 << 20, np.float32))  # 12 MiB through /v1
+            kept.block_until_ready()
+            session = run_program(server, """
+                import jax, numpy as np
+                try:
+                    jax.device_put(np.ones(2 << 20, np.float32)).block_until_ready()  # 8 MiB
+                except Exception as e:
+                    print("BYTES", e)
+                print(float(jax.device_put(np.ones(1 << 10, np.float32)).sum()))  # 4 KiB fit
+            """, tmp_path, key=KEYS[0])
+            assert "BYTES" in session.stdout and "quota device_bytes" in session.stdout, (
+                session.stdout, session.stderr[-2000:])
+            assert "its /v1 futures 1, holding 12,582,912 bytes" in session.stdout
+            assert session.stdout.split()[-1] == "1024.0"
+            del kept  # frees its 12 MiB on the server
+
+            path = tmp_path / "holds.py"
+            path.write_text(textwrap.dedent("""
+                import sys, jax, numpy as np
+                x = jax.device_put(np.ones(3 << 20, np.float32))  # 12 MiB through the proxy
+                x.block_until_ready()
+                print("HELD", flush=True)
+                sys.stdin.readline()
+            """))
+            environ = {k: v for k, v in os.environ.items()
+                       if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
+            environ.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=server["target"],
+                           JITSERVE_API_KEY=KEYS[0])
+            holder = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=environ)
+            try:
+                assert holder.stdout is not None and holder.stdin is not None
+                assert holder.stdout.readline().strip() == "HELD", holder.stderr
+                with pytest.raises(APIError) as refused:
+                    client.device_put(np.ones(2 << 20, np.float32)).block_until_ready()
+                assert refused.value.status_code == 429 and refused.value.code == "too_many_requests"
+                assert "holds 12,582,912 of its 16,777,216 device bytes (of which its IFRT " \
+                    "sessions: 1 arrays, 12,582,912 bytes)" in str(refused.value), refused.value
+                # Another key's account is its own.
+                with Client(url, api_key=KEYS[1]) as other:
+                    mine = other.device_put(np.ones(2 << 20, np.float32))
+                    assert float(np.asarray(mine).sum()) == float(2 << 20)
+                holder.stdin.write("\n")
+                holder.stdin.flush()
+                assert holder.wait(60) == 0, holder.stderr.read()
+            finally:
+                if holder.poll() is None:
+                    holder.kill()
+                    holder.wait(10)
+            # The session is closed: its 12 MiB no longer count.
+            again = client.device_put(np.ones(2 << 20, np.float32))
+            assert float(np.asarray(again).sum()) == float(2 << 20)
+
