@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -120,8 +121,11 @@ def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
         remote[label] = {"step": step, "state": state, "ms": [],
                          "cpu": {"client": 0.0, "api": 0.0, "runtimes": 0.0}}
     local_ms = []
+    local_cpu = 0.0
     for _ in range(args.rounds):
+        cpu0 = time.process_time()
         local, seconds, _ = run_steps(local_step, local, images, labels, args.steps, args.fetch_every)
+        local_cpu += time.process_time() - cpu0
         local_ms.append(1e3 * seconds / args.steps)
         for r in remote.values():
             client0, (api0, runtimes0) = time.process_time(), cpu_seconds(server_pid)
@@ -133,14 +137,22 @@ def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
             r["cpu"]["api"] += api1 - api0
             r["cpu"]["runtimes"] += runtimes1 - runtimes0
     total = args.rounds * args.steps
+    cores = len(os.sched_getaffinity(0))
     out: dict[str, Any] = {"local_ms_per_step": statistics.median(local_ms),
+                           "local_cpu_ms_per_step": round(1e3 * local_cpu / total, 3),
+                           "cores": cores,
                            "leaves": len(jax.tree.leaves((params, opt_state))),
                            "local_ms_rounds": local_ms}
     for label, r in remote.items():
         ms = statistics.median(r["ms"])
+        cpu = {k: round(1e3 * v / total, 3) for k, v in r["cpu"].items()}
+        # The three processes share the machine's cores: a step cannot take less than
+        # their CPU over the cores, whatever overlaps.
+        bound = sum(cpu.values()) / cores
         out[label] = {"ms_per_step": ms, "ms_rounds": r["ms"],
                       "speed_over_local": out["local_ms_per_step"] / ms,
-                      "cpu_ms_per_step": {k: round(1e3 * v / total, 3) for k, v in r["cpu"].items()}}
+                      "cpu_ms_per_step": cpu, "cpu_bound_ms_per_step": round(bound, 3),
+                      "bound_speed_over_local": out["local_ms_per_step"] / bound}
     return out
 
 
@@ -186,13 +198,15 @@ def main() -> int:
                     Client(target, timeout=300, run_ahead=args.run_ahead))
         for name in args.loops:
             r = results[name] = bench_loop(name, clients, proc.pid, args)
-            print(f"{name} ({r['leaves']} state leaves): local {r['local_ms_per_step']:.2f} ms/step")
+            print(f"{name} ({r['leaves']} state leaves): local {r['local_ms_per_step']:.2f} ms/step, "
+                  f"{r['local_cpu_ms_per_step']:.2f} ms of CPU ({r['cores']} cores)")
             for label in clients:
                 x = r[label]
                 cpu = x["cpu_ms_per_step"]
                 print(f"  {label:>20}: {x['ms_per_step']:7.2f} ms/step, {x['speed_over_local']:.2f}x "
                       f"local speed; CPU ms/step client {cpu['client']:.2f}, API {cpu['api']:.2f}, "
-                      f"runtimes {cpu['runtimes']:.2f}")
+                      f"runtimes {cpu['runtimes']:.2f}: at best {x['cpu_bound_ms_per_step']:.2f} "
+                      f"ms/step ({x['bound_speed_over_local']:.2f}x)")
             for label in clients:
                 if label.startswith("rtt"):
                     base = r[label.replace(f"rtt{args.rtt_ms:g}ms", "loopback")]["ms_per_step"]
