@@ -372,7 +372,8 @@ def _jax_version() -> str:
 
 
 def _one_minus_square(enc: _Encoder, eqn: Any, scope: _Scope, where: str) -> list[dict[str, Any]]:
-    # jax 0.11's 1 - x², spelled (1 + x) * (1 - x), as older jax computes tanh's derivative.
+    # jax 0.11's 1 - x², spelled (1 + x) * (1 - x), as older jax computes tanh's derivative
+    # (exact arithmetic: an accuracy hint has nothing to choose).
     (x,), (out,) = eqn.invars, eqn.outvars
     _plain_params(eqn, where)
     one, xa, aval = _literal(1, out.aval.dtype), enc.atom(x, scope), _aval(out.aval)
@@ -385,7 +386,7 @@ def _one_minus_square(enc: _Encoder, eqn: Any, scope: _Scope, where: str) -> lis
 def _log2(enc: _Encoder, eqn: Any, scope: _Scope, where: str) -> list[dict[str, Any]]:
     # jax 0.11's log2, spelled as older jax's jnp.log2: log(x) / log(2), by parts for complex.
     (x,), (out,) = eqn.invars, eqn.outvars
-    params = _plain_params(eqn, where)
+    params = {k: enc.value(v, f"{where} param {k!r}") for k, v in _plain_params(eqn, where).items()}
     dtype, aval = np.dtype(out.aval.dtype), _aval(out.aval)
     log = scope.fresh()
     eqns = [_eqn("log", [enc.atom(x, scope)], [(log, aval)], params)]

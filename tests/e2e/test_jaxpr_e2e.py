@@ -505,10 +505,13 @@ def _elementwise(name: str, **params: Any) -> Any:
     return lambda x: prim.bind(x, **params)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
-def test_jax_011s_log2_is_written_as_log_over_log2(http: httpx.Client, dtype: Any) -> None:
+@pytest.mark.parametrize("dtype, accuracy", [(np.float32, None), (np.float64, None),
+                                             (np.complex64, None), (np.float32, "HIGHEST")])
+def test_jax_011s_log2_is_written_as_log_over_log2(http: httpx.Client, dtype: Any,
+                                                  accuracy: str | None) -> None:
     x = (np.arange(1, 7) * 0.75).astype(dtype) * (1 + 1j if np.dtype(dtype).kind == "c" else 1)
-    closed = jax.make_jaxpr(_elementwise("log2", accuracy=None))(x)
+    mode = None if accuracy is None else lax.AccuracyMode[accuracy]
+    closed = jax.make_jaxpr(_elementwise("log2", accuracy=mode))(x)
     (got,) = _run(http, closed, x)
     want = np.asarray(jnp.log2(x))
     assert got.dtype == want.dtype
