@@ -136,7 +136,8 @@ class JitserveApp(FastAPI):
                     from .ifrt.server import start as start_ifrt
 
                     ifrt_server, ifrt = await start_ifrt(self.settings, pool, self.metrics,
-                                                         self.console, services.futures)
+                                                         self.console, services.futures,
+                                                         services.tenants)
                     self.console.sessions_from(ifrt.describe)  # the console's sessions panel
                 self._services = services
                 try:

@@ -105,10 +105,20 @@ class CompileBudget:
         self.per_minute = per_minute
         self._clock = clock
         self._starts: dict[str, collections.deque[float]] = {}
+        # The tenant's compiles in the last minute through another protocol (its IFRT
+        # sessions, ``service.ifrt``): they count here too. Set once that service starts.
+        self.elsewhere: Callable[[str], int] | None = None
+
+    def count(self, tenant: str) -> int:
+        """``tenant``'s compiles counted here in the last minute."""
+        return len(self._window(tenant))
 
     def full(self, tenant: str) -> bool:
         """Whether ``tenant`` has no compile left in this minute."""
-        return len(self._window(tenant)) >= self.per_minute
+        return len(self._window(tenant)) + self._other(tenant) >= self.per_minute
+
+    def _other(self, tenant: str) -> int:
+        return 0 if self.elsewhere is None else self.elsewhere(tenant)
 
     def reserve(self, tenant: str) -> float:
         """Count one compile for ``tenant`` now; ``QuotaExceeded`` when none is left.
@@ -116,13 +126,15 @@ class CompileBudget:
         Returns a token for ``give_back``.
         """
         starts = self._window(tenant)
-        if len(starts) >= self.per_minute:
-            wait = starts[0] + self.WINDOW_S - self._clock()
+        other = self._other(tenant)
+        if len(starts) + other >= self.per_minute:
+            wait = (starts[0] + self.WINDOW_S - self._clock()) if starts else self.WINDOW_S
+            also = f" ({other} of them in IFRT sessions)" if other else ""
             raise QuotaExceeded(
                 "compiles_per_minute",
-                f"this API key started {len(starts)} compiles in the last minute, its quota "
-                "(JITSERVE_TENANT_COMPILES_PER_MINUTE); retry later, or call programs and "
-                "shapes that are already compiled", wait)
+                f"this API key started {len(starts) + other} compiles in the last minute{also}, "
+                "its quota (JITSERVE_TENANT_COMPILES_PER_MINUTE); retry later, or call "
+                "programs and shapes that are already compiled", wait)
         token = self._clock()
         starts.append(token)
         return token

@@ -29,6 +29,7 @@ who, how long and what it used.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -45,7 +46,7 @@ from jitserve.compiler.ifrt_protos import message
 from ..api.auth import authenticate
 from ..calls.futures import FutureStore
 from ..calls.quotas import Quotas
-from ..calls.tenants import scope_of
+from ..calls.tenants import Tenants, scope_of
 from ..console import CompileRecord, Console
 from ..errors import Unauthorized
 from ..metrics import Metrics
@@ -132,7 +133,8 @@ class IfrtService:
     """The handlers of ``GrpcIfrtService``; ``sessions`` are those open now."""
 
     def __init__(self, settings: Settings, runtimes: RuntimePool, metrics: Metrics,
-                 console: Console | None = None, futures: FutureStore | None = None) -> None:
+                 console: Console | None = None, futures: FutureStore | None = None,
+                 tenants: Tenants | None = None) -> None:
         self.settings = settings
         self.runtimes = runtimes
         self.metrics = metrics
@@ -142,6 +144,13 @@ class IfrtService:
         self.futures = futures
         if futures is not None:
             futures.held_elsewhere = self.held
+        # Compiles per minute likewise: the key's /v1 compiles go with each batch, and its
+        # sessions' real compiles (their times here) count in its /v1 budget.
+        self.tenants = tenants
+        self.compiled_at: dict[str, collections.deque[float]] = collections.defaultdict(
+            collections.deque)
+        if tenants is not None:
+            tenants.compiles.elsewhere = self.compiles_in_minute
         self.sessions: dict[int, _Session] = {}
         # With API keys, a key's quotas, counted by the runtime that holds its sessions
         # (placement is by key): device bytes and arrays over its IFRT arrays, and compiles.
@@ -149,6 +158,15 @@ class IfrtService:
         self.quotas = ({"device_bytes": quotas.device_bytes, "arrays": quotas.live_futures,
                         "compiles_per_minute": quotas.compiles_per_minute}
                        if settings.auth_enabled else None)
+
+    def compiles_in_minute(self, owner: str) -> int:
+        """How many real compiles ``owner``'s sessions started in the last minute."""
+        window = self.compiled_at.get(owner)
+        if not window:
+            return 0
+        while window and window[0] < time.monotonic() - 60:
+            window.popleft()
+        return len(window)
 
     def held(self, owner: str) -> tuple[int, int]:
         """The device bytes and arrays ``owner``'s open sessions hold, as of their last batches."""
@@ -389,9 +407,13 @@ class IfrtService:
                                        "buffers": {h: b.desc() for h, b in buffers.items()}}
             if self.quotas is not None:
                 futures = self.futures
-                message["quotas"] = self.quotas if futures is None else {
-                    **self.quotas, "v1_device_bytes": futures.device_bytes_of(session.owner),
-                    "v1_futures": futures.live_of(session.owner)}
+                quotas = dict(self.quotas)
+                if futures is not None:
+                    quotas["v1_device_bytes"] = futures.device_bytes_of(session.owner)
+                    quotas["v1_futures"] = futures.live_of(session.owner)
+                if self.tenants is not None:
+                    quotas["v1_compiles"] = self.tenants.compiles.count(session.owner)
+                message["quotas"] = quotas
             reply = await session.runtime.request(Op.IFRT, message, timeout_s=timeout)
         except RuntimeLost as e:
             raise self._lost(session, e) from None
@@ -425,6 +447,8 @@ class IfrtService:
         tier, reasons = found["tier"], found["recompiled_because"]
         session.compiles[tier] = session.compiles.get(tier, 0) + 1
         self.metrics.ifrt_compiles.labels(tier).inc()
+        if tier == "compiled" and session.owner:
+            self.compiled_at[session.owner].append(time.monotonic())
         if tier == "memory":  # this runtime had it loaded: nothing to see
             return
         because = f" because {'; '.join(reasons)}" if reasons else ""
@@ -664,12 +688,12 @@ def _status_of(data: bytes) -> str:
 
 
 async def start(settings: Settings, runtimes: RuntimePool, metrics: Metrics,
-                console: Console | None = None, futures: FutureStore | None = None
-                ) -> tuple[grpc.aio.Server, IfrtService]:
+                console: Console | None = None, futures: FutureStore | None = None,
+                tenants: Tenants | None = None) -> tuple[grpc.aio.Server, IfrtService]:
     """A started IFRT proxy server on ``settings.host``:``settings.ifrt_port``
-    (``console``: where its compiles are kept for ``/console``; ``futures``: the /v1
-    futures, whose keys' quotas its sessions share)."""
-    service = IfrtService(settings, runtimes, metrics, console, futures)
+    (``console``: where its compiles are kept for ``/console``; ``futures`` and
+    ``tenants``: /v1's futures and compile budgets, whose keys' quotas its sessions share)."""
+    service = IfrtService(settings, runtimes, metrics, console, futures, tenants)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", min(settings.max_body_bytes + (1 << 20), 2**31 - 1)),
         ("grpc.max_send_message_length", -1),

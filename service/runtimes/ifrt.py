@@ -798,9 +798,11 @@ class Sessions:
         except CompilerError as e:
             raise IfrtFailure(INVALID_ARGUMENT, f"jitserve refused the program ({e.code}): {e}") from None
         if lookup is None:
+            quotas = self.quotas[session.owner]
+            v1 = quotas.get("v1_compiles", 0)
             raise IfrtFailure(RESOURCE_EXHAUSTED, (
-                f"quota compiles_per_minute: this key started "
-                f"{self.quotas[session.owner]['compiles_per_minute']} compiles in the last minute "
+                f"quota compiles_per_minute: this key started {quotas['compiles_per_minute']} "
+                f"compiles in the last minute{f' ({v1} of them through /v1)' if v1 else ''} "
                 "(JITSERVE_TENANT_COMPILES_PER_MINUTE); programs already compiled still run"))
         if str(lookup.tier) == "compiled":
             self.compiled_at[session.owner].append(time.monotonic())
@@ -835,14 +837,15 @@ class Sessions:
         out.ready_future_handle = ready
 
     def _may_compile(self, owner: str) -> bool:
-        """Whether ``owner`` may start a compile now: under its compiles in a sliding minute."""
+        """Whether ``owner`` may start a compile now: under its compiles in a sliding minute,
+        its sessions' here and its /v1 calls' (the API process's count, as of this batch)."""
         quotas = self.quotas.get(owner)
         if not quotas:
             return True
         window = self.compiled_at[owner]
         while window and window[0] < time.monotonic() - 60:
             window.popleft()
-        return len(window) < quotas["compiles_per_minute"]
+        return len(window) + quotas.get("v1_compiles", 0) < quotas["compiles_per_minute"]
 
     def _executable_metadata(self, session: Session, body: Any, response: Any) -> None:
         loaded = self._executable(session, body.loaded_executable_handle).loaded

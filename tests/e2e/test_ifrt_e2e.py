@@ -595,14 +595,50 @@ def test_a_keys_futures_and_session_arrays_share_its_quotas(
                 with Client(url, api_key=KEYS[1]) as other:
                     mine = other.device_put(np.ones(2 << 20, np.float32))
                     assert float(np.asarray(mine).sum()) == float(2 << 20)
-                holder.stdin.write("\n")
-                holder.stdin.flush()
-                assert holder.wait(60) == 0, holder.stderr.read()
+                _, err = holder.communicate("\n", timeout=60)  # closes the pipes too
+                assert holder.returncode == 0, err
             finally:
                 if holder.poll() is None:
                     holder.kill()
-                    holder.wait(10)
+                holder.communicate(timeout=10)
             # The session is closed: its 12 MiB no longer count.
             again = client.device_put(np.ones(2 << 20, np.float32))
             assert float(np.asarray(again).sum()) == float(2 << 20)
 
+
+
+def test_a_keys_compiles_per_minute_are_one_budget_across_protocols(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    from jitserve.client import Client
+    from jitserve.client.errors import APIError
+
+    port = _free_port()
+    env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_API_KEYS": ",".join(KEYS),
+           "JITSERVE_TENANT_COMPILES_PER_MINUTE": "3"}
+    x = np.ones(3, np.float32)
+    for url in _serve(tmp_path_factory.mktemp("ifrt-shared-compiles"), env):
+        with Client(url, api_key=KEYS[0]) as client:
+            for scale in (2.0, 3.0):  # two real compiles through /v1
+                np.testing.assert_allclose(np.asarray(client.jit(lambda v, s=scale: v * s)(x)),
+                                           x * scale)
+            session = run_program({"target": f"127.0.0.1:{port}"}, """
+                import jax, numpy as np
+                x = np.ones(3, np.float32)
+                for i in range(4):
+                    try:
+                        print("RAN", float(jax.jit(lambda v, i=i: (v * (i + 5.5)).sum())(x)))
+                    except Exception as e:
+                        print("REFUSED", e)
+                        break
+            """, tmp_path, key=KEYS[0])
+            assert "REFUSED" in session.stdout, (session.stdout, session.stderr[-2000:])
+            assert "quota compiles_per_minute" in session.stdout
+            assert "(2 of them through /v1)" in session.stdout
+            assert session.stdout.count("RAN") <= 1  # the one compile left of three
+            with pytest.raises(APIError) as refused:
+                client.jit(lambda v: v * 4.0)(x).block_until_ready()
+            # (The SDK compiles inside the call's future, so the refusal is its error.)
+            assert "started 3 compiles in the last minute (1 of them in IFRT sessions)" in \
+                str(refused.value), refused.value
+        with Client(url, api_key=KEYS[1]) as other:  # another key's budget is its own
+            np.testing.assert_allclose(np.asarray(other.jit(lambda v: v * 4.0)(x)), x * 4.0)
