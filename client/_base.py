@@ -354,7 +354,8 @@ class BaseClient:
         """
         avals = avals or ex.out_avals
         values = None if ex.outputs is None else dict(enumerate(ex.outputs))
-        state = _FutureState(self, ex.future_id, len(avals), self._releases, values=values, name=name)
+        state = _FutureState(self, ex.future_id, len(avals), self._releases, values=values,
+                             name=name, nbytes=[a.nbytes for a in avals])
         return self._arrays(state, avals, keys, shardings)
 
     def _arrays(self, state: _FutureState, avals: Sequence[Aval],

@@ -270,7 +270,8 @@ class _RemoteFunctionBase:
         ahead = self._client._ahead
         if ahead is not None:  # queued, sent in order with others (Client(run_ahead=N))
             state = _FutureState(self._client, None, len(compiled.out_avals),
-                                 self._client._releases, name=self._name)
+                                 self._client._releases, name=self._name,
+                                 nbytes=[a.nbytes for a in compiled.out_avals])
             ahead.submit(compiled.program_id, values, donate, state, self._client.timeout.request)
             for n in donate:
                 values[n]._release_here()  # the server releases it when the call starts

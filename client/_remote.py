@@ -21,7 +21,7 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,16 +61,24 @@ class KeyType:
         return jax.random.wrap_key_data(data, impl=self.impl)
 
 
+#: A sibling at most this big comes along when an output is fetched (``_FutureState``).
+SIBLING_BYTES = 64 << 10
+
+
 class _FutureState:
     """What the siblings of one future share: its id, client, fetched values, released outputs.
 
-    ``values`` is ``None`` until fetched, then maps output index to value for every
-    output not released at the time. ``released`` holds the outputs given back to
-    the server (dropped, deleted or donated): a fetch never asks for them.
+    ``values`` is ``None`` until fetched, then maps output index to value for each
+    output fetched. A fetch brings the output asked for and its small siblings
+    (``SIBLING_BYTES`` each; all of them when the sizes are not known), so that
+    ``a, b = f(x)`` costs one round trip, and reading a training step's loss does not
+    download the model beside it. ``released`` holds the outputs given back to the
+    server (dropped, deleted or donated): a fetch never asks for them.
     """
 
     def __init__(self, client: Any, future_id: str | None, n_outputs: int, releases: ReleaseQueue,
-                 *, values: dict[int, np.ndarray] | None = None, name: str = "") -> None:
+                 *, values: dict[int, np.ndarray] | None = None, name: str = "",
+                 nbytes: Sequence[int] | None = None) -> None:
         self.client = client
         # ``None`` while the call that makes it is still on its way (``Client(run_ahead=)``,
         # ``_ahead``): ``future_id`` waits for it, and raises the call's refusal.
@@ -80,6 +88,7 @@ class _FutureState:
         self._dropped: list[int] = []  # outputs garbage before the call was sent
         self._drop_lock = threading.RLock()  # re-entrant: a finalizer may run under it
         self.n_outputs = n_outputs
+        self.nbytes = None if nbytes is None else tuple(nbytes)
         self.releases = releases
         self.values = values
         self.name = name
@@ -119,15 +128,24 @@ class _FutureState:
             for index in dropped:
                 self.releases.put(future_id, index, 0)
 
-    def wanted(self) -> list[int] | None:
-        """The outputs a fetch asks for; ``None``: all of them."""
-        if not self.released:
-            return None
-        return [i for i in range(self.n_outputs) if i not in self.released]
+    def fetched(self, index: int) -> bool:
+        """Whether output ``index``'s value is here."""
+        return self.values is not None and index in self.values
+
+    def wanted(self, index: int) -> list[int] | None:
+        """The outputs a fetch of output ``index`` asks for; ``None``: all of them."""
+        sizes, have = self.nbytes, self.values or {}
+        if sizes is None:
+            if not self.released and not have:
+                return None
+            return [i for i in range(self.n_outputs) if i not in self.released and i not in have]
+        return [i for i in range(self.n_outputs) if i == index or (
+            i not in self.released and i not in have and sizes[i] <= SIBLING_BYTES)]
 
     def keep(self, outputs: list[np.ndarray], wanted: list[int] | None) -> None:
         """Cache the outputs a fetch of ``wanted`` brought back."""
-        self.values = dict(zip(range(self.n_outputs) if wanted is None else wanted, outputs))
+        got = dict(zip(range(self.n_outputs) if wanted is None else wanted, outputs))
+        self.values = got if self.values is None else {**self.values, **got}
 
     def output(self, index: int) -> np.ndarray:
         assert self.values is not None
@@ -265,7 +283,7 @@ class _RemoteBase:
         return self.key_type.wrap(data) if self.key_type else data
 
     def _cached(self) -> np.ndarray | None:
-        return None if self._future.values is None else self._future.output(self.index)
+        return self._future.output(self.index) if self._future.fetched(self.index) else None
 
     def _local(self) -> Any:
         """This array's value, here (fetching it if this kind of array can)."""
@@ -273,7 +291,7 @@ class _RemoteBase:
 
     def __repr__(self) -> str:
         state = ("deleted" if self.is_deleted() else
-                 "fetched" if self._future.values is not None else "remote")
+                 "fetched" if self._future.fetched(self.index) else "remote")
         dtype = getattr(self.dtype, "name", self.dtype)
         return (f"{type(self).__name__}(future={self._future.label!r}, index={self.index}, "
                 f"shape={self.shape}, dtype={dtype}, {state})")
@@ -398,14 +416,14 @@ class RemoteArray(_RemoteBase):
         """
         self._check_live()
         st = self._future
-        if st.values is None:
+        if not st.fetched(self.index):
             deadline = None if timeout is None else time.monotonic() + timeout
             if not st.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s")
             try:
-                if st.values is None:
+                if not st.fetched(self.index):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    wanted = st.wanted()
+                    wanted = st.wanted(self.index)
                     st.keep(self._client.result(st.future_id, wait=left, outputs=wanted,
                                                 name=st.name), wanted)
             finally:
@@ -439,7 +457,7 @@ class RemoteArray(_RemoteBase):
     def copy_to_host_async(self) -> None:
         """Start fetching the value in a background thread; ``result()`` then finds it here."""
         self._check_live()
-        if self._future.values is None:
+        if not self._future.fetched(self.index):
             threading.Thread(target=self._prefetch, name="jitserve-prefetch", daemon=True).start()
 
     def _prefetch(self) -> None:
@@ -472,7 +490,7 @@ class AsyncRemoteArray(_RemoteBase):
         """The array's value, waiting up to ``timeout`` seconds (``None``: no limit)."""
         self._check_live()
         st = self._future
-        if st.values is None:
+        if not st.fetched(self.index):
             deadline = None if timeout is None else time.monotonic() + timeout
             st.alock = st.alock or asyncio.Lock()
             try:
@@ -481,9 +499,9 @@ class AsyncRemoteArray(_RemoteBase):
             except TimeoutError:
                 raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s") from None
             try:
-                if st.values is None:
+                if not st.fetched(self.index):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    wanted = st.wanted()
+                    wanted = st.wanted(self.index)
                     st.keep(await self._client.result(st.future_id, wait=left, outputs=wanted,
                                                       name=st.name), wanted)
             finally:
@@ -523,7 +541,7 @@ class AsyncRemoteArray(_RemoteBase):
     def copy_to_host_async(self) -> None:
         """Start fetching the value in a task of the running loop; ``await x`` then finds it here."""
         self._check_live()
-        if self._future.values is None:
+        if not self._future.fetched(self.index):
             task = asyncio.get_running_loop().create_task(self.result())
             self._future.tasks.add(task)
             task.add_done_callback(self._prefetched)

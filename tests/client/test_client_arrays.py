@@ -120,7 +120,7 @@ def test_garbage_collected_arrays_are_released_per_output() -> None:
     gc.collect()
     queue.close()
     assert sorted(ref for batch in sent for ref in batch) == [("fut", 0), ("fut", 2)]
-    assert state.wanted() == [1] and state.values is not None and set(state.values) == {1}
+    assert state.released == {0, 2} and state.values is not None and set(state.values) == {1}
     assert float(second) == 2.5
 
 

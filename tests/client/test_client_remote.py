@@ -185,3 +185,19 @@ async def test_async_timeout_and_delete(server: FakeServer, aclient: AsyncClient
     assert server.futures == {}
     with pytest.raises(RuntimeError, match="Array has been deleted"):
         await b.result()
+
+
+def test_a_fetch_brings_small_siblings_and_leaves_big_ones(server: FakeServer, client: Client) -> None:
+    # A training step's loss beside its model: reading the loss downloads the loss (and
+    # what is small), not the model; the model's arrays are fetched when read.
+    from jitserve.client._remote import SIBLING_BYTES
+
+    big = np.zeros(SIBLING_BYTES // 4 + 1, np.float32)
+    loss, small, model = future(server, client, [np.float32(0.5), np.arange(3.0), big])
+    assert float(loss) == 0.5
+    asked = [r.url.params.get("outputs") for r in server.requests if r.url.path.endswith("/result")]
+    assert asked == ["0,1"]
+    np.testing.assert_array_equal(np.asarray(small), np.arange(3.0))  # came along
+    np.testing.assert_array_equal(np.asarray(model), big)  # a fetch of its own
+    asked = [r.url.params.get("outputs") for r in server.requests if r.url.path.endswith("/result")]
+    assert asked == ["0,1", "2"]
