@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,6 +49,8 @@ __all__ = [
     "Viewer",
     "key_label",
 ]
+
+_compile_log = logging.getLogger("jitserve.compile")
 
 WINDOW_S = 600  # seconds of per-second history
 COMPILES_KEPT = 512
@@ -118,6 +121,21 @@ class CompileRecord:
     recompiled_because: tuple[str, ...] | None = None
     executable_id: str = ""
     error: dict[str, str] | None = None
+
+    def log(self, where: str = "", **fields: Any) -> None:
+        """One ``jitserve.compile`` line for what compiled or loaded (``where``: said
+        after it, such as the IFRT session; ``fields``: added to the JSON line's)."""
+        compiled = self.tier == TierName.COMPILED
+        reasons = list(self.recompiled_because) if self.recompiled_because else None
+        because = f" because {'; '.join(reasons)}" if reasons else ""
+        _compile_log.info(
+            "%s %s %s(%s) tier=%s %.3fs%s%s", "compiled" if compiled else "loaded",
+            self.program_id[:12], self.name or "program", self.signature, self.tier,
+            self.seconds, because, where,
+            extra={"fields": {"program_id": self.program_id, "function": self.name or None,
+                              "executable_id": self.executable_id, "signature": self.signature,
+                              "tier": self.tier, "seconds": round(self.seconds, 6),
+                              "recompiled_because": reasons, **fields}})
 
     def document(self) -> dict[str, Any]:
         return {"at": self.at, "key": key_label(self.owner), "program_id": self.program_id,
@@ -277,8 +295,7 @@ class Console:
                 out.append((second, []))
                 continue
             out.append((second, [t for owner, t in self._slots[i].items()
-                                 if owner != _OTHERS and viewer.sees(owner)
-                                 or owner == _OTHERS and viewer.admin]))
+                                 if _shown(viewer, owner)]))
         return out
 
     def work(self, viewer: Viewer, seconds: int = 300) -> dict[str, Any]:
@@ -318,7 +335,7 @@ class Console:
             if self._stamps[i] != second:
                 continue
             for owner, tally in self._slots[i].items():
-                if tally.quotas and (viewer.admin if owner == _OTHERS else viewer.sees(owner)):
+                if tally.quotas and _shown(viewer, owner):
                     label = owner if owner == _OTHERS else key_label(owner)
                     for quota, n in tally.quotas.items():
                         by[(label, quota)] += n
@@ -381,6 +398,11 @@ class Console:
                 out.append({**{k: v for k, v in doc.items() if k != "owner"},
                             "key": key_label(owner)})
         return out
+
+
+def _shown(viewer: Viewer, owner: str | None) -> bool:
+    """Whether ``viewer`` sees a tally of ``owner`` (the pooled one: admins only)."""
+    return viewer.admin if owner == _OTHERS else viewer.sees(owner)
 
 
 def _steps(seconds: list[tuple[int, list[_Tally]]], step: int

@@ -72,7 +72,6 @@ from .tenants import Tenants
 
 __all__ = ["Call", "Calls", "RuntimeRefusal", "ask", "refusal"]
 
-compile_log = logging.getLogger("jitserve.compile")
 log = logging.getLogger("jitserve.calls")
 
 _NO_OPTIONS = CallOptions()
@@ -197,41 +196,24 @@ class Calls:
             try:
                 lookup = await self._lookup(runtime, program, in_avals, options, owner)
             except CompilerError as e:  # the console lists refused compiles too
-                self._record(program, in_avals, owner, error=e)
+                if self._console is not None:
+                    self._console.compiled(CompileRecord(
+                        time.time(), owner, program.program_id, program.name,
+                        "" if in_avals is None else ", ".join(str(a) for a in in_avals),
+                        "failed", 0.0, error={"code": str(e.code), "message": str(e)}))
                 raise
             self._index.put(key, lookup.executable)
             # Also by the avals an execute of host arrays names (a compile may give none).
             plain = [Aval(a.shape, a.dtype) for a in lookup.executable.in_avals]
             self._index.put(call_key(program.program_id, plain, options), lookup.executable)
-            _log_lookup(program, lookup)
-            self._record(program, in_avals, owner, lookup=lookup)
+            # One line per lookup the index could not answer, and the console keeps it.
+            record = _record_of(program, lookup, owner)
+            record.log()
+            if self._console is not None:
+                self._console.compiled(record)
         self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
-
-    def _record(self, program: Program, in_avals: Sequence[Aval] | None, owner: str | None, *,
-                lookup: Resolved | None = None, error: CompilerError | None = None) -> None:
-        """Tell the console of a lookup the index could not answer: what it found, or
-        why there is nothing."""
-        if self._console is None:
-            return
-        if lookup is not None:
-            exe = lookup.executable
-            compiled = lookup.tier == TierName.COMPILED
-            reasons = exe.meta.get("recompiled_because") if compiled else None
-            record = CompileRecord(
-                time.time(), owner, program.program_id, program.name,
-                ", ".join(str(a) for a in exe.in_avals), str(lookup.tier),
-                lookup.compile_seconds, tuple(reasons) if reasons else None,
-                lookup.executable_id)
-        else:
-            assert error is not None
-            record = CompileRecord(
-                time.time(), owner, program.program_id, program.name,
-                "" if in_avals is None else ", ".join(str(a) for a in in_avals), "failed", 0.0,
-                error={"code": str(error.code),
-                       "message": str(error)})
-        self._console.compiled(record)
 
     async def _lookup(self, runtime: Runtime, program: Program, in_avals: Sequence[Aval] | None,
                       options: CallOptions, owner: str | None) -> Resolved:
@@ -530,18 +512,12 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _log_lookup(program: Program, lookup: Resolved) -> None:
-    """One line per lookup the index could not answer: what compiled (or loaded), how long."""
+def _record_of(program: Program, lookup: Resolved, owner: str | None) -> CompileRecord:
+    """What a lookup the index could not answer found: what compiled (or loaded), how long."""
     exe = lookup.executable
-    signature = ", ".join(str(a) for a in exe.in_avals)
-    name = program.name or "program"
-    compiled = lookup.tier == TierName.COMPILED
-    reasons = exe.meta.get("recompiled_because") if compiled else None
-    because = f" because {'; '.join(reasons)}" if reasons else ""
-    compile_log.info(
-        "%s %s %s(%s) tier=%s %.3fs%s", "compiled" if compiled else "loaded",
-        program.program_id[:12], name, signature, lookup.tier, lookup.compile_seconds, because,
-        extra={"fields": {"program_id": program.program_id, "function": program.name or None,
-                          "executable_id": lookup.executable_id, "signature": signature,
-                          "tier": str(lookup.tier), "seconds": round(lookup.compile_seconds, 6),
-                          "recompiled_because": reasons}})
+    reasons = (exe.meta.get("recompiled_because") if lookup.tier == TierName.COMPILED
+               else None)
+    return CompileRecord(time.time(), owner, program.program_id, program.name,
+                         ", ".join(str(a) for a in exe.in_avals), str(lookup.tier),
+                         lookup.compile_seconds, tuple(reasons) if reasons else None,
+                         lookup.executable_id)

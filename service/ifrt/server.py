@@ -58,7 +58,6 @@ from ..settings import Settings
 __all__ = ["PROTOCOL_VERSIONS", "IfrtService", "start"]
 
 log = logging.getLogger("jitserve.ifrt")
-compile_log = logging.getLogger("jitserve.compile")  # as /v1's compiles (service.calls)
 
 SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
 # The protocol versions this server speaks: jaxlib 0.10.2's and 0.11.2's clients ask
@@ -142,6 +141,8 @@ class IfrtService:
         # A key's /v1 futures and its sessions' arrays share its quotas: each side
         # counts the other's (FutureStore.held_elsewhere, and the batch's quotas here).
         self.futures = futures
+        self._bytes_of: collections.Counter[str] = collections.Counter()  # by key, open sessions
+        self._arrays_of: collections.Counter[str] = collections.Counter()
         if futures is not None:
             futures.held_elsewhere = self.held
         # Compiles per minute likewise: the key's /v1 compiles go with each batch, and its
@@ -169,9 +170,18 @@ class IfrtService:
         return len(window)
 
     def held(self, owner: str) -> tuple[int, int]:
-        """The device bytes and arrays ``owner``'s open sessions hold, as of their last batches."""
-        sessions = [s for s in list(self.sessions.values()) if s.owner == owner]
-        return sum(s.device_bytes for s in sessions), sum(s.arrays for s in sessions)
+        """The device bytes and arrays ``owner``'s open sessions hold, as of their last
+        batches (kept per key as they change: every /v1 call of the key asks)."""
+        return self._bytes_of.get(owner, 0), self._arrays_of.get(owner, 0)
+
+    def _holds(self, session: _Session, device_bytes: int, arrays: int) -> None:
+        """``session`` holds this now (its last batch said so, or it closed: 0)."""
+        owner = session.owner
+        self._bytes_of[owner] += device_bytes - session.device_bytes
+        self._arrays_of[owner] += arrays - session.arrays
+        session.device_bytes, session.arrays = device_bytes, arrays
+        if not self._bytes_of[owner] and not self._arrays_of[owner]:
+            del self._bytes_of[owner], self._arrays_of[owner]
 
     def describe(self) -> list[dict[str, Any]]:
         """The open sessions, for the console (``service.console``): each one's id, owner
@@ -436,8 +446,8 @@ class IfrtService:
                 "executables are gone; open a new session"), "runtime_lost")
         moved = sum(b.size for b in buffers.values())
         session.bytes_in += moved
-        session.device_bytes = int(reply.get("device_bytes", 0))
-        session.arrays = int(reply.get("arrays", 0))
+        if session.ended is None:  # a closed session holds nothing any more
+            self._holds(session, int(reply.get("device_bytes", 0)), int(reply.get("arrays", 0)))
         self.metrics.ifrt_bytes.labels("in").inc(moved)
         return list(reply["responses"]), dict(reply.get("host", {})), list(reply.get("compiles", ()))
 
@@ -451,18 +461,12 @@ class IfrtService:
             self.compiled_at[session.owner].append(time.monotonic())
         if tier == "memory":  # this runtime had it loaded: nothing to see
             return
-        because = f" because {'; '.join(reasons)}" if reasons else ""
-        compile_log.info(
-            "%s %s %s(%s) tier=%s %.3fs%s (IFRT session %016x)",
-            "compiled" if tier == "compiled" else "loaded", found["program_id"][:12],
-            found["name"], found["signature"], tier, found["seconds"], because, session.id,
-            extra={"fields": {**found, "seconds": round(found["seconds"], 6),
-                              "session": f"{session.id:016x}"}})
+        record = CompileRecord(time.time(), session.owner or None, found["program_id"],
+                               found["name"], found["signature"], tier, found["seconds"],
+                               tuple(reasons) if reasons else None, found["executable_id"])
+        record.log(f" (IFRT session {session.id:016x})", session=f"{session.id:016x}")
         if self.console is not None:
-            self.console.compiled(CompileRecord(
-                time.time(), session.owner or None, found["program_id"], found["name"],
-                found["signature"], tier, found["seconds"],
-                tuple(reasons) if reasons else None, found["executable_id"]))
+            self.console.compiled(record)
 
     def _lost(self, session: _Session, e: RuntimeLost) -> _SessionEnded:
         if e.code == "execution_timeout":
@@ -479,6 +483,7 @@ class IfrtService:
         if self.sessions.pop(session.id, None) is None:
             return
         session.ended = reason
+        self._holds(session, 0, 0)
         self.metrics.ifrt_sessions.dec()
         self.metrics.ifrt_sessions_closed.labels(reason).inc()
         used: dict[str, Any] = {}
