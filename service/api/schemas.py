@@ -175,6 +175,9 @@ class CallRef(_Strict):
 
 class _Call(_ExecuteOptions):
     program_id: str = Field(max_length=256)
+    inline: bool = Field(False, description=(
+        "with ?wait: the answer waits for this call too, and carries its outputs if "
+        "they are small and it ended in time (its future is kept)"))
 
 
 class CallJSON(_Call):
@@ -218,6 +221,8 @@ class CallStarted(BaseModel):
     status: str
     executable_id: str
     tier: str
+    outputs: list[ArrayJSON] | None = Field(None, description=(
+        "the outputs of an ``inline`` call that ended within ?wait (small ones only)"))
 
 
 class CallRefused(BaseModel):

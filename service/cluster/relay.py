@@ -201,13 +201,25 @@ class Relay:
         here). Otherwise the inputs other replicas hold are fetched into ``args``
         (waiting up to ``pull_wait_s`` for each), and ``None`` says: run it here.
         """
+        relayed = await self.to_holder(request, args, owner, body, wait_s=wait_s,
+                                       forwarded=forwarded)
+        if relayed is not None:
+            return relayed
+        for i, arg in enumerate(args):
+            if wire.is_future_ref(arg) and self._membership.elsewhere(str(arg["future"])):
+                args[i] = await self.pull(arg, owner, pull_wait_s)
+        return None
+
+    async def to_holder(self, request: Request, args: list[Any], owner: str | None,
+                        body: bytes | bytearray, *, wait_s: float,
+                        forwarded: bool) -> Response | None:
+        """The answer of the replica holding most of the future references in ``args``,
+        ``request`` (with ``body``) relayed to it; ``None``: it runs here (see
+        ``run_elsewhere``; ``POST /v1/calls`` relays a batch by all its calls' args)."""
         if not forwarded and (holder := self._holder(args)) is not None:
             with contextlib.suppress(ReplicaLost):  # gone: the call fails here, naming its input
                 return await self.answer_from(holder, request, owner, content=bytes(body),
                                               wait_s=wait_s)
-        for i, arg in enumerate(args):
-            if wire.is_future_ref(arg) and self._membership.elsewhere(str(arg["future"])):
-                args[i] = await self.pull(arg, owner, pull_wait_s)
         return None
 
     def _holder(self, args: list[Any]) -> str | None:

@@ -88,6 +88,30 @@ def test_a_batch_in_json_and_a_second_batch_on_the_first_s_futures(http: httpx.C
                                   np.full(4, 15.0, np.float32))
 
 
+def test_a_batch_that_waits_carries_the_outputs_of_its_inline_calls(http: httpx.Client) -> None:
+    pid = _program(http)
+    a = np.arange(4, dtype=np.float32)
+    for as_json in (False, True):
+        calls = [{"program_id": pid, "args": [a]},
+                 {"program_id": pid, "args": [{"call": 0, "output": 0}], "inline": True}]
+        body = wire.dumps_json({"calls": calls}) if as_json else wire.packb({"calls": calls})
+        ctype = wire.JSON if as_json else wire.MSGPACK
+        r = http.post("/v1/calls", params={"wait": 30000}, content=body,
+                      headers={"content-type": ctype, "accept": ctype})
+        assert r.status_code == 200, r.text
+        first, second = (wire.loads_json(r.content) if as_json else wire.unpackb(r.content))["calls"]
+        assert "outputs" not in first  # not inline: fetched as any future
+        assert second["status"] == "done"
+        [out] = second["outputs"]
+        np.testing.assert_array_equal(out, a * 4 + 3)
+        # The future is kept: its outputs can still be fetched and passed on.
+        np.testing.assert_array_equal(_value(http, second["future_id"]), a * 4 + 3)
+        np.testing.assert_array_equal(_value(http, first["future_id"]), a * 2 + 1)
+    # Without ?wait, inline asks nothing: the answer comes at once, without outputs.
+    r = _calls(http, [{"program_id": pid, "args": [a], "inline": True}])
+    assert "outputs" not in r.json()["calls"][0]
+
+
 def test_bad_batches_are_refused_whole(http: httpx.Client) -> None:
     pid = _program(http)
     assert _calls(http, []).json() == {"calls": []}

@@ -11,23 +11,34 @@ The answer has one entry per call: its future (id, status, executable, tier), or
 the error its own execute would have got. A call refused leaves the later ones
 to go on; one that takes an output of a refused call is refused too, naming it.
 The outputs' avals are not repeated here: ``GET /v1/futures/{id}`` gives them.
+
+With ``?wait=<ms>``, the answer waits up to that long for the calls marked
+``inline``, and carries the outputs of those that ended, when they came back with
+the run's answer (small ones: ``wire.INLINE_OUTPUTS_BYTES``): a client that runs
+ahead reads a quick call's values with one round trip, as an execute's ``?wait``
+gives them. Their futures are kept.
+
+With replicas, a batch runs where most of its input futures are, as an execute
+does: relayed whole to the replica holding them, whose answer it is. An input
+another replica holds is then fetched from it first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+import time
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
 
-from jitserve.wire import ErrorCode
+from jitserve.wire import ErrorCode, is_future_ref
 
 from ...calls.calls import Call
 from ...errors import BadRequest, FutureFailed, error_body, refusal_body
-from ..bodies import BodyReader
-from ..deps import request_owner, services_of
+from ..bodies import BodyReader, array_response, wants_json
+from ..deps import request_cluster, request_owner, services_of
 from ..openapi import errors, message_body
 from ..schemas import CallsAnswer, CallsItem, CallsJSON, CallsMsgpack, CallsRequest, parse
 
@@ -44,13 +55,19 @@ router = APIRouter(prefix="/v1", tags=["programs"])
              responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.BAD_REQUEST,
                               ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                               ErrorCode.UNAVAILABLE))
-async def start_calls(request: Request) -> JSONResponse:
+async def start_calls(
+    request: Request,
+    wait: Annotated[int | None, Query(ge=0, description=(
+        "milliseconds to wait for the calls marked inline, whose outputs the answer "
+        "then carries"))] = None,
+) -> Response:
     """Start calls in order, in one request; one entry per call: its future, or its error.
 
     Each call is what an execute's body is, with its ``program_id``; an argument
     ``{"call": i, "output": k}`` is output ``k`` of call ``i`` of this batch (an
     earlier one). A refused call's entry is ``{"error": {"code", "message"}}``, the
-    error its own execute would get; the calls after it go on.
+    error its own execute would get; the calls after it go on. With ``?wait``, the
+    entries of ``inline`` calls that ended in time carry their ``outputs``.
     """
     services = services_of(request)
     settings = services.settings
@@ -58,11 +75,21 @@ async def start_calls(request: Request) -> JSONResponse:
     services.drain.check_accepting()
     body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                       metrics=services.metrics)
-    _, message = await body.raw_message()
+    raw, message = await body.raw_message()
     batch = parse(CallsRequest, message, "calls request").calls
     del message
+    wait_s = min(wait or 0, settings.max_wait_ms) / 1000
+    forwarding = request_cluster(request, services)
+    if forwarding is not None:  # the batch runs where most of its inputs are, as an execute
+        relayed = await forwarding.relay.to_holder(
+            request, [a for item in batch for a in item.args], owner, raw, wait_s=wait_s,
+            forwarded=False)
+        if relayed is not None:
+            return relayed
+    del raw
     started: list[Call | None] = []
     entries: list[dict[str, Any]] = []
+    inline: list[int] = [i for i, item in enumerate(batch) if item.inline]
     for index, item in enumerate(batch):
         try:
             call = await _start(request, item, index, started, owner)
@@ -81,14 +108,42 @@ async def start_calls(request: Request) -> JSONResponse:
     batch.clear()  # the executor holds the inputs now
     cluster = services.cluster
     if cluster is None:
-        return JSONResponse({"calls": entries})
+        return await _answer(request, started, entries, inline, wait_s)
     # Another replica may answer for these futures once they are in Redis: the
     # answer waits for that, as an execute's does.
     async with contextlib.AsyncExitStack() as stack:
         for each in started:
             if each is not None:
                 await stack.enter_async_context(cluster.mirror.answering(each.future))
+        return await _answer(request, started, entries, inline, wait_s)
+
+
+async def _answer(request: Request, started: list[Call | None], entries: list[dict[str, Any]],
+                  inline: list[int], wait_s: float) -> Response:
+    """The batch's answer; with ``wait_s``, once the ``inline`` calls ended (or it
+    passed), their entries carrying the outputs that came back with their runs."""
+    waited = [(i, call.future) for i in inline if (call := started[i]) is not None]
+    if not wait_s or not waited:
         return JSONResponse({"calls": entries})
+    deadline = time.monotonic() + wait_s
+    for _, fut in waited:  # in order: the last to end is usually the last started
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        await fut.wait_final(remaining)
+    nbytes, carried = 0, False
+    for i, fut in waited:
+        entries[i]["status"] = fut.status.value
+        host = fut.host
+        if (fut.status.is_final and host is not None and fut.outputs is not None
+                and all(buf is not None for buf in fut.outputs)):
+            entries[i]["outputs"] = host
+            nbytes += sum(a.nbytes for a in host)
+            carried = True
+    if not carried:
+        return JSONResponse({"calls": entries})
+    services_of(request).metrics.transferred("out", nbytes)
+    return array_response({"calls": entries}, wants_json(request), nbytes=nbytes)
 
 
 async def _start(request: Request, item: CallsItem, index: int, started: list[Call | None],
@@ -96,6 +151,7 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
     """Start call ``index`` of a batch (``started``: the calls before it, ``None`` where
     refused)."""
     services = services_of(request)
+    cluster = services.cluster
     args = []
     for n, arg in enumerate(item.args):
         if isinstance(arg, dict) and "call" in arg and "future" not in arg:
@@ -109,6 +165,9 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
                 raise FutureFailed(f"argument {n}: call {source} of this batch was refused, so "
                                    "its outputs do not exist")
             arg = {"future": earlier.future.future_id, "output": output}
+        elif (cluster is not None and is_future_ref(arg)
+              and cluster.membership.elsewhere(str(arg["future"]))):
+            arg = await cluster.relay.pull(arg, owner, services.settings.max_wait_ms / 1000)
         args.append(arg)
     program = await services.programs.get(item.program_id, owner)
     return await services.calls.execute(program, args, item.static_key, owner, item.timeout_s,
