@@ -98,7 +98,8 @@ def baseline_body(x: np.ndarray) -> bytes:
 
 def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, float]:
     """A small cached call, three ways: the SDK (``Client.execute`` with a wait, and
-    ``np.asarray(client.jit(f)(x))`` with its default hold and without one), and raw
+    ``np.asarray(client.jit(f)(x))`` with its default hold and without one, running
+    ahead as by default and with ``run_ahead=0``), and raw
     REST with a msgpack body (as is, and with ``keep=false``, which keeps nothing, as
     the baseline) and a JSON body; each against the baseline endpoint in the same encoding, in
     process (``/run``) and in a child process (``/run_child``, the supervised
@@ -114,10 +115,10 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
     msgpack_headers = {"content-type": "application/msgpack"}
     json_headers = {"content-type": "application/json"}
     with Client(url) as c, Client(url, timeout=Timeout(hold=0)) as unheld, \
-            httpx.Client() as h:
+            Client(url, run_ahead=0) as waits, httpx.Client() as h:
         pid = c.upload(export(f, x)).program_id
         execute = f"{url}/v1/programs/{pid}/execute?wait=10000"
-        jf, jf_unheld = c.jit(f), unheld.jit(f)
+        jf, jf_unheld, jf_waits = c.jit(f), unheld.jit(f), waits.jit(f)
 
         def raw(target: str, body: bytes, headers: dict[str, str]) -> Any:
             def call() -> None:
@@ -129,6 +130,7 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
             "sdk": lambda: c.execute(pid, [x], wait=10)[0].result(),
             "sdk_jit": lambda: np.asarray(jf(x)),
             "sdk_jit_unheld": lambda: np.asarray(jf_unheld(x)),
+            "sdk_jit_waits": lambda: np.asarray(jf_waits(x)),
             "rest": raw(execute, packed, msgpack_headers),
             "rest_drop": raw(execute + "&keep=false", packed, msgpack_headers),
             "rest_json": raw(execute, as_json, json_headers),
@@ -140,6 +142,8 @@ def p1(url: str, base: str, asgi: str, n: int, block: int = 1) -> dict[str, floa
             "asgi_child": raw(f"{asgi}/run_child", packed, msgpack_headers)}, n, block=block)
     return {"jitserve_sdk_ms": ms["sdk"], "jitserve_sdk_jit_ms": ms["sdk_jit"],
             "jitserve_sdk_jit_unheld_ms": ms["sdk_jit_unheld"],
+            "jitserve_sdk_jit_run_ahead_0_ms": ms["sdk_jit_waits"],
+            "ratio_sdk_jit_vs_run_ahead_0": ms["sdk_jit"] / ms["sdk_jit_waits"],
             "jitserve_rest_msgpack_ms": ms["rest"],
             "jitserve_rest_json_ms": ms["rest_json"],
             "jitserve_rest_msgpack_keep_false_ms": ms["rest_drop"],

@@ -192,7 +192,7 @@ def main() -> int:
             urls[f"rtt{args.rtt_ms:g}ms"] = stack.enter_context(delay_relay(url, args.rtt_ms / 2))
         clients = {}
         for where, target in urls.items():
-            clients[where] = stack.enter_context(Client(target, timeout=300))
+            clients[where] = stack.enter_context(Client(target, timeout=300, run_ahead=0))
             if args.run_ahead:
                 clients[f"{where}+ahead"] = stack.enter_context(
                     Client(target, timeout=300, run_ahead=args.run_ahead))

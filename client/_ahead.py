@@ -1,25 +1,39 @@
-"""Running ahead, as jax's asynchronous dispatch does (``Client(run_ahead=N)``).
+"""Running ahead, as jax's asynchronous dispatch does (``Client(run_ahead=N)``, on by default).
 
 A jitted call returns its ``RemoteArray`` s at once, without waiting for the server:
-it is queued here, and a sender thread sends what has queued in order as one
-``POST /v1/calls`` while the previous batch is answered, so a loop pays a round trip
-per batch, not per call. An input that is an output of a call still queued goes as
-``{"call": i, "output": k}`` when that call is in the same batch; an earlier batch
-has been answered before the next is built, so its futures are known.
+it is queued here, and a sender (a thread, ``RunAhead``; a task of the event loop,
+``AsyncRunAhead``) sends what has queued in order as one ``POST /v1/calls`` while the
+previous batch is answered, so a loop pays a round trip per batch, not per call. An
+input that is an output of a call still queued goes as ``{"call": i, "output": k}``
+when that call is in the same batch; an earlier batch has been answered before the
+next is built, so its futures are known. A signature's first call waits for the
+server to take it (``_jit``), so that what the server refuses in a program raises at
+the call.
+
+A call whose outputs are small (``wire.INLINE_OUTPUTS_BYTES``) is marked ``inline``:
+the batch's answer waits up to ``Timeout.hold`` for it and carries its values, so
+``np.asarray(f(x))`` costs one round trip, as without running ahead (the call's
+``_Hold`` stops asking for a while when it keeps missing). A numpy input is copied
+when the call is queued, so changing it afterwards does not change the call.
 
 A call the server refuses (or that never reached it: the connection failed) raises
 its error on the first use of its outputs: a fetch, a reference in a later call,
 ``block_until_ready``. A call that takes an output of a refused call is refused
-here, naming it. At most ``N`` calls are queued or on their way: a loop faster than
-the server waits for room, so it cannot queue unbounded work.
+here, naming it. A call refused because the server lost its program (a restart) is
+sent again once, after the program is uploaded again. At most ``N`` calls are queued
+or on their way: a loop faster than the server waits for room, so it cannot queue
+unbounded work.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,9 +51,11 @@ from jitserve.client.errors import (
 )
 
 if TYPE_CHECKING:
+    from jitserve.client._async import AsyncClient
+    from jitserve.client._base import Op
     from jitserve.client._sync import Client
 
-__all__ = ["RunAhead"]
+__all__ = ["AsyncRunAhead", "RunAhead", "Submit"]
 
 log = logging.getLogger("jitserve.client")
 
@@ -48,6 +64,8 @@ _BATCH_MAX = 1024  # the server's most calls per POST /v1/calls
 # to the queue, and the batches after it carry half as much (a call alone may be as
 # big as the server takes one execute).
 _BATCH_BYTES = 8 << 20
+# Outputs the answer of one batch may carry, in all: the inline calls are the last ones.
+_INLINE_BYTES = 4 * wire.INLINE_OUTPUTS_BYTES
 
 
 class _TooBig(Exception):
@@ -56,26 +74,225 @@ class _TooBig(Exception):
 
 @dataclasses.dataclass(eq=False)
 class _Queued:
-    """One call waiting to be sent: its program, arguments and the future it makes."""
+    """One call waiting to be sent: its program, arguments and the future it makes.
+
+    ``hold``: the call's outputs are small, and its signature asks for them with the
+    answer (``_jit._Hold``); ``upload``: uploads the program again, should the server
+    have lost it.
+    """
 
     program_id: str
     args: list[Any]
     donate: list[int]
     state: _FutureState
+    hold: Any = None
+    upload: Callable[[], Op[None]] | None = None
+    retried: bool = False
 
 
-class RunAhead:
-    """The calls of one ``Client`` on their way to the server, and the thread that sends them."""
+class Submit:
+    """A jitted call to queue (``_jit``): its call, and the pytree of its outputs.
 
-    def __init__(self, client: Client, limit: int) -> None:
+    The tree is handed out once the call is queued; the queue never holds it, so an
+    output its user drops is released as any other.
+    """
+
+    __slots__ = ("queued", "tree")
+
+    def __init__(self, queued: _Queued, tree: Any) -> None:
+        self.queued: _Queued | None = queued
+        self.tree = tree
+
+    def to(self, ahead: RunAhead, timeout: float | None) -> Any:
+        assert self.queued is not None
+        ahead.submit(self.queued, timeout)
+        return self._done()
+
+    async def ato(self, ahead: AsyncRunAhead, timeout: float | None) -> Any:
+        assert self.queued is not None
+        await ahead.submit(self.queued, timeout)
+        return self._done()
+
+    def _done(self) -> Any:
+        queued, tree = self.queued, self.tree
+        assert queued is not None
+        for n in queued.donate:
+            queued.args[n]._release_here()  # the server releases it when the call starts
+        self.queued = self.tree = None
+        return tree
+
+
+def _frozen(args: list[Any]) -> list[Any]:
+    """A call's inputs as they are now (a writable numpy input is copied), as jax's
+    dispatch takes them: changing one after the call does not change the call."""
+    return [a.copy() if isinstance(a, np.ndarray) and a.flags.writeable else a for a in args]
+
+
+class _Batches:
+    """What both senders share: the queue, and a batch's request and answer (an ``Op``)."""
+
+    def __init__(self, client: Client | AsyncClient, limit: int) -> None:
         self._client = client
         self.limit = limit
         self._queue: deque[_Queued] = deque()
-        self._cv = threading.Condition()
         self._in_flight = 0  # calls in the batch being sent
         self._closed = False
-        self._thread: threading.Thread | None = None
         self._batch_bytes = _BATCH_BYTES
+
+    def _full(self) -> bool:
+        return len(self._queue) + self._in_flight >= self.limit
+
+    def _too_long(self, timeout: float | None) -> JitserveTimeout:
+        return JitserveTimeout(f"{self.limit} calls still on their way after {timeout} s "
+                               "(run_ahead)")
+
+    def _take(self) -> tuple[list[_Queued], int]:
+        """The next batch, off the queue (at most ``_BATCH_MAX`` calls and, past its
+        first call, ``_batch_bytes``), and its array bytes."""
+        batch: list[_Queued] = []
+        nbytes = 0
+        while self._queue and len(batch) < _BATCH_MAX:
+            size = _array_bytes(self._queue[0].args)
+            if batch and nbytes + size > self._batch_bytes:
+                break
+            batch.append(self._queue.popleft())
+            nbytes += size
+        self._in_flight = len(batch)
+        return batch, nbytes
+
+    def _answered(self, batch: list[_Queued], nbytes: int, outcome: BaseException | None,
+                  again: set[_Queued]) -> None:
+        """After a batch went (``outcome``: what it raised): what goes back to the front
+        of the queue, and what fails."""
+        if isinstance(outcome, _TooBig):  # nothing of it started: back, and smaller
+            self._queue.extendleft(reversed([q for q in batch if not _settled(q.state)]))
+            self._batch_bytes = max(1, nbytes // 2)
+        elif outcome is not None:  # no call may wait forever for its answer
+            for queued in batch:
+                if not _settled(queued.state):
+                    queued.state.sent(None, outcome if isinstance(outcome, Exception) else
+                                      RuntimeError(f"the run-ahead sender stopped: {outcome!r}"))
+            if isinstance(outcome, Exception):
+                log.error("the run-ahead sender failed a batch", exc_info=outcome)
+        if again:  # in their order, before anything queued since
+            self._queue.extendleft(reversed([q for q in batch if q in again]))
+        self._in_flight = 0
+
+    def _op_send(self, batch: list[_Queued]) -> Op[set[_Queued]]:
+        """Send ``batch`` and settle each call's future; the calls to send again."""
+        calls: list[dict[str, Any] | None] = []
+        position: dict[int, int] = {}  # a call of this batch -> its index in what is sent
+        for queued in batch:
+            try:
+                args = [self._arg(a, position) for a in queued.args]
+            except JitserveError as e:  # an input's call was refused: so is this one
+                queued.state.sent(None, FutureFailed(
+                    f"an input of this call of {queued.state.name or 'a program'} comes from "
+                    f"a call that was refused: {e}", status_code=422, code="future_failed"))
+                calls.append(None)
+                continue
+            body: dict[str, Any] = {"program_id": queued.program_id, "args": args}
+            if queued.donate:
+                body["donate"] = queued.donate
+            position[id(queued.state)] = len(position)
+            calls.append(body)
+        sent = [c for c in calls if c is not None]
+        if not sent:
+            return set()
+        wait = self._mark_inline(batch, calls)
+        try:
+            entries = yield from self._client._op_calls(sent, wait)
+        except JitserveError as e:  # never reached the server, or not understood: each call fails
+            if isinstance(e, PayloadTooLarge) and len(sent) > 1:
+                raise _TooBig() from e
+            for queued, call in zip(batch, calls):
+                if call is not None:
+                    queued.state.sent(None, _named(e, queued.state.name))
+            return set()
+        answered = [(q, c, e) for (q, c), e in zip(
+            [(q, c) for q, c in zip(batch, calls) if c is not None], entries)]
+        again = yield from self._op_lost([(q, e) for q, _, e in answered])
+        for queued, call, entry in answered:
+            if queued in again:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("future_id"), str):
+                if "outputs" in entry:  # before ``sent``: a reader waiting for it finds them
+                    queued.state.keep(self._client._outputs(entry), None)
+                if call.get("inline"):
+                    queued.hold.answered("outputs" in entry)
+                queued.state.sent(entry["future_id"])
+            else:
+                queued.state.sent(None, _refusal(entry, queued.state.name))
+        return again
+
+    def _mark_inline(self, batch: list[_Queued], calls: list[dict[str, Any] | None]) -> float | None:
+        """Mark the calls whose answer should carry their outputs, the last ones first
+        (``_INLINE_BYTES`` in all); the wait to ask for, ``None`` for none."""
+        hold, room = self._client.timeout.hold, _INLINE_BYTES
+        if not hold:
+            return None
+        marked = False
+        for queued, call in zip(reversed(batch), reversed(calls)):
+            if call is None or queued.hold is None:
+                continue
+            nbytes = sum(queued.state.nbytes or ())
+            if nbytes > room:
+                break
+            if queued.hold.ask():
+                call["inline"] = marked = True
+                room -= nbytes
+        return hold if marked else None
+
+    def _op_lost(self, answered: list[tuple[_Queued, Any]]) -> Op[set[_Queued]]:
+        """The calls of an answer to send again: those refused because the server lost
+        their program (uploaded again here), and those refused for taking their outputs."""
+        lost: set[str] = set()
+        client = self._client
+        for queued, entry in answered:
+            if (queued.upload is not None and not queued.retried and _code(entry) == "not_found"
+                    and queued.program_id not in lost):
+                if (yield from client._op_get_program(queued.program_id)) is None:
+                    client._forget_programs([queued.program_id])
+                    yield from queued.upload()
+                    lost.add(queued.program_id)
+        if not lost:
+            return set()
+        again: set[_Queued] = set()
+        states: set[int] = set()
+        for queued, entry in answered:
+            if _code(entry) is None:
+                continue
+            takes = any(isinstance(a, _RemoteBase) and id(a._future) in states for a in queued.args)
+            if queued.program_id in lost or takes:
+                queued.retried = True
+                again.add(queued)
+                states.add(id(queued.state))
+        return again
+
+    @staticmethod
+    def _arg(a: Any, position: dict[int, int]) -> Any:
+        """An argument on the wire: an array, a reference to a future, or to a call of
+        this batch (``position``: each queued call's index in it)."""
+        if not isinstance(a, _RemoteBase):
+            return np.asarray(a)
+        state = a._future
+        if state._id is None:
+            index = position.get(id(state))
+            if index is not None:
+                return {"call": index, "output": a.index}
+            if state._sent is not None and not state._sent.is_set():  # never: queue order
+                raise JitserveError(f"an input comes from a call of {state.name} not sent yet")
+        return {"future": state.future_id, "output": a.index}  # raises a refused call's error
+
+
+class RunAhead(_Batches):
+    """The calls of one ``Client`` on their way to the server, and the thread that sends them."""
+
+    def __init__(self, client: Client, limit: int) -> None:
+        super().__init__(client, limit)
+        self._sync = client
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     @property
     def pending(self) -> int:
@@ -83,18 +300,16 @@ class RunAhead:
         with self._cv:
             return len(self._queue) + self._in_flight
 
-    def submit(self, program_id: str, args: list[Any], donate: list[int], state: _FutureState,
-               timeout: float | None) -> None:
-        """Queue a call (its future ``state`` waits for the server's answer); waits while
-        ``limit`` calls are queued or on their way, at most ``timeout`` seconds."""
+    def submit(self, queued: _Queued, timeout: float | None) -> None:
+        """Queue a call (its future waits for the server's answer); waits while ``limit``
+        calls are queued or on their way, at most ``timeout`` seconds."""
+        queued.args = _frozen(queued.args)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the client is closed")
-            if not self._cv.wait_for(lambda: len(self._queue) + self._in_flight < self.limit
-                                     or self._closed, timeout):
-                raise JitserveTimeout(f"{self.limit} calls still on their way after {timeout} s "
-                                      "(run_ahead)")
-            self._queue.append(_Queued(program_id, args, donate, state))
+            if not self._cv.wait_for(lambda: not self._full() or self._closed, timeout):
+                raise self._too_long(timeout)
+            self._queue.append(queued)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="jitserve-run-ahead",
                                                 daemon=True)
@@ -115,95 +330,113 @@ class RunAhead:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # -- the sender -------------------------------------------------------------
-
     def _run(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                batch: list[_Queued] = []
-                nbytes = 0
-                while self._queue and len(batch) < _BATCH_MAX:
-                    size = _array_bytes(self._queue[0].args)
-                    if batch and nbytes + size > self._batch_bytes:
-                        break
-                    batch.append(self._queue.popleft())
-                    nbytes += size
-                self._in_flight = len(batch)
+                batch, nbytes = self._take()
+            outcome: BaseException | None = None
+            again: set[_Queued] = set()
             try:
-                self._send(batch)
-            except _TooBig:
-                with self._cv:  # nothing of it started: back to the front, smaller
-                    self._queue.extendleft(reversed([q for q in batch if not _settled(q.state)]))
-                    self._batch_bytes = max(1, nbytes // 2)
-            except BaseException as e:  # noqa: BLE001 - no call may wait forever for its answer
-                for queued in batch:
-                    if not _settled(queued.state):
-                        queued.state.sent(None, e if isinstance(e, Exception) else
-                                          RuntimeError(f"the run-ahead sender stopped: {e!r}"))
-                if not isinstance(e, Exception):
-                    raise
-                log.exception("the run-ahead sender failed a batch")
-            finally:
-                with self._cv:
-                    self._in_flight = 0
-                    self._cv.notify_all()
+                again = self._sync._drive(self._op_send(batch))
+            except BaseException as e:  # noqa: BLE001 - settled below, then raised if fatal
+                outcome = e
+            with self._cv:
+                self._answered(batch, nbytes, outcome, again)
+                self._cv.notify_all()
+            if outcome is not None and not isinstance(outcome, Exception):
+                raise outcome
 
-    def _send(self, batch: list[_Queued]) -> None:
-        calls: list[dict[str, Any] | None] = []
-        position: dict[int, int] = {}  # a call of this batch -> its index in what is sent
-        for queued in batch:
+
+class AsyncRunAhead(_Batches):
+    """The calls of one ``AsyncClient`` on their way, and the task of its loop that sends
+    them. Their futures are waited for with ``_FutureState.settled()``, never by
+    blocking the loop."""
+
+    def __init__(self, client: AsyncClient, limit: int) -> None:
+        super().__init__(client, limit)
+        self._async = client
+        self._cv: asyncio.Condition | None = None  # made in the loop, on first use
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        """Calls queued or on their way."""
+        return len(self._queue) + self._in_flight
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cv is None:
+            self._cv = asyncio.Condition()
+        return self._cv
+
+    async def submit(self, queued: _Queued, timeout: float | None) -> None:
+        """Queue a call; waits while ``limit`` calls are queued or on their way, at most
+        ``timeout`` seconds."""
+        queued.args = _frozen(queued.args)
+        queued.state.waitable()
+        cv = self._condition()
+        async with cv:
+            if self._closed:
+                raise RuntimeError("the client is closed")
             try:
-                args = [self._arg(a, position) for a in queued.args]
-            except JitserveError as e:  # an input's call was refused: so is this one
-                queued.state.sent(None, FutureFailed(
-                    f"an input of this call of {queued.state.name or 'a program'} comes from "
-                    f"a call that was refused: {e}", status_code=422, code="future_failed"))
-                calls.append(None)
-                continue
-            body: dict[str, Any] = {"program_id": queued.program_id, "args": args}
-            if queued.donate:
-                body["donate"] = queued.donate
-            position[id(queued.state)] = len(position)
-            calls.append(body)
-        sent = [c for c in calls if c is not None]
-        if not sent:
-            return
+                async with asyncio.timeout(timeout):
+                    await cv.wait_for(lambda: not self._full() or self._closed)
+            except TimeoutError:
+                raise self._too_long(timeout) from None
+            self._queue.append(queued)
+            if self._task is None or self._task.done():
+                self._task = asyncio.get_running_loop().create_task(
+                    self._run(), name="jitserve-run-ahead")
+            cv.notify_all()
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued call was sent and answered; whether that happened."""
+        cv = self._condition()
         try:
-            entries = self._client._drive(self._client._op_calls(sent))
-        except JitserveError as e:  # never reached the server, or not understood: each call fails
-            if isinstance(e, PayloadTooLarge) and len(sent) > 1:
-                raise _TooBig() from e
-            for queued, call in zip(batch, calls):
-                if call is not None:
-                    queued.state.sent(None, _named(e, queued.state.name))
-            return
-        answers = iter(entries)
-        for queued, call in zip(batch, calls):
-            if call is None:
-                continue
-            entry = next(answers)
-            if isinstance(entry, dict) and isinstance(entry.get("future_id"), str):
-                queued.state.sent(entry["future_id"])
-            else:
-                queued.state.sent(None, _refusal(entry, queued.state.name))
+            async with asyncio.timeout(timeout), cv:
+                await cv.wait_for(lambda: not self._queue and not self._in_flight)
+        except TimeoutError:
+            return False
+        return True
 
-    @staticmethod
-    def _arg(a: Any, position: dict[int, int]) -> Any:
-        """An argument on the wire: an array, a reference to a future, or to a call of
-        this batch (``position``: each queued call's index in it)."""
-        if not isinstance(a, _RemoteBase):
-            return np.asarray(a)
-        state = a._future
-        if state._id is None:
-            index = position.get(id(state))
-            if index is not None:
-                return {"call": index, "output": a.index}
-            if state._sent is not None and not state._sent.is_set():  # never: queue order
-                raise JitserveError(f"an input comes from a call of {state.name} not sent yet")
-        return {"future": state.future_id, "output": a.index}  # raises a refused call's error
+    async def close(self, timeout: float | None = 30.0) -> None:
+        """Send what is queued, then stop the sender."""
+        await self.flush(timeout)
+        cv = self._condition()
+        async with cv:
+            self._closed = True
+            cv.notify_all()
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+
+    async def _run(self) -> None:
+        cv = self._condition()
+        while True:
+            async with cv:
+                await cv.wait_for(lambda: bool(self._queue) or self._closed)
+                if not self._queue:
+                    return
+                batch, nbytes = self._take()
+            outcome: BaseException | None = None
+            again: set[_Queued] = set()
+            try:
+                again = await self._async._drive(self._op_send(batch))
+            except BaseException as e:  # noqa: BLE001 - settled below, then raised if fatal
+                outcome = e
+            async with cv:
+                self._answered(batch, nbytes, outcome, again)
+                cv.notify_all()
+            if outcome is not None and not isinstance(outcome, Exception):
+                raise outcome
+
+
+def _code(entry: Any) -> str | None:
+    """A refused call's error code; ``None`` for a call that started."""
+    error = entry.get("error") if isinstance(entry, dict) else None
+    return str(error.get("code")) if isinstance(error, dict) else None
 
 
 def _settled(state: _FutureState) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar, overload
 import httpx
 import numpy as np
 
+from jitserve.client._ahead import AsyncRunAhead
 from jitserve.client._base import (
     DEFAULT_URL,
     BaseClient,
@@ -19,6 +20,7 @@ from jitserve.client._base import (
     _Acquire,
     _Call,
     _Reply,
+    _Settle,
     drive_step,
     fill,
     transport_error,
@@ -26,6 +28,7 @@ from jitserve.client._base import (
 )
 from jitserve.client._jit import AsyncRemoteFunction, check_jit_format
 from jitserve.client._models import (
+    DEFAULT_RUN_AHEAD,
     DEFAULT_TIMEOUT,
     NOT_GIVEN,
     CompileInfo,
@@ -53,7 +56,10 @@ class AsyncClient(BaseClient):
             y = await f(np.ones(3, np.float32))   # AsyncRemoteArray, at once
             print(await y.result(timeout=10))
 
-    ``transport`` is an ``httpx.AsyncBaseTransport``.
+    ``transport`` is an ``httpx.AsyncBaseTransport``. With ``run_ahead`` (on by
+    default, as for ``Client``), ``await f(x)`` returns once the call is queued, and a
+    task of the loop sends the queued calls in order; its arrays' awaitable methods
+    wait for the call's answer.
     """
 
     _array_cls = AsyncRemoteArray
@@ -69,10 +75,15 @@ class AsyncClient(BaseClient):
         wire_format: WireFormat = "msgpack",
         max_response_bytes: int | None = None,
         progress: bool | NotGiven = NOT_GIVEN,
+        run_ahead: int = DEFAULT_RUN_AHEAD,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
                          progress=progress)
+        if run_ahead < 0:
+            raise ValueError(f"run_ahead must be 0 (off) or a number of calls, got {run_ahead!r}")
+        if run_ahead:
+            self._ahead = AsyncRunAhead(self, run_ahead)
         self._http = lean_cookies(httpx.AsyncClient(
             base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx(),
             transport=transport or async_transport()))
@@ -136,6 +147,8 @@ class AsyncClient(BaseClient):
                         value = await self._send(step)
                     elif isinstance(step, _Acquire):
                         await step.lock.acquire()
+                    elif isinstance(step, _Settle):
+                        value = await step.state.settled()
                     else:
                         await asyncio.sleep(step.seconds)
                 except JitserveError as e:
@@ -144,7 +157,10 @@ class AsyncClient(BaseClient):
             op.close()  # a cancelled call releases what it holds now, not at garbage collection
 
     async def aclose(self) -> None:
-        """Send the pending releases of dropped arrays, then close the connection pools."""
+        """Send the calls on their way and the pending releases of dropped arrays, then
+        close the connection pools."""
+        if self._ahead is not None:
+            await self._ahead.close(self.timeout.request)
         await asyncio.to_thread(self._releases.close)
         self._release_http.close()
         await self._http.aclose()

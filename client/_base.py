@@ -1,10 +1,10 @@
 """What ``Client`` and ``AsyncClient`` share: configuration, requests, answers, operations.
 
 Every operation is written once, here, as a generator that yields the HTTP calls it
-needs (``_Call``), a pause (``_Sleep``) or a lock to wait for (``_Acquire``), and
-receives each answer (``_Reply``) or the exception it raised. ``Client`` drives
-these generators with blocking IO and ``AsyncClient`` with ``await``, so the two
-never drift apart.
+needs (``_Call``), a pause (``_Sleep``), a lock to wait for (``_Acquire``) or a call
+on its way to be answered (``_Settle``), and receives each answer (``_Reply``) or the
+exception it raised. ``Client`` drives these generators with blocking IO and
+``AsyncClient`` with ``await``, so the two never drift apart.
 """
 
 from __future__ import annotations
@@ -107,6 +107,14 @@ class _Acquire:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Settle:
+    """Wait until the call that makes future ``state`` is answered (``_ahead``: it is on
+    its way); the operation gets its refusal thrown in, if it was refused."""
+
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class _Reply:
     """A 2xx answer, its body decoded by ``Content-Type``."""
 
@@ -133,7 +141,7 @@ class _Execution:
     out_tree: Any
 
 
-Op = Generator[_Call | _Sleep | _Acquire, Any, T]
+Op = Generator[_Call | _Sleep | _Acquire | _Settle, Any, T]
 
 
 def _ms(seconds: float) -> str:
@@ -405,6 +413,9 @@ class BaseClient:
         """Run a program; the remote arrays of ours at ``donate`` are deleted once it is
         queued. ``out_avals``: the outputs' avals where the caller knows them (a
         ``jit``), so an answer's are not read again on every call."""
+        for a in args:  # an input from a call on its way (``_ahead``): once it is answered
+            if isinstance(a, _RemoteBase) and a._belongs_to(self) and not a._future.is_known():
+                yield _Settle(a._future)
         body: dict[str, Any] = {"args": [self._arg(a) for a in args]}
         if static_key:
             body["static_key"] = static_key
@@ -536,11 +547,17 @@ class BaseClient:
         return _Call("POST", "/v1/futures/release", None, content, ctype,
                      replica=_holder(f for f, _ in refs))
 
-    def _op_calls(self, calls: list[dict[str, Any]]) -> Op[list[Any]]:
+    def _op_calls(self, calls: list[dict[str, Any]], wait: float | None = None) -> Op[list[Any]]:
         """``POST /v1/calls``: start ``calls`` in order; one entry per call, its future
-        or its error (``_ahead``)."""
+        or its error (``_ahead``). With ``wait``, the ``inline`` calls' entries carry
+        their outputs if they end within it. Sent to the replica holding most of the
+        batch's inputs."""
         content, ctype = self._encode({"calls": calls})
-        reply = yield _Call("POST", "/v1/calls", None, content, ctype)
+        ask = None if wait is None else min(wait, self.timeout.poll)
+        params = None if ask is None else {"wait": _ms(ask)}
+        refs = (a["future"] for c in calls for a in c["args"] if wire.is_future_ref(a))
+        reply = yield _Call("POST", "/v1/calls", params, content, ctype, wait=ask or 0.0,
+                            replica=_holder(refs))
         entries = reply.body.get("calls") if isinstance(reply.body, Mapping) else None
         if not isinstance(entries, list) or len(entries) != len(calls):
             raise ProtocolError(f"POST /v1/calls: expected {len(calls)} entries, got "
@@ -631,7 +648,8 @@ def platforms_of(doc: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(found)) or None
 
 
-def drive_step(op: Op[T], value: Any, exc: JitserveError | None) -> _Call | _Sleep | _Acquire:
+def drive_step(op: Op[T], value: Any,
+               exc: JitserveError | None) -> _Call | _Sleep | _Acquire | _Settle:
     """Advance ``op`` with an answer or an exception; ``StopIteration`` carries its result."""
     return op.throw(exc) if exc is not None else op.send(value)
 

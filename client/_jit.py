@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from jitserve import wire
+from jitserve.client._ahead import Submit, _Queued
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _FutureState, _RemoteBase, local_value
 from jitserve.client._trace import Compiled, local_input, trace
@@ -153,6 +154,7 @@ class _RemoteFunctionBase:
         self._cache: dict[Hashable, Compiled] = {}
         self._locks: dict[Hashable, Any] = {}  # one per signature: trace and upload it once
         self._holds: dict[str, _Hold | None] = {}  # by program id; None: never asks
+        self._started: set[str] = set()  # program ids the server took a call of (run_ahead)
         # The subclasses are the callables (sync and async ``__call__``).
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -168,6 +170,7 @@ class _RemoteFunctionBase:
         self._client._forget_programs(c.program_id for c in self._cache.values())
         self._cache.clear()
         self._holds.clear()
+        self._started.clear()
 
     # ------------------------------------------------------------------ arguments
 
@@ -268,17 +271,20 @@ class _RemoteFunctionBase:
         values = [i.value for i in inputs]
         donate = [n for n, d in enumerate(split.donated) if d and isinstance(values[n], _RemoteBase)]
         ahead = self._client._ahead
-        if ahead is not None:  # queued, sent in order with others (Client(run_ahead=N))
+        # Queued, sent in order with others (Client(run_ahead=N)); a signature's first
+        # call waits for the server to take it, so that what it refuses in a program
+        # (its platform, its signature) raises here, as jax raises tracing errors.
+        if ahead is not None and compiled.program_id in self._started:
             state = _FutureState(self._client, None, len(compiled.out_avals),
                                  self._client._releases, name=self._name,
                                  nbytes=[a.nbytes for a in compiled.out_avals])
-            ahead.submit(compiled.program_id, values, donate, state, self._client.timeout.request)
-            for n in donate:
-                values[n]._release_here()  # the server releases it when the call starts
+            queued = _Queued(compiled.program_id, values, donate, state, self._hold(compiled),
+                             lambda: self._op_ensure_uploaded(compiled, check=False))
             arrays = self._client._arrays(state, compiled.out_avals, compiled.out_keys,
                                           compiled.out_shardings)
-            return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
+            return Submit(queued, jax.tree_util.tree_unflatten(compiled.out_tree, arrays))
         ex = yield from self._op_execute(compiled, values, donate)
+        self._started.add(compiled.program_id)
         arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name,
                                     compiled.out_shardings)
         return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
@@ -348,11 +354,13 @@ class RemoteFunction(_RemoteFunctionBase):
     (static values, pytree structure, shapes, dtypes, weak types, key types) into a
     program of flat leaves, a ``jax.export`` artifact or, with ``format="jaxpr"``, a
     jaxpr document, uploads the program if the server lacks it, and runs it. It
-    returns as soon as the server has queued the run (before any compile ends): the
-    outputs' pytree with a ``RemoteArray`` per leaf, shapes and dtypes already known.
-    When the outputs are small (``wire.INLINE_OUTPUTS_BYTES`` in all), the call
-    lets the server hold its answer up to ``Timeout.hold`` for them, so a quick
-    call comes back with its values and ``np.asarray(f(x))`` is one round trip
+    returns the outputs' pytree with a ``RemoteArray`` per leaf, shapes and dtypes
+    already known: at once, the call queued and sent in order with others (running
+    ahead, the client's default: ``_ahead``), or, for a signature's first call and
+    with ``run_ahead=0``, as soon as the server has queued the run (before any
+    compile ends). When the outputs are small (``wire.INLINE_OUTPUTS_BYTES`` in all),
+    the call lets the server hold its answer up to ``Timeout.hold`` for them, so a
+    quick call comes back with its values and ``np.asarray(f(x))`` is one round trip
     (``_Hold``: a signature that keeps missing the hold stops asking for a while).
 
     Arguments and outputs may be any pytree ``jax.jit`` takes (optax states, flax
@@ -370,7 +378,9 @@ class RemoteFunction(_RemoteFunctionBase):
     """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._client._drive(self._op_call(args, kwargs))  # type: ignore[attr-defined]
+        client = self._client
+        out = client._drive(self._op_call(args, kwargs))  # type: ignore[attr-defined]
+        return out.to(client._ahead, client.timeout.request) if type(out) is Submit else out
 
 
 class AsyncRemoteFunction(_RemoteFunctionBase):
@@ -381,4 +391,8 @@ class AsyncRemoteFunction(_RemoteFunctionBase):
     """
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return await self._client._drive(self._op_call(args, kwargs))  # type: ignore[attr-defined]
+        client = self._client
+        out = await client._drive(self._op_call(args, kwargs))  # type: ignore[attr-defined]
+        if type(out) is Submit:
+            return await out.ato(client._ahead, client.timeout.request)
+        return out

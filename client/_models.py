@@ -15,6 +15,7 @@ from jitserve.wire import Aval, FutureStatus
 
 __all__ = [
     "CompileInfo",
+    "DEFAULT_RUN_AHEAD",
     "DEFAULT_TIMEOUT",
     "FutureInfo",
     "NOT_GIVEN",
@@ -23,6 +24,9 @@ __all__ = [
     "Timeout",
 ]
 
+#: Calls of jitted functions a client lets be on their way at once, by default
+#: (``Client(run_ahead=)``; ``0`` turns running ahead off).
+DEFAULT_RUN_AHEAD = 32
 
 _FINAL = frozenset(s.value for s in FutureStatus if s.is_final)
 

@@ -29,7 +29,7 @@ import numpy as np
 from jitserve import wire
 from jitserve.client._models import Aval
 from jitserve.client._release import ReleaseQueue
-from jitserve.client.errors import JitserveTimeout, ProtocolError
+from jitserve.client.errors import JitserveError, JitserveTimeout, ProtocolError
 
 if TYPE_CHECKING:
     from jitserve.client._async import AsyncClient
@@ -84,6 +84,7 @@ class _FutureState:
         # ``_ahead``): ``future_id`` waits for it, and raises the call's refusal.
         self._id = future_id
         self._sent: threading.Event | None = None if future_id is not None else threading.Event()
+        self._asent: asyncio.Event | None = None  # for AsyncClient's callers (``waitable``)
         self._refusal: Exception | None = None
         self._dropped: list[int] = []  # outputs garbage before the call was sent
         self._drop_lock = threading.RLock()  # re-entrant: a finalizer may run under it
@@ -103,6 +104,11 @@ class _FutureState:
         refusal, if the server refused it: an asynchronous error, seen on first use)."""
         if self._id is None:
             assert self._sent is not None
+            if self._asent is not None and not self._sent.is_set():
+                # Its sender is a task of the loop this would block.
+                raise RuntimeError(f"the call of {self.name or 'a program'} is still on its "
+                                   "way: await the array's result() or block_until_ready() "
+                                   "before asking for its future_id")
             # Bounded by the sender (``_ahead``): every batch it sends ends (answered,
             # refused, or failed by the request's timeout), and it settles each call.
             self._sent.wait()
@@ -110,6 +116,23 @@ class _FutureState:
                 raise self._refusal
         assert self._id is not None
         return self._id
+
+    def is_known(self) -> bool:
+        """Whether the server answered the call that makes this future (always, but for
+        a call still on its way)."""
+        return self._sent is None or self._sent.is_set()
+
+    def waitable(self) -> None:
+        """Let ``settled()`` wait for this future's call: made by ``AsyncClient``'s sender,
+        in its loop."""
+        if self._asent is None and self._sent is not None and not self._sent.is_set():
+            self._asent = asyncio.Event()
+
+    async def settled(self) -> str:
+        """``future_id``, waiting in the loop for a call on its way (``AsyncClient``)."""
+        if self._asent is not None:
+            await self._asent.wait()
+        return self.future_id
 
     @property
     def label(self) -> str:
@@ -124,6 +147,8 @@ class _FutureState:
             dropped, self._dropped = self._dropped, []
         assert self._sent is not None
         self._sent.set()
+        if self._asent is not None:
+            self._asent.set()
         if future_id is not None:  # not those donated: their call releases them
             for index in dropped:
                 self.releases.put(future_id, index, 0)
@@ -421,10 +446,12 @@ class RemoteArray(_RemoteBase):
             if not st.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s")
             try:
+                # A call on its way: its batch's answer may bring the values (``_ahead``).
+                future_id = st.future_id
                 if not st.fetched(self.index):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     wanted = st.wanted(self.index)
-                    st.keep(self._client.result(st.future_id, wait=left, outputs=wanted,
+                    st.keep(self._client.result(future_id, wait=left, outputs=wanted,
                                                 name=st.name), wanted)
             finally:
                 st.lock.release()
@@ -436,7 +463,10 @@ class RemoteArray(_RemoteBase):
     def is_ready(self) -> bool:
         """Whether the value is computed (done, failed or cancelled), without waiting for it."""
         self._check_live()
-        return self._future.values is not None or self._client.future(self.future_id).done
+        st = self._future
+        if st._sent is not None and not st._sent.is_set():
+            return False  # a call on its way (``_ahead``): not even started
+        return st.values is not None or self._client.future(self.future_id).done
 
     def done(self) -> bool:
         """Same as ``is_ready()``."""
@@ -448,8 +478,9 @@ class RemoteArray(_RemoteBase):
         The value stays on the server (nothing is downloaded); a failed future raises.
         """
         self._check_live()
+        future_id = self.future_id  # a call on its way: its answer may bring the values
         if self._future.values is None:
-            info = self._client.wait(self.future_id, name=self._future.name)
+            info = self._client.wait(future_id, name=self._future.name)
             if info.status != wire.FutureStatus.DONE:
                 self.result()  # raises the future's error
         return self
@@ -469,7 +500,11 @@ class RemoteArray(_RemoteBase):
     def delete(self) -> None:
         """Free this output on the server now, as ``jax.Array.delete``; its siblings stay."""
         if self._release_here():
-            self._client.release([(self.future_id, self.index)])
+            try:
+                future_id = self.future_id
+            except JitserveError:  # its call was refused: nothing of it is on the server
+                return
+            self._client.release([(future_id, self.index)])
 
 
 class AsyncRemoteArray(_RemoteBase):
@@ -497,12 +532,14 @@ class AsyncRemoteArray(_RemoteBase):
                 async with asyncio.timeout(timeout):
                     await st.alock.acquire()
             except TimeoutError:
-                raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s") from None
+                raise JitserveTimeout(f"future {st.label} not done after {timeout} s") from None
             try:
+                # A call on its way: its batch's answer may bring the values (``_ahead``).
+                future_id = await st.settled()
                 if not st.fetched(self.index):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     wanted = st.wanted(self.index)
-                    st.keep(await self._client.result(st.future_id, wait=left, outputs=wanted,
+                    st.keep(await self._client.result(future_id, wait=left, outputs=wanted,
                                                       name=st.name), wanted)
             finally:
                 st.alock.release()
@@ -521,7 +558,10 @@ class AsyncRemoteArray(_RemoteBase):
     async def is_ready(self) -> bool:
         """Whether the value is computed (done, failed or cancelled), without waiting for it."""
         self._check_live()
-        if self._future.values is not None:
+        st = self._future
+        if st._sent is not None and not st._sent.is_set():
+            return False  # a call on its way (``_ahead``): not even started
+        if st.values is not None:
             return True
         return (await self._client.future(self.future_id)).done
 
@@ -532,8 +572,9 @@ class AsyncRemoteArray(_RemoteBase):
     async def block_until_ready(self) -> AsyncRemoteArray:
         """Wait until the value is computed, without downloading it; returns self."""
         self._check_live()
+        future_id = await self._future.settled()  # its answer may bring the values
         if self._future.values is None:
-            info = await self._client.wait(self.future_id, name=self._future.name)
+            info = await self._client.wait(future_id, name=self._future.name)
             if info.status != wire.FutureStatus.DONE:
                 await self.result()  # raises the future's error
         return self
@@ -554,7 +595,11 @@ class AsyncRemoteArray(_RemoteBase):
     async def delete(self) -> None:
         """Free this output on the server now; its siblings stay."""
         if self._release_here():
-            await self._client.release([(self.future_id, self.index)])
+            try:
+                future_id = await self._future.settled()
+            except JitserveError:  # its call was refused: nothing of it is on the server
+                return
+            await self._client.release([(future_id, self.index)])
 
 
 @functools.cache

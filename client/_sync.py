@@ -11,6 +11,7 @@ from typing import Any, TypeVar, overload
 import httpx
 import numpy as np
 
+from jitserve.client._ahead import RunAhead
 from jitserve.client._base import (
     DEFAULT_URL,
     BaseClient,
@@ -20,6 +21,7 @@ from jitserve.client._base import (
     _Acquire,
     _Call,
     _Reply,
+    _Settle,
     drive_step,
     fill,
     transport_error,
@@ -27,6 +29,7 @@ from jitserve.client._base import (
 )
 from jitserve.client._jit import RemoteFunction, check_jit_format
 from jitserve.client._models import (
+    DEFAULT_RUN_AHEAD,
     DEFAULT_TIMEOUT,
     NOT_GIVEN,
     CompileInfo,
@@ -66,10 +69,11 @@ class Client(BaseClient):
       progress: show that a wait is a compile (a bar, or a log line; ``_progress``);
         defaults to ``$JITSERVE_PROGRESS`` (``0`` turns it off), else on.
       run_ahead: how many calls of jitted functions may be on their way at once
-        (``0``, the default: none, each call waits for the server to accept it). With
-        ``N``, a call returns its arrays at once and is sent in order with the others
-        (``POST /v1/calls``, a round trip per batch); a call the server refuses raises
-        on the first use of its outputs, as jax reports an asynchronous error.
+        (``DEFAULT_RUN_AHEAD``). A call returns its arrays at once and is sent in order
+        with the others (``POST /v1/calls``, a round trip per batch); a call the server
+        refuses raises on the first use of its outputs, as jax reports an asynchronous
+        error. ``0``: each call waits for the server to accept it, and raises a refusal
+        itself.
     """
 
     _array_cls = RemoteArray
@@ -85,7 +89,7 @@ class Client(BaseClient):
         wire_format: WireFormat = "msgpack",
         max_response_bytes: int | None = None,
         progress: bool | NotGiven = NOT_GIVEN,
-        run_ahead: int = 0,
+        run_ahead: int = DEFAULT_RUN_AHEAD,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers,
                          wire_format=wire_format, max_response_bytes=max_response_bytes,
@@ -93,8 +97,6 @@ class Client(BaseClient):
         if run_ahead < 0:
             raise ValueError(f"run_ahead must be 0 (off) or a number of calls, got {run_ahead!r}")
         if run_ahead:
-            from jitserve.client._ahead import RunAhead
-
             self._ahead = RunAhead(self, run_ahead)
         self._http = lean_cookies(httpx.Client(
             base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx(),
@@ -157,6 +159,8 @@ class Client(BaseClient):
                         value = self._send(step)
                     elif isinstance(step, _Acquire):
                         step.lock.acquire()
+                    elif isinstance(step, _Settle):
+                        value = step.state.future_id
                     else:
                         time.sleep(step.seconds)
                 except JitserveError as e:

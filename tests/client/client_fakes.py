@@ -42,6 +42,31 @@ def error(status: int, code: str, message: str, headers: dict[str, str] | None =
                           headers=headers)
 
 
+def executes(server: FakeServer) -> list[dict[str, Any]]:
+    """The body of every call started, in order: an execute's, or a call of a batch
+    (``POST /v1/calls``, each with its ``program_id``)."""
+    bodies: list[dict[str, Any]] = []
+    for r in list(server.requests):
+        if r.url.path.endswith("/execute"):
+            bodies.append(wire.unpackb(r.content))
+        elif r.url.path == "/v1/calls":
+            bodies.extend(wire.unpackb(r.content)["calls"])
+    return bodies
+
+
+def held(server: FakeServer) -> list[str | None]:
+    """The ``wait`` each call asked for (``None``: none), in order: an execute's
+    ``?wait``, or its batch's for a call of a batch marked ``inline``."""
+    waits: list[str | None] = []
+    for r in list(server.requests):
+        if r.url.path.endswith("/execute"):
+            waits.append(r.url.params.get("wait"))
+        elif r.url.path == "/v1/calls":
+            waits.extend(r.url.params.get("wait") if c.get("inline") else None
+                         for c in wire.unpackb(r.content)["calls"])
+    return waits
+
+
 class FakeServer:
     """An in-memory server: programs, futures, results; every request is recorded."""
 
@@ -133,10 +158,54 @@ class FakeServer:
             "in_avals": doc["in_avals"], "out_avals": doc["out_avals"], "out_tree": None})
 
     def _post_programs_id_execute(self, request: httpx.Request, pid: str) -> httpx.Response:
+        started = self._start(pid, self.body(request))
+        if isinstance(started, httpx.Response):
+            return started
+        fid, fut = started
+        if "wait" in request.url.params and not self.hold_execute and fut["status"] == "done":
+            return self.answer(request, {"future_id": fid, "outputs": fut["outputs"],
+                                         "out_tree": None})
+        return self.answer(request, {"future_id": fid, "status": "pending",
+                                     "out_avals": fut["out_avals"], "out_tree": None,
+                                     "executable_id": "e" * 64, "tier": "memory"}, 202)
+
+    def _post_calls(self, request: httpx.Request) -> httpx.Response:
+        """``POST /v1/calls``: each call started as an execute, in order; with ``?wait``,
+        the entries of ``inline`` calls carry their outputs (unless ``hold_execute``)."""
+        entries: list[dict[str, Any]] = []
+        for call in self.body(request)["calls"]:
+            args = []
+            for a in call["args"]:
+                if isinstance(a, dict) and "call" in a:
+                    earlier = entries[a["call"]]
+                    if "error" in earlier:
+                        args = None
+                        break
+                    a = {"future": earlier["future_id"], "output": a["output"]}
+                args.append(a)
+            if args is None:
+                entries.append({"error": {"code": "future_failed", "message": "an earlier "
+                                          "call of this batch was refused"}})
+                continue
+            started = self._start(call["program_id"], {**call, "args": args})
+            if isinstance(started, httpx.Response):
+                entries.append(started.json())
+                continue
+            fid, fut = started
+            entry = {"future_id": fid, "status": "pending", "executable_id": "e" * 64,
+                     "tier": "memory"}
+            if (call.get("inline") and "wait" in request.url.params and not self.hold_execute
+                    and fut["status"] == "done"):
+                entry.update(status="done", outputs=fut["outputs"])
+            entries.append(entry)
+        return self.answer(request, {"calls": entries})
+
+    def _start(self, pid: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | httpx.Response:
+        """Start an execute's ``body`` of program ``pid``: its future, or the error answer."""
         if pid not in self.programs:
             return error(404, "not_found", f"unknown program {pid}")
         args = []
-        for a in self.body(request)["args"]:
+        for a in body["args"]:
             if wire.is_future_ref(a):
                 fut = self.futures.get(a["future"])
                 if fut is None:
@@ -148,14 +217,8 @@ class FakeServer:
         fid = f"fut{next(self._ids)}"
         self.futures[fid] = fut = self._run(pid, args)
         fut["future_id"] = fid
-        body = self.body(request)
         self._release([body["args"][i] for i in body.get("donate", ())])
-        if "wait" in request.url.params and not self.hold_execute and fut["status"] == "done":
-            return self.answer(request, {"future_id": fid, "outputs": fut["outputs"],
-                                         "out_tree": None})
-        return self.answer(request, {"future_id": fid, "status": "pending",
-                                     "out_avals": fut["out_avals"], "out_tree": None,
-                                     "executable_id": "e" * 64, "tier": "memory"}, 202)
+        return fid, fut
 
     def _run(self, pid: str, args: list[np.ndarray]) -> dict[str, Any]:
         import jax

@@ -32,6 +32,20 @@ def client(server: FakeServer) -> Iterator[Client]:
 
 
 @pytest.fixture
+def waits(server: FakeServer) -> Iterator[Client]:
+    """A client whose jitted calls each wait for the server to take them (``run_ahead=0``)."""
+    with Client("http://jitserve.test", api_key=None, timeout=FAST, run_ahead=0,
+                transport=httpx.MockTransport(server)) as c:
+        yield c
+
+
+@pytest.fixture(params=["runs ahead", "waits"])
+def each_client(request: pytest.FixtureRequest, client: Client, waits: Client) -> Client:
+    """The default client (it runs ahead), then one whose calls wait."""
+    return client if request.param == "runs ahead" else waits
+
+
+@pytest.fixture
 async def aclient(server: FakeServer) -> AsyncIterator[AsyncClient]:
     async with AsyncClient("http://jitserve.test", api_key=None, timeout=FAST,
                            transport=httpx.MockTransport(server)) as c:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
-from client_fakes import FakeServer, server_decoder
+from client_fakes import FakeServer, executes, server_decoder
 
 from jitserve import wire
 from jitserve.client import (
@@ -89,10 +89,6 @@ def exports(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return calls
 
 
-def executes(server: FakeServer) -> list[dict[str, Any]]:
-    return [wire.unpackb(r.content) for r in server.requests if r.url.path.endswith("/execute")]
-
-
 def uploads(server: FakeServer) -> list[httpx.Request]:
     return [r for r in server.requests if r.method == "POST" and r.url.path == "/v1/programs"]
 
@@ -135,7 +131,8 @@ def test_requests_and_document(client: Client, server: JaxprFakeServer) -> None:
         {"shape": [2, 3], "dtype": "float32"}, {"shape": [3, 2], "dtype": "float32"}]
     server.requests.clear()
     f(X + 1, X.T)
-    assert server.paths() == [f"POST /v1/programs/{pid}/execute"]  # no trace, check or upload
+    assert client._ahead.flush(5)
+    assert server.paths() == ["POST /v1/calls"]  # no trace, check or upload: run ahead
     assert f._cache_size() == 1
 
 
@@ -184,6 +181,7 @@ def test_chaining_keeps_data_on_the_server(client: Client, server: JaxprFakeServ
     f = client.jit(lambda a, b: a @ b, format="jaxpr")
     y = f(X, X.T)
     z = f(y, y)
+    assert client._ahead.flush(5)
     assert not any(p.endswith("/result") for p in server.paths())
     assert executes(server)[1]["args"] == [{"future": y.future_id, "output": 0}] * 2
     np.testing.assert_allclose(np.asarray(z), (X @ X.T) @ (X @ X.T))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from client_fakes import FAST, FakeServer
+from client_fakes import FAST, FakeServer, executes, held
 
 from jitserve.client import (
     AsyncClient,
@@ -29,10 +29,6 @@ from jitserve.client import (
 pytestmark = pytest.mark.timeout(120)
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
-
-
-def executes(server: FakeServer) -> list[dict[str, Any]]:
-    return [wire.unpackb(r.content) for r in server.requests if r.url.path.endswith("/execute")]
 
 
 @pytest.fixture
@@ -66,16 +62,23 @@ def test_pytrees_in_and_out(client: Client) -> None:
         assert got.dtype == want.dtype and got.shape == want.shape
 
 
-def test_requests_of_first_and_later_calls(client: Client, server: FakeServer,
+def test_requests_of_first_and_later_calls(each_client: Client, server: FakeServer,
                                            exports: list[Any]) -> None:
-    f = client.jit(jnp.sin)
-    f(X)
+    f = each_client.jit(jnp.sin)
+    f(X)  # a signature's first call waits for the server to take it, running ahead or not
     pid = next(iter(server.programs))
     assert server.paths() == ["GET /v1/devices", f"GET /v1/programs/{pid}", "POST /v1/programs",
                               f"POST /v1/programs/{pid}/execute"]
     server.requests.clear()
     f(X + 1)
-    assert server.paths() == [f"POST /v1/programs/{pid}/execute"]  # no trace, no check, no upload
+    if each_client._ahead is not None:  # queued, and sent in a batch
+        assert each_client._ahead.flush(5)
+        assert server.paths() == ["POST /v1/calls"]
+        [call] = executes(server)
+        assert (call["program_id"], call["inline"]) == (pid, True)
+        np.testing.assert_array_equal(call["args"][0], X + 1)
+    else:
+        assert server.paths() == [f"POST /v1/programs/{pid}/execute"]  # no trace, check, upload
     assert len(exports) == 1 and f._cache_size() == 1
 
 
@@ -183,10 +186,11 @@ def test_jax_arrays_as_inputs(client: Client) -> None:
     np.testing.assert_array_equal(np.asarray(y), X.T)
 
 
-def test_chaining_keeps_data_on_the_server(client: Client, server: FakeServer) -> None:
-    f = client.jit(lambda a, b: a @ b)
+def test_chaining_keeps_data_on_the_server(each_client: Client, server: FakeServer) -> None:
+    f = each_client.jit(lambda a, b: a @ b)
     y = f(X, X.T)
     z = f(y, y)
+    assert each_client._ahead is None or each_client._ahead.flush(5)
     assert not any(p.endswith("/result") for p in server.paths())
     assert executes(server)[1]["args"] == [{"future": y.future_id, "output": 0}] * 2
     np.testing.assert_allclose(np.asarray(z), (X @ X.T) @ (X @ X.T))
@@ -201,23 +205,30 @@ def test_remote_array_of_another_client_is_sent_inline(client: Client) -> None:
     np.testing.assert_array_equal(np.asarray(z), X)
 
 
-def test_reupload_when_the_server_lost_the_program(client: Client, server: FakeServer) -> None:
-    f = client.jit(jnp.exp)
+def test_reupload_when_the_server_lost_the_program(each_client: Client,
+                                                   server: FakeServer) -> None:
+    f = each_client.jit(jnp.exp)
     f(X)
     server.programs.clear()  # a restart with a fresh store
     server.requests.clear()
     np.testing.assert_allclose(np.asarray(f(X)), np.exp(X), rtol=1e-6)
+    call = "POST calls" if each_client._ahead is not None else "POST execute"
     assert [p.split(" ")[0] + " " + p.split("/")[-1] for p in server.paths()] == [
-        "POST execute", f"GET {next(iter(server.programs))}", "POST programs", "POST execute"]
+        call, f"GET {next(iter(server.programs))}", "POST programs", call]
     # the retried call held its answer too: the outputs came with it
 
 
-def test_missing_future_reference_is_not_found(client: Client, server: FakeServer) -> None:
-    f = client.jit(jnp.exp)
+def test_missing_future_reference_is_not_found(each_client: Client, server: FakeServer) -> None:
+    f = each_client.jit(jnp.exp)
     y = f(X)
-    client.delete(y.future_id)  # behind the array's back
-    with pytest.raises(NotFound, match="unknown future"):
-        f(y)
+    each_client.delete(y.future_id)  # behind the array's back
+    if each_client._ahead is None:
+        with pytest.raises(NotFound, match="unknown future"):
+            f(y)
+    else:  # an asynchronous error: raised on the first use of the call's outputs
+        z = f(y)
+        with pytest.raises(NotFound, match="call of exp: unknown future"):
+            np.asarray(z)
 
 
 def test_deleted_array_cannot_be_used(client: Client, server: FakeServer) -> None:
@@ -298,38 +309,38 @@ async def test_async_jit(aclient: AsyncClient, server: FakeServer) -> None:
     np.testing.assert_array_equal(await (await neg(X)), -X)
 
 
-def held(server: FakeServer) -> list[str | None]:
-    """The ``wait`` each execute asked for (``None``: none)."""
-    return [r.url.params.get("wait") for r in server.requests if r.url.path.endswith("/execute")]
-
-
-def test_small_outputs_come_back_with_the_call(client: Client, server: FakeServer) -> None:
-    f = client.jit(lambda a: (jnp.sin(a), a.sum()))
+def test_small_outputs_come_back_with_the_call(each_client: Client, server: FakeServer) -> None:
+    f = each_client.jit(lambda a: (jnp.sin(a), a.sum()))
     f(X)
     server.requests.clear()
     y, total = f(X + 1)
-    assert y.is_ready()  # nothing left to ask
+    assert each_client._ahead is not None or y.is_ready()  # waiting: the answer had them
     np.testing.assert_allclose(np.asarray(y), np.sin(X + 1), rtol=1e-6)
+    assert y.is_ready()  # nothing left to ask
     assert float(total) == float((X + 1).sum())
-    assert server.paths() == [f"POST /v1/programs/{next(iter(server.programs))}/execute"]
+    assert server.paths() == ([f"POST /v1/programs/{next(iter(server.programs))}/execute"]
+                              if each_client._ahead is None else ["POST /v1/calls"])
     assert held(server) == ["2"]  # Timeout.hold, in ms
     z = f(y)[0]  # a held answer still names a future: chaining keeps data on the server
+    assert each_client._ahead is None or each_client._ahead.flush(5)
     assert executes(server)[-1]["args"] == [{"future": y.future_id, "output": 0}]
     np.testing.assert_allclose(np.asarray(z), np.sin(np.sin(X + 1)), rtol=1e-6)
 
 
-def test_big_outputs_are_not_held(client: Client, server: FakeServer) -> None:
+def test_big_outputs_are_not_held(each_client: Client, server: FakeServer) -> None:
     n = wire.INLINE_OUTPUTS_BYTES // 4 + 1  # float32: one element past the limit
-    f = client.jit(lambda a: jnp.zeros(n, jnp.float32) + a.sum())
+    f = each_client.jit(lambda a: jnp.zeros(n, jnp.float32) + a.sum())
+    f(X)
     y = f(X)
-    assert held(server) == [None]  # they would come back whole, wanted or not
+    assert each_client._ahead is None or each_client._ahead.flush(5)
+    assert held(server) == [None, None]  # they would come back whole, wanted or not
     np.testing.assert_array_equal(np.asarray(y), np.full(n, X.sum(), np.float32))
     assert server.paths()[-1].startswith("GET /v1/futures/")
 
 
 def test_a_signature_that_misses_the_hold_stops_asking_for_a_while(
-        client: Client, server: FakeServer) -> None:
-    f = client.jit(jnp.cos)
+        waits: Client, server: FakeServer) -> None:
+    f = waits.jit(jnp.cos)
     server.hold_execute = True  # every answer comes before the outputs
     for _ in range(1 + 2 + 1 + 4 + 1):
         f(X)
@@ -342,19 +353,27 @@ def test_a_signature_that_misses_the_hold_stops_asking_for_a_while(
     assert held(server) == [None] * 8 + ["2"] * 4  # the skips left, then a hit: ask on
 
 
+@pytest.mark.parametrize("run_ahead", [32, 0])
 async def test_async_small_outputs_come_back_with_the_call(
-        aclient: AsyncClient, server: FakeServer) -> None:
-    f = aclient.jit(jnp.sin)
-    await f(X)
-    server.requests.clear()
-    y = await f(X)
-    np.testing.assert_allclose(y._local(), np.sin(X), rtol=1e-6)  # fetched: no await needed
-    assert held(server) == ["2"] and len(server.paths()) == 1
+        server: FakeServer, run_ahead: int) -> None:
+    async with AsyncClient("http://jitserve.test", api_key=None, timeout=FAST,
+                           transport=httpx.MockTransport(server), run_ahead=run_ahead) as c:
+        f = c.jit(jnp.sin)
+        await f(X)
+        server.requests.clear()
+        y = await f(X)
+        if run_ahead:  # on its way: its batch's answer brings the values
+            assert not await y.is_ready()
+            np.testing.assert_allclose(await y, np.sin(X), rtol=1e-6)
+            assert server.paths() == ["POST /v1/calls"]
+        np.testing.assert_allclose(y._local(), np.sin(X), rtol=1e-6)  # fetched: no await needed
+        assert held(server) == ["2"] and len(server.paths()) == 1
 
 
-def test_hold_zero_never_asks(server: FakeServer) -> None:
+@pytest.mark.parametrize("run_ahead", [32, 0])
+def test_hold_zero_never_asks(server: FakeServer, run_ahead: int) -> None:
     with Client("http://jitserve.test", api_key=None, timeout=Timeout(5.0, poll=0.2, hold=0),
-                transport=httpx.MockTransport(server)) as c:
+                transport=httpx.MockTransport(server), run_ahead=run_ahead) as c:
         f = c.jit(jnp.sin)
         f(X)
         np.testing.assert_allclose(np.asarray(f(X)), np.sin(X), rtol=1e-6)

@@ -26,7 +26,7 @@ import pytest
 from e2e.conftest import _free_port
 from flax import linen as nn
 
-from jitserve.client import Client
+from jitserve.client import AsyncClient, Client
 from jitserve.client.errors import FutureFailed, NotFound, TransportError
 
 pytestmark = pytest.mark.timeout(240)
@@ -78,15 +78,59 @@ def test_a_training_loop_runs_ahead_with_local_losses(server_url: str) -> None:
         np.testing.assert_allclose(remote, local, rtol=1e-5, err_msg=f"run_ahead={run_ahead}")
 
 
+async def test_an_async_training_loop_runs_ahead_with_local_losses(server_url: str) -> None:
+    train_step, params, opt_state, x, y = _training()
+    local = _losses(jax.jit(train_step, donate_argnums=(0, 1)),
+                    *jax.device_put((params, opt_state)), x, y)
+    for run_ahead in (0, 4):
+        async with AsyncClient(server_url, run_ahead=run_ahead) as c:
+            step = c.jit(train_step, donate_argnums=(0, 1))
+            state = await c.device_put((params, opt_state))
+            losses, most = [], 0
+            for i in range(12):
+                *state, loss = await step(*state, x, y)
+                most = max(most, c._ahead.pending if c._ahead else 0)
+                if i % 3 == 2:
+                    losses.append(float(await loss))
+            assert most <= run_ahead
+        np.testing.assert_allclose(losses, local, rtol=1e-5, err_msg=f"run_ahead={run_ahead}")
+
+
+async def test_an_async_refused_call_raises_on_the_first_use_of_its_outputs(
+        server_url: str) -> None:
+    async with AsyncClient(server_url, run_ahead=8) as c:
+        f = c.jit(lambda v: v * 2.0 + 1.0)
+        a = np.arange(4, dtype=np.float32)
+        first = await f(a)
+        np.testing.assert_array_equal(await first, a * 2 + 1)
+        await c.delete(first.future_id)  # the server loses the input behind the client's back
+        refused = await f(first)  # returns at once: nothing raises yet
+        chained = await f(refused)
+        with pytest.raises(RuntimeError, match="still on its way"):
+            refused.future_id  # noqa: B018 - would block the loop its sender runs in
+        with pytest.raises(NotFound, match="call of <lambda>"):
+            await refused
+        with pytest.raises(NotFound):
+            await refused.block_until_ready()
+        with pytest.raises(FutureFailed, match="was refused"):
+            await chained
+        # A signature's first call waits for the server, and first for its inputs' calls.
+        g = c.jit(lambda v: v - 1.0)
+        with pytest.raises(NotFound, match="call of <lambda>"):
+            await g(refused)
+        queued = await f(a)
+        np.testing.assert_array_equal(await (await g(queued)), a * 2)
+
+
 def test_a_refused_call_raises_on_the_first_use_of_its_outputs(server_url: str) -> None:
     with Client(server_url, run_ahead=16) as c:
         f = c.jit(lambda v: v * 2.0 + 1.0)
         a = np.arange(4, dtype=np.float32)
-        first = f(a)
+        first, kept = f(a), f(a)
         np.testing.assert_array_equal(np.asarray(first), a * 2 + 1)
-        # The server loses the program; the client, which knows it, runs ahead anyway.
-        [program_id] = [p.program_id for p in f._cache.values()]
-        assert httpx.delete(f"{server_url}/v1/programs/{program_id}", timeout=30).status_code == 200
+        # The server loses an input; the client, which still holds it, runs ahead anyway.
+        assert httpx.delete(f"{server_url}/v1/futures/{first.future_id}",
+                            timeout=30).status_code == 200
         refused = f(first)  # returns at once: nothing raises yet
         chained = f(refused)
         assert refused.shape == (4,) and chained.shape == (4,)
@@ -96,7 +140,68 @@ def test_a_refused_call_raises_on_the_first_use_of_its_outputs(server_url: str) 
             refused.block_until_ready()
         with pytest.raises(FutureFailed, match="was refused"):  # here, or by the server
             np.asarray(chained)
-        np.testing.assert_array_equal(np.asarray(first), a * 2 + 1)  # the earlier call stands
+        np.testing.assert_array_equal(np.asarray(kept), a * 2 + 1)  # the other call stands
+
+
+def test_calls_whose_program_the_server_lost_go_again_after_an_upload(server_url: str) -> None:
+    """A restart loses programs the client still knows: the calls on their way are
+    refused ``not_found``; the client uploads the program again and sends them again,
+    in order, with the calls that take their outputs."""
+    with Client(server_url, run_ahead=16) as c:
+        f = c.jit(lambda v: v * 2.0 + 1.0)
+        a = np.arange(4, dtype=np.float32)
+        first = f(a)
+        np.testing.assert_array_equal(np.asarray(first), a * 2 + 1)
+        [program_id] = [p.program_id for p in f._cache.values()]
+        assert httpx.delete(f"{server_url}/v1/programs/{program_id}", timeout=30).status_code == 200
+        second = f(first)
+        third = f(second)
+        np.testing.assert_array_equal(np.asarray(third), a * 8 + 7)
+        np.testing.assert_array_equal(np.asarray(second), a * 4 + 3)
+        assert httpx.get(f"{server_url}/v1/programs/{program_id}", timeout=30).status_code == 200
+
+
+class _Counting(httpx.HTTPTransport):
+    """A real HTTP transport that remembers each request's method and path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/futures/release":
+            self.seen.append(f"{request.method} {request.url.path}")
+        return super().handle_request(request)
+
+
+def test_a_quick_call_s_values_come_with_its_batch_s_answer(server_url: str) -> None:
+    """``np.asarray(f(x))`` running ahead costs one request, as it does waiting: the
+    batch's answer waits for a call with small outputs and carries them."""
+    counting = _Counting()
+    with Client(server_url, run_ahead=8, transport=counting) as c:
+        f = c.jit(lambda v: (v + 1.0, v.sum()))
+        a = np.arange(4, dtype=np.float32)
+        # The first call compiles, missing the hold: the next two do not ask (``_Hold``).
+        for _ in range(3):
+            np.asarray(f(a)[0])
+        counting.seen.clear()
+        for k in range(5):
+            out, total = f(a + k)
+            np.testing.assert_array_equal(np.asarray(out), a + k + 1)
+            assert float(total) == float((a + k).sum())
+        assert counting.seen == ["POST /v1/calls"] * 5, counting.seen
+
+
+def test_a_queued_call_sees_its_numpy_inputs_as_they_were(server_url: str) -> None:
+    with Client(server_url, run_ahead=64) as c:
+        f = c.jit(lambda v: v * 2.0)
+        a = np.ones(256, np.float32)
+        outs = []
+        for k in range(20):
+            a[:] = k
+            outs.append(f(a))
+        for k, out in enumerate(outs):
+            np.testing.assert_array_equal(np.asarray(out), np.full(256, 2.0 * k, np.float32))
 
 
 def test_no_more_than_run_ahead_calls_are_on_their_way(server_url: str) -> None:
