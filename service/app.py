@@ -107,7 +107,8 @@ class JitserveApp(FastAPI):
         self.console = console
         self._shared_runtimes = runtimes
         self._services: Services | None = None
-        self.lane = ExecuteLane(self, execute_routes.ROUTE, execute_routes.execute)
+        self.lane = ExecuteLane(self, execute_routes.ROUTE, execute_routes.execute,
+                                calls_routes.ROUTE, calls_routes.start_calls)
 
     @property
     def services(self) -> Services:

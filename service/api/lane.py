@@ -1,4 +1,5 @@
-"""The execute lane: a well-formed execute request goes straight to its handler.
+"""The execute lane: a well-formed execute (or ``POST /v1/calls``) request goes
+straight to its handler.
 
 Ahead of the middleware stack: a cached call's time in the API process went a
 fifth to the stack's layers and their ``send`` wrappers, and a third more to the
@@ -37,10 +38,12 @@ from starlette.types import Receive, Scope, Send
 from ..cluster import replica_header
 from .deps import Services
 
-__all__ = ["ExecuteLane", "Handler", "LaneApp"]
+__all__ = ["CallsHandler", "ExecuteLane", "Handler", "LaneApp"]
 
 #: The execute route's work: ``(request, program_id, wait, keep)`` -> its answer.
 Handler = Callable[[Request, str, "int | None", bool], Awaitable[Response]]
+#: ``POST /v1/calls``'s work: ``(request, wait)`` -> its answer.
+CallsHandler = Callable[[Request, "int | None"], Awaitable[Response]]
 
 
 class LaneApp(Protocol):
@@ -53,52 +56,62 @@ class LaneApp(Protocol):
     def exception_handlers(self) -> Mapping[Any, Callable[..., Any]]: ...
 
 _PATH = re.compile(r"/v1/programs/([^/]+)/execute")
+_CALLS = "/v1/calls"
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 
 
 class ExecuteLane:
-    """The front of the app: a well-formed execute request goes straight to ``handler``.
+    """The front of the app: a well-formed execute request goes straight to ``handler``,
+    a well-formed ``POST /v1/calls`` (a running-ahead client's every batch) to
+    ``calls_handler``.
 
     Args:
       app: the app it stands in front of (its services, exception handlers).
       route: the execute route, under whose template the answers are counted.
       handler: the route's work (``api.routes.execute.execute``).
+      calls_route, calls_handler: the same for ``POST /v1/calls``
+        (``api.routes.calls.start_calls``).
     """
 
-    def __init__(self, app: LaneApp, route: BaseRoute, handler: Handler) -> None:
+    def __init__(self, app: LaneApp, route: BaseRoute, handler: Handler,
+                 calls_route: BaseRoute, calls_handler: CallsHandler) -> None:
         self.app = app
-        self._route = route
-        self._path: str = getattr(route, "path", "")
-        self._handler = handler
+        self._execute = (route, getattr(route, "path", ""), handler)
+        self._calls = (calls_route, getattr(calls_route, "path", ""), calls_handler)
 
-    @staticmethod
-    def take(scope: Scope) -> tuple[str, int | None, bool] | None:
-        """``(program_id, wait, keep)`` of an execute request the lane serves, else ``None``."""
-        if (scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path")
-                or (match := _PATH.fullmatch(scope["path"])) is None
-                or (query := _query(scope["query_string"])) is None):
+    def take(self, scope: Scope) -> tuple[Any, tuple[Any, ...]] | None:
+        """The route (its template, work) of a request the lane serves and the work's
+        arguments (``(program_id, wait, keep)``, or ``(wait,)``); else ``None``."""
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
             return None
-        return match.group(1), *query
+        path = scope["path"]
+        if path == _CALLS:
+            query = _query(scope["query_string"])
+            return None if query is None else (self._calls, (query[0],))
+        if (match := _PATH.fullmatch(path)) is None or (query := _query(scope["query_string"])) is None:
+            return None
+        return self._execute, (match.group(1), *query)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send,
-                    call: tuple[str, int | None, bool]) -> None:
+                    call: tuple[Any, tuple[Any, ...]]) -> None:
         app = self.app
+        (route, path, work), args = call
         scope["app"] = app
-        scope["route"] = self._route
+        scope["route"] = route
         request = Request(scope, receive, send)
         try:
-            response = await self._handler(request, *call)
+            response = await work(request, *args)
         except Exception as exc:
             handler = _handler(app, exc)
             if handler is not None:
                 response = await handler(request, exc)
             else:
-                await self._answer(scope, receive, send,
+                await self._answer(scope, receive, send, path,
                                    await app.exception_handlers[Exception](request, exc))
                 raise
-        await self._answer(scope, receive, send, response)
+        await self._answer(scope, receive, send, path, response)
 
-    async def _answer(self, scope: Scope, receive: Receive, send: Send,
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, path: str,
                       response: Response) -> None:
         services = self.app.services
         if services.cluster is not None:
@@ -106,7 +119,7 @@ class ExecuteLane:
         try:
             await response(scope, receive, send)
         finally:
-            services.metrics.request(self._path, response.status_code)
+            services.metrics.request(path, response.status_code)
 
 
 def _query(raw: bytes) -> tuple[int | None, bool] | None:

@@ -157,6 +157,23 @@ async def test_queries_the_lane_declines_are_answered_by_fastapi(api, x) -> None
     np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], x + x)
 
 
+async def test_lane_serves_batches_of_calls_as_fastapi_does(api, x) -> None:
+    pid = await api.upload("add_mul")
+    before = await api.metric("jitserve_requests_total", route="/v1/calls", status="200")
+    body = wire.packb({"calls": [{"program_id": pid, "args": [x, x], "inline": True}]})
+    headers = {"content-type": wire.MSGPACK, "accept": wire.MSGPACK}
+    r = await api.http.post("/v1/calls?wait=10000", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    [entry] = wire.unpackb(r.content)["calls"]
+    np.testing.assert_array_equal(entry["outputs"][0], x + x)
+    assert await api.metric("jitserve_requests_total", route="/v1/calls",
+                            status="200") == before + 1
+    r = await api.http.post("/v1/calls?wait=abc", content=body, headers=headers)  # FastAPI's
+    assert r.status_code == 400 and "wait" in r.json()["error"]["message"], r.text
+    r = await api.http.post("/v1/calls", content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+
+
 async def test_lane_answers_errors_through_the_app_handlers(api, x) -> None:
     pid = await api.upload("add_mul")
     before = await api.metric("jitserve_requests_total",
