@@ -247,10 +247,12 @@ class _Batches:
         """The calls of an answer to send again: those refused because the server lost
         their program (uploaded again here), and those refused for taking their outputs."""
         lost: set[str] = set()
+        checked: set[str] = set()  # one look per program (a not_found may name an input)
         client = self._client
         for queued, entry in answered:
             if (queued.upload is not None and not queued.retried and _code(entry) == "not_found"
-                    and queued.program_id not in lost):
+                    and queued.program_id not in checked):
+                checked.add(queued.program_id)
                 if (yield from client._op_get_program(queued.program_id)) is None:
                     client._forget_programs([queued.program_id])
                     yield from queued.upload()
