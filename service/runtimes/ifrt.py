@@ -460,9 +460,14 @@ class Sessions:
         proto.serialized_sharding.data = hlo.SerializeToString()
 
     def _device_put(self, host: np.ndarray, device: Any) -> Any:
-        # A copy: on the CPU device_put may keep a view of the host buffer, and the
-        # API process reuses its shared-memory segments.
-        return self._jax.device_put(np.array(host, copy=True), device)
+        # The API process reuses its shared-memory segments. On the CPU device_put
+        # may keep a view of the host buffer: a copy. Elsewhere the transfer is the
+        # copy, waited for here, so the segment is free again when this returns.
+        if device.platform == "cpu":
+            return self._jax.device_put(np.array(host, copy=True), device)
+        array = self._jax.device_put(host, device)
+        array.block_until_ready()
+        return array
 
     def _global(self, shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
         """One array of ``shape`` from its ``shards``, each on its own device (``Shards``
