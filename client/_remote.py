@@ -466,6 +466,8 @@ class RemoteArray(_RemoteBase):
         st = self._future
         if st._sent is not None and not st._sent.is_set():
             return False  # a call on its way (``_ahead``): not even started
+        if st._refusal is not None:
+            return True  # refused: ready to raise, as a failed computation is
         return st.values is not None or self._client.future(self.future_id).done
 
     def done(self) -> bool:
@@ -561,8 +563,8 @@ class AsyncRemoteArray(_RemoteBase):
         st = self._future
         if st._sent is not None and not st._sent.is_set():
             return False  # a call on its way (``_ahead``): not even started
-        if st.values is not None:
-            return True
+        if st.values is not None or st._refusal is not None:
+            return True  # a refused call is ready to raise, as a failed computation is
         return (await self._client.future(self.future_id)).done
 
     async def done(self) -> bool:

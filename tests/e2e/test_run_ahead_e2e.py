@@ -257,6 +257,30 @@ def test_calls_on_their_way_when_the_server_dies_raise_naming_the_call(
         out = f(v)  # returns at once
         with pytest.raises(TransportError, match="call of slow_step"):
             np.asarray(out)
+        assert out.is_ready()  # ready to raise, as a failed computation is
+        with pytest.raises(TransportError):
+            out.block_until_ready()
+
+
+async def test_async_calls_on_their_way_when_the_server_dies_raise_naming_the_call(
+        doomed: tuple[str, subprocess.Popen[bytes]]) -> None:
+    url, proc = doomed
+    async with AsyncClient(url, run_ahead=64, timeout=20) as c:
+        def slow_step(v: Any) -> Any:
+            return jnp.tanh(v @ v) * 0.5
+
+        f = c.jit(slow_step)
+        v = np.full((128, 128), 0.01, np.float32)
+        await (await f(v))  # compiled and known
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        outs = [await f(v) for _ in range(3)]  # each returns at once
+        for out in outs:
+            with pytest.raises(TransportError, match="call of slow_step"):
+                await out
+            assert await out.is_ready()  # ready to raise, as a failed computation is
+            with pytest.raises(TransportError):
+                await out.block_until_ready()
 
 
 def test_batches_the_server_finds_too_big_go_again_smaller(server_url: str) -> None:
