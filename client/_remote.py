@@ -444,9 +444,12 @@ class RemoteArray(_RemoteBase):
         if not st.fetched(self.index):
             deadline = None if timeout is None else time.monotonic() + timeout
             if not st.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-                raise JitserveTimeout(f"future {st.future_id} not done after {timeout} s")
+                raise JitserveTimeout(f"future {st.label} not done after {timeout} s")
             try:
                 # A call on its way: its batch's answer may bring the values (``_ahead``).
+                if st._sent is not None and not st._sent.wait(
+                        None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+                    raise JitserveTimeout(f"future {st.label} not done after {timeout} s")
                 future_id = st.future_id
                 if not st.fetched(self.index):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -537,7 +540,15 @@ class AsyncRemoteArray(_RemoteBase):
                 raise JitserveTimeout(f"future {st.label} not done after {timeout} s") from None
             try:
                 # A call on its way: its batch's answer may bring the values (``_ahead``).
-                future_id = await st.settled()
+                scope = asyncio.timeout(None if deadline is None
+                                        else max(deadline - time.monotonic(), 0.0))
+                try:
+                    async with scope:
+                        future_id = await st.settled()
+                except TimeoutError:
+                    if not scope.expired():  # the call's own error (a JitserveTimeout)
+                        raise
+                    raise JitserveTimeout(f"future {st.label} not done after {timeout} s") from None
                 if not st.fetched(self.index):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     wanted = st.wanted(self.index)

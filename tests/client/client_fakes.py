@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -80,6 +81,7 @@ class FakeServer:
         self.fail_with: dict[str, Any] | None = None  # next futures fail with this error
         self.devices_doc: Any = {"platform": "cpu", "device_kind": "cpu", "device_count": 1}
         self.released: list[tuple[str, int]] = []  # every (future, output) released, in order
+        self.calls_gate: threading.Event | None = None  # POST /v1/calls waits for it
         self._ids = itertools.count()
 
     # ------------------------------------------------------------ plumbing
@@ -172,6 +174,8 @@ class FakeServer:
     def _post_calls(self, request: httpx.Request) -> httpx.Response:
         """``POST /v1/calls``: each call started as an execute, in order; with ``?wait``,
         the entries of ``inline`` calls carry their outputs (unless ``hold_execute``)."""
+        if self.calls_gate is not None:
+            assert self.calls_gate.wait(30), "a test left POST /v1/calls waiting"
         entries: list[dict[str, Any]] = []
         for call in self.body(request)["calls"]:
             args = []

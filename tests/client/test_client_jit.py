@@ -380,6 +380,54 @@ def test_hold_zero_never_asks(server: FakeServer, run_ahead: int) -> None:
     assert held(server) == [None, None]
 
 
+def test_a_result_s_timeout_covers_a_call_still_on_its_way(client: Client,
+                                                            server: FakeServer) -> None:
+    import threading
+
+    from jitserve.client import JitserveTimeout
+
+    f = client.jit(jnp.sin)
+    f(X)  # the first call waits; the next ones run ahead
+    server.calls_gate = threading.Event()
+    y = f(X + 1)
+    try:
+        assert not y.is_ready()
+        with pytest.raises(JitserveTimeout, match="not done after 0.2 s"):
+            y.result(timeout=0.2)
+    finally:
+        server.calls_gate.set()
+    np.testing.assert_allclose(y.result(timeout=10), np.sin(X + 1), rtol=1e-6)
+
+
+async def test_an_async_result_s_timeout_covers_a_call_still_on_its_way(
+        server: FakeServer) -> None:
+    import asyncio
+
+    from jitserve.client import JitserveTimeout
+
+    gate = asyncio.Event()
+    gate.set()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/calls":
+            await gate.wait()  # in the loop: the fake's own gate would block it
+        return server(request)
+
+    async with AsyncClient("http://jitserve.test", api_key=None, timeout=FAST,
+                           transport=httpx.MockTransport(handler)) as c:
+        f = c.jit(jnp.sin)
+        await f(X)
+        gate.clear()
+        y = await f(X + 1)
+        try:
+            with pytest.raises(JitserveTimeout, match="not done after 0.2 s"):
+                await y.result(timeout=0.2)
+        finally:
+            gate.set()
+        np.testing.assert_allclose(await asyncio.wait_for(y.result(), 10), np.sin(X + 1),
+                                   rtol=1e-6)
+
+
 def test_jit_needs_a_callable(client: Client) -> None:
     with pytest.raises(TypeError, match="callable"):
         client.jit(3)  # type: ignore[call-overload]
