@@ -29,7 +29,7 @@ import numpy as np
 from jitserve import wire
 from jitserve.client._models import Aval
 from jitserve.client._release import ReleaseQueue
-from jitserve.client.errors import JitserveError, JitserveTimeout, ProtocolError
+from jitserve.client.errors import JitserveError, JitserveTimeout, NotFound, ProtocolError
 
 if TYPE_CHECKING:
     from jitserve.client._async import AsyncClient
@@ -195,6 +195,11 @@ class _FutureState:
                     self._dropped.append(index)
                 return
         self.releases.put(self._id, index, nbytes)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``None``: no limit)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def local_value(x: Any) -> Any:
@@ -452,10 +457,20 @@ class RemoteArray(_RemoteBase):
                     raise JitserveTimeout(f"future {st.label} not done after {timeout} s")
                 future_id = st.future_id
                 if not st.fetched(self.index):
-                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     wanted = st.wanted(self.index)
-                    st.keep(self._client.result(future_id, wait=left, outputs=wanted,
-                                                name=st.name), wanted)
+                    try:
+                        got = self._client.result(future_id, wait=_left(deadline), outputs=wanted,
+                                                  name=st.name)
+                    except NotFound:
+                        if wanted == [self.index]:
+                            raise
+                        # A sibling was released since ``wanted`` was read (dropped in
+                        # another thread: a running-ahead sender lets go of the inputs of
+                        # the calls it sent), and the server refused the whole fetch.
+                        wanted = [self.index]
+                        got = self._client.result(future_id, wait=_left(deadline),
+                                                  outputs=wanted, name=st.name)
+                    st.keep(got, wanted)
             finally:
                 st.lock.release()
         return self._as_value(st.output(self.index))
@@ -550,10 +565,20 @@ class AsyncRemoteArray(_RemoteBase):
                         raise
                     raise JitserveTimeout(f"future {st.label} not done after {timeout} s") from None
                 if not st.fetched(self.index):
-                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     wanted = st.wanted(self.index)
-                    st.keep(await self._client.result(future_id, wait=left, outputs=wanted,
-                                                      name=st.name), wanted)
+                    try:
+                        got = await self._client.result(future_id, wait=_left(deadline),
+                                                        outputs=wanted, name=st.name)
+                    except NotFound:
+                        if wanted == [self.index]:
+                            raise
+                        # A sibling was released since ``wanted`` was read (dropped in
+                        # another thread: a running-ahead sender lets go of the inputs of
+                        # the calls it sent), and the server refused the whole fetch.
+                        wanted = [self.index]
+                        got = await self._client.result(future_id, wait=_left(deadline),
+                                                        outputs=wanted, name=st.name)
+                    st.keep(got, wanted)
             finally:
                 st.alock.release()
         return self._as_value(st.output(self.index))

@@ -187,6 +187,28 @@ async def test_async_timeout_and_delete(server: FakeServer, aclient: AsyncClient
         await b.result()
 
 
+def test_a_sibling_released_meanwhile_leaves_the_fetch_to_its_own_output(
+        server: FakeServer, client: Client) -> None:
+    # Another thread (a running-ahead sender letting go of a sent call's inputs) may
+    # release a sibling between the fetch's reading of what to ask and the answer.
+    loss, small = future(server, client, [np.float32(0.5), np.arange(3.0)])
+    server._release([{"future": loss.future_id, "output": 1}])  # behind the client's back
+    assert float(loss) == 0.5
+    asked = [r.url.params.get("outputs") for r in server.requests if r.url.path.endswith("/result")]
+    assert asked == ["0,1", "0"]
+    with pytest.raises(NotFound):  # the released one itself still says so
+        np.asarray(small)
+
+
+async def test_an_async_sibling_released_meanwhile_leaves_the_fetch_to_its_own_output(
+        server: FakeServer, aclient: AsyncClient) -> None:
+    loss, small = future(server, aclient, [np.float32(0.5), np.arange(3.0)])
+    server._release([{"future": loss.future_id, "output": 1}])
+    assert float(await loss) == 0.5
+    with pytest.raises(NotFound):
+        await small
+
+
 def test_a_fetch_brings_small_siblings_and_leaves_big_ones(server: FakeServer, client: Client) -> None:
     # A training step's loss beside its model: reading the loss downloads the loss (and
     # what is small), not the model; the model's arrays are fetched when read.
