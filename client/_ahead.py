@@ -165,11 +165,11 @@ class _Batches:
         """After a batch went (``outcome``: what it raised): what goes back to the front
         of the queue, and what fails."""
         if isinstance(outcome, _TooBig):  # nothing of it started: back, and smaller
-            self._queue.extendleft(reversed([q for q in batch if not _settled(q.state)]))
+            self._queue.extendleft(reversed([q for q in batch if not q.state.is_known()]))
             self._batch_bytes = max(1, nbytes // 2)
         elif outcome is not None:  # no call may wait forever for its answer
             for queued in batch:
-                if not _settled(queued.state):
+                if not queued.state.is_known():
                     queued.state.sent(None, outcome if isinstance(outcome, Exception) else
                                       RuntimeError(f"the run-ahead sender stopped: {outcome!r}"))
             if isinstance(outcome, Exception):
@@ -440,9 +440,6 @@ def _code(entry: Any) -> str | None:
     error = entry.get("error") if isinstance(entry, dict) else None
     return str(error.get("code")) if isinstance(error, dict) else None
 
-
-def _settled(state: _FutureState) -> bool:
-    return state._sent is not None and state._sent.is_set()
 
 
 def _named(e: JitserveError, name: str) -> JitserveError:

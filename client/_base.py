@@ -476,6 +476,25 @@ class BaseClient:
                             replica=wire.replica_of(future_id))
         return reply.parse(FutureInfo.from_json)
 
+    def _op_fetch(self, st: _FutureState, index: int, future_id: str,
+                  deadline: float | None) -> Op[None]:
+        """Fetch output ``index`` of future ``st`` (and its small siblings:
+        ``_FutureState.wanted``) into ``st``, waiting until ``deadline`` at most."""
+        wanted = st.wanted(index)
+        wait = None if deadline is None else _left(deadline)
+        try:
+            got = yield from self._op_result(future_id, wait, wanted, st.name)
+        except NotFound:
+            if wanted == [index]:
+                raise
+            # A sibling was released since ``wanted`` was read (dropped in another
+            # thread: a running-ahead sender lets go of the inputs of the calls it
+            # sent), and the server refused the whole fetch: ask for the one output.
+            wanted = [index]
+            wait = None if deadline is None else _left(deadline)
+            got = yield from self._op_result(future_id, wait, wanted, st.name)
+        st.keep(got, wanted)
+
     def _op_result(self, future_id: str, wait: float | None, outputs: Sequence[int] | None = None,
                    name: str | None = None) -> Op[list[np.ndarray]]:
         """Long-poll ``/result`` in slices of at most ``timeout.poll`` until done or ``wait``.

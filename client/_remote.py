@@ -29,7 +29,7 @@ import numpy as np
 from jitserve import wire
 from jitserve.client._models import Aval
 from jitserve.client._release import ReleaseQueue
-from jitserve.client.errors import JitserveError, JitserveTimeout, NotFound, ProtocolError
+from jitserve.client.errors import JitserveError, JitserveTimeout, ProtocolError
 
 if TYPE_CHECKING:
     from jitserve.client._async import AsyncClient
@@ -195,11 +195,6 @@ class _FutureState:
                     self._dropped.append(index)
                 return
         self.releases.put(self._id, index, nbytes)
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (``None``: no limit)."""
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def local_value(x: Any) -> Any:
@@ -457,20 +452,8 @@ class RemoteArray(_RemoteBase):
                     raise JitserveTimeout(f"future {st.label} not done after {timeout} s")
                 future_id = st.future_id
                 if not st.fetched(self.index):
-                    wanted = st.wanted(self.index)
-                    try:
-                        got = self._client.result(future_id, wait=_left(deadline), outputs=wanted,
-                                                  name=st.name)
-                    except NotFound:
-                        if wanted == [self.index]:
-                            raise
-                        # A sibling was released since ``wanted`` was read (dropped in
-                        # another thread: a running-ahead sender lets go of the inputs of
-                        # the calls it sent), and the server refused the whole fetch.
-                        wanted = [self.index]
-                        got = self._client.result(future_id, wait=_left(deadline),
-                                                  outputs=wanted, name=st.name)
-                    st.keep(got, wanted)
+                    client = self._client
+                    client._drive(client._op_fetch(st, self.index, future_id, deadline))
             finally:
                 st.lock.release()
         return self._as_value(st.output(self.index))
@@ -482,7 +465,7 @@ class RemoteArray(_RemoteBase):
         """Whether the value is computed (done, failed or cancelled), without waiting for it."""
         self._check_live()
         st = self._future
-        if st._sent is not None and not st._sent.is_set():
+        if not st.is_known():
             return False  # a call on its way (``_ahead``): not even started
         if st._refusal is not None:
             return True  # refused: ready to raise, as a failed computation is
@@ -565,20 +548,8 @@ class AsyncRemoteArray(_RemoteBase):
                         raise
                     raise JitserveTimeout(f"future {st.label} not done after {timeout} s") from None
                 if not st.fetched(self.index):
-                    wanted = st.wanted(self.index)
-                    try:
-                        got = await self._client.result(future_id, wait=_left(deadline),
-                                                        outputs=wanted, name=st.name)
-                    except NotFound:
-                        if wanted == [self.index]:
-                            raise
-                        # A sibling was released since ``wanted`` was read (dropped in
-                        # another thread: a running-ahead sender lets go of the inputs of
-                        # the calls it sent), and the server refused the whole fetch.
-                        wanted = [self.index]
-                        got = await self._client.result(future_id, wait=_left(deadline),
-                                                        outputs=wanted, name=st.name)
-                    st.keep(got, wanted)
+                    client = self._client
+                    await client._drive(client._op_fetch(st, self.index, future_id, deadline))
             finally:
                 st.alock.release()
         return self._as_value(st.output(self.index))
@@ -597,7 +568,7 @@ class AsyncRemoteArray(_RemoteBase):
         """Whether the value is computed (done, failed or cancelled), without waiting for it."""
         self._check_live()
         st = self._future
-        if st._sent is not None and not st._sent.is_set():
+        if not st.is_known():
             return False  # a call on its way (``_ahead``): not even started
         if st.values is not None or st._refusal is not None:
             return True  # a refused call is ready to raise, as a failed computation is
