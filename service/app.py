@@ -56,7 +56,7 @@ from .cluster import Cluster
 from .console import Console
 from .errors import install_error_handlers
 from .metrics import Metrics, RequestMetricsMiddleware
-from .runtimes import Runtime, RuntimePool, make_pool
+from .runtimes import Runtime, RuntimePool, device_limits, make_pool
 from .settings import Settings
 
 __all__ = ["JitserveApp", "create_app", "make_compiler", "serving", "start_pool"]
@@ -136,7 +136,7 @@ class JitserveApp(FastAPI):
                 if self.settings.ifrt_port is not None:  # JAX's own protocol (service/ifrt)
                     from .ifrt.server import start as start_ifrt
 
-                    ifrt_server, ifrt = await start_ifrt(self.settings, pool, self.metrics,
+                    ifrt_server, ifrt = await start_ifrt(services.settings, pool, self.metrics,
                                                          self.console, services.futures,
                                                          services.tenants)
                     self.console.sessions_from(ifrt.describe)  # the console's sessions panel
@@ -202,6 +202,7 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
     ``console``: where the parts note what the console shows (a new one when omitted).
     """
     loop = asyncio.get_running_loop()
+    settings = device_limits(settings, pool)  # the device-bytes limits left unset, from the devices
     console = console or Console()
     workers = settings.compile_workers
     quotas = Quotas.from_settings(settings, workers)
@@ -221,7 +222,7 @@ async def serving(settings: Settings, metrics: Metrics, pool: RuntimePool, *,
                        on_self_lost=lambda old, new: futures.replica_lost(old, new))
     futures = FutureStore(
         ttl_s=settings.future_ttl_s, max_live=settings.max_live_futures,
-        max_device_bytes=settings.max_device_bytes,
+        max_device_bytes=settings.device_bytes_limit,
         owner_max_live=quotas.live_futures if tenants.scoped else None,
         owner_max_device_bytes=quotas.device_bytes if tenants.scoped else None,
         on_final=finished,
@@ -314,7 +315,8 @@ def _log_startup(settings: Settings, pool: RuntimePool, catalog: Catalog) -> Non
     auth = f"on ({len(settings.api_keys)} keys)" if settings.auth_enabled else "off"
     limits = {"max_body_bytes": settings.max_body_bytes,
               "max_program_bytes": settings.max_program_bytes,
-              "max_device_bytes": settings.max_device_bytes,
+              "max_device_bytes": settings.device_bytes_limit,
+              "max_execution_bytes": settings.execution_bytes_limit,
               "max_live_futures": settings.max_live_futures,
               "compile_timeout_s": settings.compile_timeout_s,
               "execution_timeout_s": settings.execution_timeout_s,

@@ -137,7 +137,12 @@ class Settings(BaseSettings):
     future_ttl_s: float = Field(600.0, gt=0)
     sweep_interval_s: float = Field(1.0, gt=0)
     max_live_futures: int = Field(10_000, gt=0)
-    max_device_bytes: int = Field(8 * GiB, gt=0)
+    # Device bytes live futures' outputs and running executions' intermediates may hold,
+    # all runtimes together. Unset: derived from the devices when the server starts
+    # (service.runtimes.device_limits): on a GPU what XLA lets the runtimes hold
+    # (memory x JITSERVE_RUNTIME_DEVICE_MEMORY_FRACTION), on the CPU half the runtimes'
+    # memory caps; 8 GiB where neither is known.
+    max_device_bytes: int | None = Field(None, gt=0)
     executor_threads: int = Field(2, gt=0)
     # A run whose executable's last run took under this is done by the runtime thread
     # that read it, before it reads the next request (no hand-off to another thread);
@@ -192,8 +197,9 @@ class Settings(BaseSettings):
     # Freed heap memory kept for reuse is capped (service/memory.py): 1 GiB keeps
     # what a 256 MiB round trip frees (its body and msgpack's copy of the array).
     retain_freed_max_bytes: int = Field(1 * GiB, ge=32 * MiB)
-    # Device bytes one execution may allocate (intermediates + outputs, from XLA's
-    # memory analysis); unset: max_device_bytes.
+    # Device bytes one execution may allocate on a device (intermediates + outputs, from
+    # XLA's memory analysis); unset: the least a runtime may hold on one of its devices
+    # (as derived for max_device_bytes), at most max_device_bytes.
     max_execution_bytes: int | None = Field(None, gt=0)
     # No body bytes for this long: the request is answered 400 and its connection closed.
     body_timeout_s: float = Field(30.0, gt=0)
@@ -234,9 +240,15 @@ class Settings(BaseSettings):
         return self.lookup_timeout_s + self.execution_timeout_s
 
     @property
+    def device_bytes_limit(self) -> int:
+        """``max_device_bytes``: as set or derived (``runtimes.device_limits``, which the
+        server applies when it starts), else 8 GiB."""
+        return self.max_device_bytes or 8 * GiB
+
+    @property
     def execution_bytes_limit(self) -> int:
-        """``max_execution_bytes``, or ``max_device_bytes`` when it is unset."""
-        return self.max_execution_bytes or self.max_device_bytes
+        """``max_execution_bytes``, or ``device_bytes_limit`` when it is unset."""
+        return self.max_execution_bytes or self.device_bytes_limit
 
     @field_validator("cache_dir")
     @classmethod

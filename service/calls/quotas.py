@@ -66,7 +66,7 @@ class Quotas:
         keys = max(1, len(settings.api_keys))
         return cls(
             live_futures=settings.tenant_max_live_futures or max(1, settings.max_live_futures // keys),
-            device_bytes=settings.tenant_max_device_bytes or max(1, settings.max_device_bytes // keys),
+            device_bytes=settings.tenant_max_device_bytes or max(1, settings.device_bytes_limit // keys),
             compiles_per_minute=settings.tenant_compiles_per_minute,
             executables=settings.tenant_max_executables or settings.l1_max_entries,
             program_bytes=settings.tenant_max_program_bytes or settings.programs_max_bytes,

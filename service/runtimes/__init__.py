@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import SecretStr
@@ -24,10 +25,14 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 __all__ = ["Buffer", "Group", "NotStarted", "Op", "RemoteError", "Runtime", "RuntimeLost",
-           "RuntimePool", "device_groups", "make_pool", "platform_kind"]
+           "CPU_ARRAY_SHARE", "RuntimePool", "derive_device_limits", "device_groups",
+           "device_limits", "make_pool", "platform_kind"]
 
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm6_plugin")
 _MIN_MEMORY = 2 << 30
+# A CPU runtime's arrays may take this share of its memory cap; the rest is XLA's
+# (compiled code, scratch) and the host copies of transfers.
+CPU_ARRAY_SHARE = 0.5
 
 
 def platform_kind() -> str:
@@ -71,6 +76,51 @@ def memory_limit(settings: Settings, count: int) -> int | None:
         return settings.runtime_max_memory_bytes
     total = _host_memory()
     return max(int(total * 0.8) // count, _MIN_MEMORY) if total else None
+
+
+def device_limits(settings: Settings, pool: RuntimePool) -> Settings:
+    """``settings`` with the device-bytes limits left unset derived from the devices.
+
+    ``max_device_bytes`` (what live futures and running executions may hold, all
+    runtimes together) becomes the sum of the runtimes' shares of their devices, and
+    ``max_execution_bytes`` (one run, per device, as XLA's memory analysis counts it)
+    the smallest share of one device: a run that cannot fit its device is refused at
+    once (422 ``limit_exceeded``) instead of failing there. A share is what XLA's
+    allocator lets the runtime hold on a GPU (the device's memory times its fraction,
+    reported at start), and ``CPU_ARRAY_SHARE`` of the runtime's memory cap on the CPU.
+    Where neither is known, ``Settings.device_bytes_limit``'s fallback stands.
+    """
+    seen: dict[int, list[int | None]] = {}  # a group's devices' limits, from any of its runtimes
+    for runtime in pool.runtimes:
+        devices = runtime.info.get("devices") if runtime.info else None
+        if devices and runtime.group.index not in seen:
+            seen[runtime.group.index] = [d.get("memory_limit") for d in devices]
+    per_runtime = [seen.get(r.group.index, [None] * r.group.size) for r in pool.runtimes]
+    derived = derive_device_limits(per_runtime, pool.memory_cap)
+    total = settings.max_device_bytes or (derived[0] if derived else settings.device_bytes_limit)
+    per_run = settings.max_execution_bytes or min(derived[1] if derived else total, total)
+    return settings.model_copy(update={"max_device_bytes": total, "max_execution_bytes": per_run})
+
+
+def derive_device_limits(runtimes: Sequence[Sequence[int | None]],
+                         cap: int | None) -> tuple[int, int] | None:
+    """The bytes all ``runtimes`` may hold on their devices, and the least one device
+    may give a run; ``None`` where a runtime's share is unknown.
+
+    Each runtime is given as its devices' memory limits (``None`` where the backend
+    reports none); ``cap``: each runtime's address-space cap (CPU), or ``None``.
+    """
+    total, least = 0, None
+    for limits in runtimes:
+        if limits and all(limits):
+            shares = [int(x or 0) for x in limits]
+        elif limits and cap:
+            shares = [int(cap * CPU_ARRAY_SHARE) // len(limits)] * len(limits)
+        else:
+            return None
+        total += sum(shares)
+        least = min(shares) if least is None else min(least, *shares)
+    return (total, least) if least is not None else None
 
 
 def settings_document(settings: Settings) -> dict[str, Any]:

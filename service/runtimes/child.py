@@ -188,8 +188,7 @@ class RuntimeServer:
     # -- the loop ----------------------------------------------------------------
 
     def serve(self) -> None:
-        devices: list[DeviceDoc] = [{"id": d.id, "platform": d.platform,
-                                     "device_kind": d.device_kind} for d in self.compiler.devices]
+        devices = [_device_doc(d) for d in self.compiler.devices]
         ready: Ready = {"id": 0, "kind": Kind.READY, "pid": os.getpid(),
                         "backend": self.compiler.backend_info(), "device": devices[0],
                         "devices": devices}
@@ -869,6 +868,19 @@ def _let_go_of_copies(size: int) -> None:
     process holds the program once (docs/runtimes.md)."""
     if size >= frames.INLINE_MAX_BYTES:
         memory.trim()
+
+
+def _device_doc(device: Any) -> DeviceDoc:
+    """What the READY message says of ``device``, its memory limit where XLA reports one."""
+    doc: DeviceDoc = {"id": device.id, "platform": device.platform,
+                      "device_kind": device.device_kind}
+    try:
+        limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # noqa: BLE001 - a backend without memory stats: no limit to report
+        limit = 0
+    if limit > 0:
+        doc["memory_limit"] = limit
+    return doc
 
 
 def _program_json(program: Any) -> ProgramDoc:

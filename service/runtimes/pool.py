@@ -713,6 +713,11 @@ class RuntimePool:
         return {**os.environ, **self._env, **runtime.group.env}
 
     @property
+    def memory_cap(self) -> int | None:
+        """Each runtime's address-space cap (CPU), or ``None``."""
+        return self._config.get("max_memory_bytes")
+
+    @property
     def max_devices(self) -> int:
         """The most devices a program may need: the largest group's."""
         return max(g.size for g in self.groups)

@@ -128,6 +128,10 @@ class DeviceDoc(TypedDict):
     id: int
     platform: str
     device_kind: str
+    # The bytes XLA's allocator lets this runtime hold on it (the device's memory times
+    # the runtime's share, ``XLA_PYTHON_CLIENT_MEM_FRACTION``); absent where the
+    # backend reports none (the CPU).
+    memory_limit: NotRequired[int]
 
 
 class ExecutableDoc(TypedDict):

@@ -250,9 +250,9 @@ def test_big_heads_idle_and_kept_alive_connections_are_closed(start_server: Star
     _no_500(samples)
 
 
-def _carry_1gib(x: jax.Array) -> jax.Array:
-    """A loop that carries 1 GiB of float32 and outputs 4 bytes."""
-    big = jnp.full((GiB // 4,), x, jnp.float32)
+def _carry_1gib(x: jax.Array, gib: int = 1) -> jax.Array:
+    """A loop that carries ``gib`` GiB of float32 and outputs 4 bytes."""
+    big = jnp.full((gib * GiB // 4,), x, jnp.float32)
     return lax.fori_loop(0, 3, lambda i, c: c * 1.5 + 1.0, big)[0]
 
 
@@ -274,6 +274,34 @@ def test_big_intermediates_are_refused_before_they_run(start_server: StartServer
         assert _rss(pid) - before < 256 * MiB  # the loop never ran
         assert http.get("/healthz").status_code == 200
         _add_one(http)  # and the server still runs programs
+        _no_500(_metrics(http))
+
+
+def test_device_limits_left_unset_come_from_the_runtimes_memory(start_server: StartServer) -> None:
+    # No JITSERVE_MAX_DEVICE_BYTES or JITSERVE_MAX_EXECUTION_BYTES: on the CPU they are
+    # derived from the runtime's memory cap (half of it; on a GPU, from XLA's limit).
+    url = start_server({"JITSERVE_RUNTIME_MAX_MEMORY_BYTES": str(3 * GiB)}, "derived")
+    share = 3 * GiB // 2
+    with httpx.Client(base_url=url, timeout=120) as http:
+        devices = http.get("/v1/console/devices").json()
+        assert devices["max_device_bytes"] == share
+        run = {"params": {"wait": 30_000}, "content": wire.packb({"args": [np.float32(1)]}),
+               "headers": {"content-type": wire.MSGPACK}}
+        # 2 GiB of output: over the share, refused at the call (outputs are known then).
+        program_id = _upload(http, _export(lambda x: jnp.full((GiB // 2,), x), ()))
+        r = http.post(f"/v1/programs/{program_id}/execute", **run)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "limit_exceeded", r.text
+        assert f"{share:,}" in r.json()["error"]["message"]
+        # 2 GiB carried by a loop, 4 bytes out: refused once compiled, never run.
+        program_id = _upload(http, _export(lambda x: _carry_1gib(x, gib=2), ()))
+        r = http.post(f"/v1/programs/{program_id}/execute", **run)
+        assert r.status_code == 202 and r.json()["status"] == "failed", r.text
+        error = http.get(f"/v1/futures/{r.json()['future_id']}").json()["error"]
+        assert error["code"] == "limit_exceeded", error
+        assert "JITSERVE_MAX_EXECUTION_BYTES" in error["message"]
+        assert f"{share:,}" in error["message"]
+        assert http.get("/healthz").status_code == 200
+        _add_one(http)
         _no_500(_metrics(http))
 
 

@@ -192,9 +192,13 @@ def test_delete_cancels_a_lone_running_execution(start_server) -> None:
 
 
 def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server) -> None:
-    url = start_server({"JITSERVE_RUNTIME_MAX_MEMORY_BYTES": str(3 << 30)})
+    # Device-bytes limits set past the cap: left unset, they would be derived from it
+    # and refuse the program before it runs (test_memory_e2e).
+    url = start_server({"JITSERVE_RUNTIME_MAX_MEMORY_BYTES": str(3 << 30),
+                        "JITSERVE_MAX_DEVICE_BYTES": str(8 << 30),
+                        "JITSERVE_MAX_EXECUTION_BYTES": str(8 << 30)})
     c = Caller(url)
-    # 4 GiB of output: within the device-bytes budget (8 GiB), past the runtime's cap.
+    # 4 GiB of output: within the device-bytes limits (8 GiB), past the runtime's cap.
     huge = c.upload(_export(lambda x: jnp.full((1 << 30,), x), F32))
     view = c.final(c.execute(huge, 1), within_s=60)
     assert view["status"] == "failed", view

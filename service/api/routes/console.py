@@ -89,7 +89,7 @@ async def console_devices(services: ServicesDep, viewer: ViewerDep) -> dict[str,
                if viewer.sees(owner)]
     return {**doc, "viewer": _viewer(viewer), "exits": services.console.exits(),
             "holders": holders, "device_bytes_in_use": futures.device_bytes,
-            "max_device_bytes": settings.max_device_bytes, "live_futures": len(futures),
+            "max_device_bytes": settings.device_bytes_limit, "live_futures": len(futures),
             "max_live_futures": settings.max_live_futures}
 
 
