@@ -163,6 +163,15 @@ class MemoryStats:
         """Device bytes one run allocates beyond its inputs: intermediates and outputs."""
         return self.temp_bytes + self.output_bytes - self.alias_bytes
 
+    def over(self, limit: int) -> str | None:
+        """Why one run cannot fit in ``limit`` device bytes; ``None`` if it can."""
+        if self.run_bytes <= limit:
+            return None
+        alias = f" - {self.alias_bytes:,} aliased to inputs" if self.alias_bytes else ""
+        return (f"one run of this program needs {self.run_bytes:,} bytes of device memory "
+                f"({self.temp_bytes:,} for intermediates + {self.output_bytes:,} for outputs"
+                f"{alias}), over the limit of {limit:,} bytes (JITSERVE_MAX_EXECUTION_BYTES)")
+
     def to_json(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 

@@ -51,7 +51,6 @@ from typing import Any
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from jitserve.compiler.compile import MemoryStats
 from jitserve.compiler.errors import LimitExceeded
 from jitserve.compiler.programs import Program
 from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
@@ -271,13 +270,10 @@ class Executor:
         ``max_run_bytes``: retrying cannot help. A run that fits the limit but not
         beside what others hold now waits for its turn (``TempBudget``).
         """
-        mem = executable.memory
-        if mem is None or mem.run_bytes <= self.max_run_bytes:
-            return  # without a memory analysis (backend), only outputs are counted
-        raise LimitExceeded(
-            f"one run of this program needs {mem.run_bytes:,} bytes of device memory "
-            f"({_sizes(mem)}), over the limit of {self.max_run_bytes:,} bytes "
-            "(JITSERVE_MAX_EXECUTION_BYTES)")
+        mem = executable.memory  # None without a memory analysis: only outputs are counted
+        why = mem.over(self.max_run_bytes) if mem is not None else None
+        if why is not None:
+            raise LimitExceeded(why)
 
     def submit(self, future: Future, runtime: Runtime, program: Program,
                executable: RemoteExecutable, options: CallOptions, args: Sequence[Arg],
@@ -657,12 +653,6 @@ def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:
     that others hold is copied there."""
     give = position in job.donate and buf.refs == 1
     return {"handle": buf.handle, **({"give": True} if give else {})}
-
-
-def _sizes(mem: MemoryStats) -> str:
-    alias = f" - {mem.alias_bytes:,} aliased to inputs" if mem.alias_bytes else ""
-    return (f"{mem.temp_bytes:,} for intermediates + {mem.output_bytes:,} for outputs"
-            f"{alias}")
 
 
 def _output_of(ref: FutureRef, position: int) -> Any:

@@ -414,7 +414,8 @@ class IfrtService:
                                        "scope": scope_of(session.owner, scoped=settings.auth_enabled,
                                                          shared=settings.tenant_share_executables),
                                        "requests": requests,
-                                       "buffers": {h: b.desc() for h, b in buffers.items()}}
+                                       "buffers": {h: b.desc() for h, b in buffers.items()},
+                                       "max_run_bytes": settings.execution_bytes_limit}
             if self.quotas is not None:
                 futures = self.futures
                 quotas = dict(self.quotas)

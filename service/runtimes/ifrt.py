@@ -155,6 +155,7 @@ class Sessions:
         # What each key holds here (all its sessions live in this runtime: placement is
         # by key), against the quotas its batches carry: device bytes, arrays, compiles.
         self.quotas: dict[str, Mapping[str, int]] = {}
+        self.max_run_bytes: int | None = None  # as the last batch said (``serve``)
         self.held: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self.compiled_at: dict[str, collections.deque[float]] = collections.defaultdict(
             collections.deque)
@@ -192,10 +193,13 @@ class Sessions:
 
     def serve(self, session_id: int, owner: str, requests: list[bytes],
               buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None,
-              scope: str = "") -> tuple[list[bytes], dict[int, np.ndarray], list[dict[str, Any]]]:
+              scope: str = "", max_run_bytes: int | None = None,
+              ) -> tuple[list[bytes], dict[int, np.ndarray], list[dict[str, Any]]]:
         """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
         responses, the host buffers their ``copy_to_host_buffer``s made, and what each
-        compile found (``protocol.IfrtCompiled``)."""
+        compile found (``protocol.IfrtCompiled``). ``max_run_bytes``: the server's
+        per-run device-memory limit, which executes are checked against."""
+        self.max_run_bytes = max_run_bytes
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(session_id, owner, scope)
@@ -905,6 +909,10 @@ class Sessions:
         sharding = executable.meta.get("sharding")
         out_nbytes = sum(sharding["out_device_bytes"]) if sharding else executable.out_nbytes
         self._room(session, out_nbytes or 0, len(executable.out_avals))
+        memory = executable.memory  # XLA's analysis, per device: refuse what cannot fit
+        why = memory.over(self.max_run_bytes) if memory and self.max_run_bytes else None
+        if why is not None:
+            raise IfrtFailure(RESOURCE_EXHAUSTED, why)
         if body.device_ids and [int(i) for i in body.device_ids] != [d.id for d in executable.devices]:
             raise IfrtFailure(INVALID_ARGUMENT, f"devices {list(body.device_ids)} are not this "
                               f"executable's ({[d.id for d in executable.devices]})")

@@ -329,6 +329,9 @@ class IfrtRequest(TypedDict):
     # the key's quotas (device_bytes, arrays, compiles_per_minute), and what its /v1
     # futures hold of the first two (v1_device_bytes, v1_futures); absent without keys
     quotas: NotRequired[dict[str, int]]
+    # device bytes one run may allocate on a device (the server's per-run limit,
+    # JITSERVE_MAX_EXECUTION_BYTES as set or derived): a run past it is refused
+    max_run_bytes: NotRequired[int]
 
 
 class IfrtCompiled(TypedDict):

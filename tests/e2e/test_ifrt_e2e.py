@@ -40,7 +40,7 @@ def ifrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_API_KEYS": ",".join(KEYS),
            "JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "3",
            "JITSERVE_IFRT_HOST_BUFFER_WAIT_S": "2", "JITSERVE_MAX_BODY_BYTES": str(64 << 20),
-           "JITSERVE_LOG_LEVEL": "info"}
+           "JITSERVE_MAX_EXECUTION_BYTES": str(512 << 20), "JITSERVE_LOG_LEVEL": "info"}
     for url in _serve(tmp_path_factory.mktemp("ifrt"), env):
         wait_ready(url)
         yield {"url": url, "target": f"127.0.0.1:{port}"}
@@ -291,12 +291,21 @@ def test_refused_programs_raise_jitserve_s_refusal_and_the_session_goes_on(
             jax.jit(lambda x: jnp.zeros((1 << 20, 1 << 14), jnp.float32).sum() + x)(1.0)
         except Exception as e:
             print("TOO BIG", e)
+        try:  # a loop carrying 1 GiB: past the per-run device memory, refused, never run
+            carry = lambda x: jax.lax.fori_loop(0, 3, lambda i, c: c * 1.5, jnp.full((1 << 28,), x))
+            print(float(jax.jit(lambda x: carry(x)[0])(1.0)))
+        except Exception as e:
+            print("RUN TOO BIG", e)
         print(float(jnp.ones(2).sum()))
     """, tmp_path)
     assert "RAISED" in refused.stdout, (refused.stdout, refused.stderr[-2000:])
     assert "jitserve refused the program" in refused.stdout
     assert "jitserve_test_not_allowed" in refused.stdout
     assert "TOO BIG" in refused.stdout and "over the limit" in refused.stdout
+    assert "RUN TOO BIG" in refused.stdout, refused.stdout
+    run = refused.stdout.split("RUN TOO BIG", 1)[1]
+    assert "bytes of device memory" in run
+    assert f"over the limit of {512 << 20:,} bytes (JITSERVE_MAX_EXECUTION_BYTES)" in run
     assert refused.stdout.strip().endswith("2.0")  # the session goes on
 
 
