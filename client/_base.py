@@ -673,8 +673,18 @@ def drive_step(op: Op[T], value: Any,
     return op.throw(exc) if exc is not None else op.send(value)
 
 
+_NO_BYTES = frozenset({str, int, float, bool, type(None)})
+
+
 def _array_bytes(obj: Any) -> int:
     """The bytes of the arrays and buffers in a message about to be packed."""
+    kind = type(obj)  # exact types first: a batch of calls is mostly small dicts and ids
+    if kind is dict:
+        return sum(map(_array_bytes, obj.values()))
+    if kind is list or kind is tuple:
+        return sum(map(_array_bytes, obj))
+    if kind in _NO_BYTES:
+        return 0
     if isinstance(obj, (np.ndarray, memoryview)):
         return obj.nbytes
     if isinstance(obj, (bytes, bytearray)):

@@ -189,8 +189,20 @@ def is_array(obj: Any) -> bool:
     return isinstance(obj, Mapping) and "dtype" in obj and "data" in obj
 
 
+# Never a Mapping: told apart without the ABC check (a call's arguments are mostly these).
+_NOT_MAPPINGS = (np.ndarray, list, tuple, str, bytes, int, float)
+
+
 def is_future_ref(obj: Any) -> bool:
     """Whether ``obj`` is a future reference ``{"future": str, "output": int}``."""
+    if type(obj) is dict:  # the common case, without the ABC check or a set of its keys
+        if len(obj) != 2:
+            return False
+        future, output = obj.get("future"), obj.get("output")
+        if type(future) is str and type(output) is int:
+            return True
+    elif isinstance(obj, _NOT_MAPPINGS):
+        return False
     return (
         isinstance(obj, Mapping)
         and obj.keys() == {"future", "output"}
@@ -248,27 +260,42 @@ def pack_pieces(obj: Any) -> list[bytes | memoryview]:
     of the array's own buffer, so a body of hundreds of MiB is sent as it lies
     in memory.
     """
-    packer = msgpack.Packer(use_bin_type=True, autoreset=True)
-    return list(_pack(packer, obj))
+    pieces: list[bytes | memoryview] = []
+    # numpy scalars and other array-likes as packb takes them (``_pack_default``)
+    _pack(msgpack.Packer(use_bin_type=True, autoreset=True, default=_pack_default), obj, pieces)
+    return pieces
 
 
-def _pack(packer: msgpack.Packer, obj: Any) -> Iterator[bytes | memoryview]:
+# Values msgpack's packer takes as they are (exact types): a dict or list of only these,
+# such as a future reference, is packed whole by one call of it, in the same bytes.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _pack(packer: msgpack.Packer, obj: Any, out: list[bytes | memoryview]) -> None:
+    """Append ``obj``'s pieces to ``out`` (a list, not a generator: a batch of calls
+    is thousands of small values, and resuming a generator per value cost more than
+    packing them)."""
     if isinstance(obj, np.ndarray):
         obj = encode_array(obj)
-    if isinstance(obj, Mapping):
-        yield packer.pack_map_header(len(obj))
+    kind = type(obj)
+    if kind is dict and all(type(v) in _SCALARS for v in obj.values()):
+        out.append(packer.pack(obj))
+    elif kind is list and all(type(v) in _SCALARS for v in obj):
+        out.append(packer.pack(obj))
+    elif isinstance(obj, Mapping):
+        out.append(packer.pack_map_header(len(obj)))
         for key, value in obj.items():
-            yield packer.pack(key)
-            yield from _pack(packer, value)
+            out.append(packer.pack(key))
+            _pack(packer, value, out)
     elif isinstance(obj, (list, tuple)):
-        yield packer.pack_array_header(len(obj))
+        out.append(packer.pack_array_header(len(obj)))
         for value in obj:
-            yield from _pack(packer, value)
+            _pack(packer, value, out)
     elif isinstance(obj, memoryview):
-        yield _bin_header(obj.nbytes)
-        yield obj
+        out.append(_bin_header(obj.nbytes))
+        out.append(obj)
     else:
-        yield packer.pack(obj)
+        out.append(packer.pack(obj))
 
 
 def _bin_header(n: int) -> bytes:

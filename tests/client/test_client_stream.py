@@ -60,6 +60,32 @@ def test_packed_body_is_packb() -> None:
     assert body.nbytes == len(body.join())
 
 
+def test_a_batch_of_calls_packs_as_packb() -> None:
+    # Dicts and lists of scalars are packed whole (one call of msgpack's packer each);
+    # the bytes must stay packb's, whatever mix of values surrounds them.
+    import collections
+
+    refs = [{"future": f"{i:032x}", "output": i} for i in range(25)]
+    doc = {"calls": [{"program_id": "p" * 64, "args": [*refs, np.ones((64, 784), np.float32),
+                                                       {"call": 0, "output": 1}],
+                      "donate": [0, 1], "inline": True},
+                     {"program_id": "q", "args": [np.int32(3), (1, 2.5), [True, None, "s"]],
+                      "ordered": collections.OrderedDict(b=[np.zeros(2)]), "nested": [[1], {}]}]}
+    body = wire.PackedBody(wire.pack_pieces(doc))
+    assert b"".join(bytes(c) for c in body) == wire.packb(doc) == body.join()
+
+
+def test_future_references_are_told_apart() -> None:
+    import collections
+
+    assert wire.is_future_ref({"future": "f", "output": 0})
+    assert wire.is_future_ref(collections.OrderedDict(future="f", output=2))
+    for other in ({"future": "f", "output": True}, {"future": "f", "output": 0, "x": 1},
+                  {"future": 1, "output": 0}, {"call": 0, "output": 0}, {"future": "f"},
+                  np.zeros(2), ["future", "output"], "future", 3, None):
+        assert not wire.is_future_ref(other), other
+
+
 def _result_transport(doc: dict) -> httpx.MockTransport:
     body = wire.packb(doc)
 
