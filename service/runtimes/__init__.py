@@ -24,9 +24,9 @@ from .protocol import Config, Op
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["Buffer", "Group", "NotStarted", "Op", "RemoteError", "Runtime", "RuntimeLost",
-           "CPU_ARRAY_SHARE", "RuntimePool", "derive_device_limits", "device_groups",
-           "device_limits", "make_pool", "platform_kind"]
+__all__ = ["Buffer", "CPU_ARRAY_SHARE", "Group", "NotStarted", "Op", "RemoteError", "Runtime",
+           "RuntimeLost", "RuntimePool", "derive_device_limits", "device_groups", "device_limits",
+           "make_pool", "platform_kind"]
 
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm6_plugin")
 _MIN_MEMORY = 2 << 30
