@@ -29,7 +29,7 @@ from jitserve.wire import ErrorCode
 from . import v2
 from .api.announce import AnnounceReplica
 from .api.deps import Services, refused_owner
-from .api.lane import ExecuteLane
+from .api.lane import ExecuteLane, lane_routes
 from .api.openapi import install_docs
 from .api.routes import arrays as arrays_routes
 from .api.routes import batching as batching_routes
@@ -87,8 +87,8 @@ async def start_pool(settings: Settings, *, own_loop: bool = False) -> RuntimePo
 
 class JitserveApp(FastAPI):
     """FastAPI, with the server's ``Services`` while its lifespan runs, and the execute
-    route's lane in front of the middleware stack (``api.lane``): every call goes
-    through it.
+    lane in front of the middleware stack (``api.lane``): every call, batch of calls,
+    fetch of a result and release goes through it.
 
     Args:
       settings: configuration.
@@ -107,8 +107,11 @@ class JitserveApp(FastAPI):
         self.console = console
         self._shared_runtimes = runtimes
         self._services: Services | None = None
-        self.lane = ExecuteLane(self, execute_routes.ROUTE, execute_routes.execute,
-                                calls_routes.ROUTE, calls_routes.start_calls)
+        self.lane = ExecuteLane(self, lane_routes(
+            (execute_routes.ROUTE, execute_routes.execute),
+            (calls_routes.ROUTE, calls_routes.start_calls),
+            (futures_routes.RESULT_ROUTE, futures_routes.result),
+            (futures_routes.RELEASE_ROUTE, futures_routes.release)))
 
     @property
     def services(self) -> Services:

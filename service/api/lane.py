@@ -1,5 +1,5 @@
-"""The execute lane: a well-formed execute (or ``POST /v1/calls``) request goes
-straight to its handler.
+"""The execute lane: a well-formed request of a loop's routes goes straight to its
+handler: an execute, ``POST /v1/calls``, a result's fetch, a release.
 
 Ahead of the middleware stack: a cached call's time in the API process went a
 fifth to the stack's layers and their ``send`` wrappers, and a third more to the
@@ -24,6 +24,7 @@ handler (``_handler``), which starlette has only as a private function.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from ..cluster import replica_header
 from .deps import Services
 
-__all__ = ["CallsHandler", "ExecuteLane", "Handler", "LaneApp"]
+__all__ = ["CallsHandler", "ExecuteLane", "Handler", "LaneApp", "LaneRoute", "lane_routes"]
 
 #: The execute route's work: ``(request, program_id, wait, keep)`` -> its answer.
 Handler = Callable[[Request, str, "int | None", bool], Awaitable[Response]]
@@ -55,61 +56,103 @@ class LaneApp(Protocol):
     @property
     def exception_handlers(self) -> Mapping[Any, Callable[..., Any]]: ...
 
-_PATH = re.compile(r"/v1/programs/([^/]+)/execute")
-_CALLS = "/v1/calls"
+
+@dataclasses.dataclass(frozen=True)
+class LaneRoute:
+    """A route the lane serves: ``match`` reads a request's scope into the arguments of
+    ``work`` (after the request), or says ``None``: not one the lane takes."""
+
+    route: BaseRoute  # counted under its template, as routed requests are
+    work: Callable[..., Awaitable[Response]]
+    match: Callable[[Scope], tuple[Any, ...] | None]
+
+    @property
+    def path(self) -> str:
+        return str(getattr(self.route, "path", ""))
+
+
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
+# ``?outputs=0,2`` as the route's pattern reads it, in ASCII digits (anything else is
+# FastAPI's to judge), within its length.
+_OUTPUTS = re.compile(r"[0-9]{1,6}(,[0-9]{1,6})*")
+_OUTPUTS_MAX = 70_000
+
+
+def lane_routes(execute: tuple[BaseRoute, Handler], calls: tuple[BaseRoute, CallsHandler],
+                result: tuple[BaseRoute, Callable[..., Awaitable[Response]]],
+                release: tuple[BaseRoute, Callable[..., Awaitable[Response]]]
+                ) -> list[LaneRoute]:
+    """The lane's routes (each a route and its work): an execute, ``POST /v1/calls``,
+    ``GET /v1/futures/{id}/result`` and ``POST /v1/futures/release``, the requests a
+    training loop makes every step or every few."""
+    return [
+        LaneRoute(*execute, _matcher("POST", r"/v1/programs/([^/]+)/execute", _query)),
+        LaneRoute(*calls, _matcher("POST", "/v1/calls", _calls_query)),
+        LaneRoute(*result, _matcher("GET", r"/v1/futures/([^/]+)/result", _result_query)),
+        LaneRoute(*release, _matcher("POST", "/v1/futures/release", None)),
+    ]
+
+
+def _matcher(method: str, path: str, query: Callable[[bytes], tuple[Any, ...] | None] | None
+             ) -> Callable[[Scope], tuple[Any, ...] | None]:
+    """What reads a request of ``method`` on ``path`` (a pattern; its groups are the path's
+    parameters) into its work's arguments: the parameters, then what ``query`` reads
+    (``None`` from it: FastAPI's to judge; no ``query``: the query is not read)."""
+    pattern = re.compile(path)
+
+    def match(scope: Scope) -> tuple[Any, ...] | None:
+        if scope["method"] != method or (found := pattern.fullmatch(scope["path"])) is None:
+            return None
+        if query is None:
+            return found.groups()
+        read = query(scope["query_string"])
+        return None if read is None else (*found.groups(), *read)
+
+    return match
 
 
 class ExecuteLane:
-    """The front of the app: a well-formed execute request goes straight to ``handler``,
-    a well-formed ``POST /v1/calls`` (a running-ahead client's every batch) to
-    ``calls_handler``.
+    """The front of the app: a well-formed request of one of ``routes`` goes straight to
+    its work (``lane_routes``: an execute, a running-ahead client's every batch, a
+    fetch, a release); any other goes down the stack.
 
     Args:
       app: the app it stands in front of (its services, exception handlers).
-      route: the execute route, under whose template the answers are counted.
-      handler: the route's work (``api.routes.execute.execute``).
-      calls_route, calls_handler: the same for ``POST /v1/calls``
-        (``api.routes.calls.start_calls``).
+      routes: what it serves (``LaneRoute``).
     """
 
-    def __init__(self, app: LaneApp, route: BaseRoute, handler: Handler,
-                 calls_route: BaseRoute, calls_handler: CallsHandler) -> None:
+    def __init__(self, app: LaneApp, routes: list[LaneRoute]) -> None:
         self.app = app
-        self._execute = (route, getattr(route, "path", ""), handler)
-        self._calls = (calls_route, getattr(calls_route, "path", ""), calls_handler)
+        self._routes = routes
 
-    def take(self, scope: Scope) -> tuple[Any, tuple[Any, ...]] | None:
-        """The route (its template, work) of a request the lane serves and the work's
-        arguments (``(program_id, wait, keep)``, or ``(wait,)``); else ``None``."""
-        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+    def take(self, scope: Scope) -> tuple[LaneRoute, tuple[Any, ...]] | None:
+        """The route of a request the lane serves, and its work's arguments; else ``None``."""
+        if scope["type"] != "http" or scope.get("root_path"):
             return None
-        path = scope["path"]
-        if path == _CALLS:
-            query = _query(scope["query_string"])
-            return None if query is None else (self._calls, (query[0],))
-        if (match := _PATH.fullmatch(path)) is None or (query := _query(scope["query_string"])) is None:
-            return None
-        return self._execute, (match.group(1), *query)
+        for route in self._routes:
+            args = route.match(scope)
+            if args is not None:
+                return route, args
+        return None
 
     async def serve(self, scope: Scope, receive: Receive, send: Send,
-                    call: tuple[Any, tuple[Any, ...]]) -> None:
+                    call: tuple[LaneRoute, tuple[Any, ...]]) -> None:
         app = self.app
-        (route, path, work), args = call
+        route, args = call
         scope["app"] = app
-        scope["route"] = route
+        scope["route"] = route.route
         request = Request(scope, receive, send)
         try:
-            response = await work(request, *args)
+            response = await route.work(request, *args)
         except Exception as exc:
             handler = _handler(app, exc)
             if handler is not None:
                 response = await handler(request, exc)
             else:
-                await self._answer(scope, receive, send, path,
+                await self._answer(scope, receive, send, route.path,
                                    await app.exception_handlers[Exception](request, exc))
                 raise
-        await self._answer(scope, receive, send, path, response)
+        await self._answer(scope, receive, send, route.path, response)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, path: str,
                       response: Response) -> None:
@@ -120,6 +163,43 @@ class ExecuteLane:
             await response(scope, receive, send)
         finally:
             services.metrics.request(path, response.status_code)
+
+
+def _calls_query(raw: bytes) -> tuple[int | None] | None:
+    """``(wait,)`` of a batch's query (``_query`` without ``keep``)."""
+    read = _query(raw)
+    return None if read is None else (read[0],)
+
+
+def _result_query(raw: bytes) -> tuple[int | None, str | None] | None:
+    """``(wait, outputs)`` of a result's query, as starlette reads it; ``None`` for a
+    value FastAPI should judge."""
+    if len(raw) <= _KEPT_BYTES:
+        return _known_result_query(raw)
+    return _parse_result_query(raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _known_result_query(raw: bytes) -> tuple[int | None, str | None] | None:
+    return _parse_result_query(raw)
+
+
+def _parse_result_query(raw: bytes) -> tuple[int | None, str | None] | None:
+    params = QueryParams(raw.decode("latin-1"))
+    wait, outputs = _wait(params.get("wait")), params.get("outputs")
+    if wait is False or (outputs is not None and (
+            len(outputs) > _OUTPUTS_MAX or not _OUTPUTS.fullmatch(outputs))):
+        return None
+    return wait, outputs
+
+
+def _wait(value: str | None) -> int | None | bool:
+    """A ``?wait`` in ms; ``False`` for one that is no plain number (FastAPI's to judge)."""
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= 15):
+        return False
+    return int(value)
 
 
 def _query(raw: bytes) -> tuple[int | None, bool] | None:
@@ -141,13 +221,11 @@ def _known_query(raw: bytes) -> tuple[int | None, bool] | None:
 
 def _parse_query(raw: bytes) -> tuple[int | None, bool] | None:
     params = QueryParams(raw.decode("latin-1"))
-    wait, keep = params.get("wait"), params.get("keep")
-    if wait is not None and not (wait.isascii() and wait.isdigit() and len(wait) <= 15):
-        return None
+    wait, keep = _wait(params.get("wait")), params.get("keep")
     flag = True if keep is None else _BOOLS.get(keep)
-    if flag is None:
+    if wait is False or flag is None:
         return None
-    return (None if wait is None else int(wait)), flag
+    return wait, flag
 
 
 def _handler(app: LaneApp, exc: Exception) -> Callable[..., Awaitable[Response]] | None:

@@ -189,3 +189,58 @@ async def test_lane_answers_errors_through_the_app_handlers(api, x) -> None:
     after = await api.metric("jitserve_requests_total",
                              route="/v1/programs/{program_id}/execute", status="415")
     assert after == before + 1  # counted under the route's template, as routed requests are
+
+
+@pytest.mark.parametrize(("query", "parsed"), [
+    (b"", (None, None)), (b"wait=10", (10, None)), (b"outputs=0,2", (None, "0,2")),
+    (b"outputs=1&wait=5&outputs=3", (5, "3")), (b"outputs=%30", (None, "0")),
+    (b"other=x", (None, None)),
+    (b"outputs=a", None), (b"outputs=1,", None), (b"outputs=", None), (b"outputs=1234567", None),
+    (b"outputs=\xd9\xa3", None), (b"wait=abc", None), (b"wait=-1", None),
+])
+def test_lane_reads_result_queries_as_starlette_and_leaves_the_rest_to_fastapi(
+        query, parsed) -> None:
+    from jitserve.service.api.lane import _result_query
+
+    assert _result_query(query) == parsed
+
+
+async def test_lane_serves_fetches_and_releases_as_fastapi_does(api, x) -> None:
+    pid = await api.upload("add_mul")
+    r = await api.execute(pid, [x, x])
+    fid = r.json()["future_id"]
+
+    async def counted(route: str, status: str) -> float:
+        return await api.metric("jitserve_requests_total", route=route, status=status)
+
+    result, release = "/v1/futures/{future_id}/result", "/v1/futures/release"
+    before = await counted(result, "200"), await counted(result, "400")
+    r = await api.http.get(f"/v1/futures/{fid}/result?wait=10000&outputs=1,0")
+    assert r.status_code == 200, r.text
+    got = wire.unpackb(r.content)["outputs"]
+    np.testing.assert_array_equal(got[0], x * 2)  # add_mul: (x + y, x * 2)
+    np.testing.assert_array_equal(got[1], x + x)
+    r = await api.http.get(f"/v1/futures/{fid}/result?outputs=0", headers={"accept": wire.JSON})
+    assert r.status_code == 200 and r.headers["content-type"].startswith(wire.JSON), r.text
+    r = await api.http.get(f"/v1/futures/{fid}/result?outputs=7")  # ours: no such output
+    assert r.status_code == 400 and "no output 7" in r.json()["error"]["message"], r.text
+    r = await api.http.get(f"/v1/futures/{fid}/result?outputs=x")  # FastAPI's: the pattern
+    assert r.status_code == 400 and "outputs" in r.json()["error"]["message"], r.text
+    assert (await counted(result, "200"), await counted(result, "400")) == (
+        before[0] + 2, before[1] + 2)
+    r = await api.http.get("/v1/futures/nope/result")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+    before_release = await counted(release, "200")
+    refs = {"outputs": [{"future": fid, "output": 0}, {"future": "nope", "output": 0}]}
+    r = await api.http.post(release, json=refs)
+    assert r.status_code == 200 and r.json() == {"released": 1, "unknown": 1}, r.text
+    r = await api.http.post(release, content=wire.packb(refs),
+                            headers={"content-type": wire.MSGPACK})
+    # released again: counted again (idempotent); the future, one output still held, lives
+    assert r.status_code == 200 and r.json() == {"released": 1, "unknown": 1}, r.text
+    assert await counted(release, "200") == before_release + 2
+    r = await api.http.post(release, content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = await api.http.post(release, json={"outputs": "all"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text

@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from jitserve.wire import ErrorCode, FutureStatus
 
@@ -18,8 +19,19 @@ from ...errors import (
     FuturePending,
     NotFound,
 )
-from ..bodies import outputs_response
-from ..deps import AsJSON, Body, Owner, ServicesDep, WaitSeconds, get_owner, request_cluster
+from ..bodies import BodyReader, outputs_response, wants_json
+from ..deps import (
+    AsJSON,
+    Body,
+    Owner,
+    Services,
+    ServicesDep,
+    WaitSeconds,
+    get_owner,
+    request_cluster,
+    request_owner,
+    services_of,
+)
 from ..openapi import errors, message_body, outputs_content
 from ..schemas import (
     DeleteResult,
@@ -29,7 +41,7 @@ from ..schemas import (
     parse,
 )
 
-__all__ = ["router"]
+__all__ = ["RELEASE_ROUTE", "RESULT_ROUTE", "release", "result", "router"]
 
 router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)],
                    responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND,
@@ -53,6 +65,11 @@ async def release_outputs(request: Request, services: ServicesDep, body: Body,
     compile or a run (later calls may read its other outputs, or this one).
     References to nothing of the caller's are counted in ``unknown``.
     """
+    return await _release(request, services, body, owner)
+
+
+async def _release(request: Request, services: Services, body: BodyReader,
+                   owner: str | None) -> ReleaseResult:
     cluster = request_cluster(request, services)
     req = parse(ReleaseRequest, await body.message(), "release request")
     here: list[tuple[str, int]] = []
@@ -93,6 +110,11 @@ async def get_result(future_id: str, request: Request, services: ServicesDep, ow
                      wait: WaitSeconds, as_json: AsJSON,
                      outputs: OutputsQuery = None) -> Response:
     """The outputs of a done future (``?outputs=0,2``: those); ``?wait=<ms>`` waits first."""
+    return await _result(request, services, future_id, owner, wait, as_json, outputs)
+
+
+async def _result(request: Request, services: Services, future_id: str, owner: str | None,
+                  wait: float, as_json: bool, outputs: str | None) -> Response:
     cluster = request_cluster(request, services)
     if (rid := remote_replica(cluster, future_id)) is not None:
         return await _relay(cluster, rid, request, future_id, owner, wait)
@@ -149,3 +171,31 @@ def _raise_unless_done(fut: Future) -> None:
     if fut.status is not FutureStatus.DONE:
         raise FuturePending(f"future {fut.future_id} is {fut.status.value}; "
                             "retry later or pass ?wait=<ms>")
+
+
+# -- the same routes through the lane (service/api/lane.py), which reads their queries --
+
+
+async def release(request: Request) -> Response:
+    """``POST /v1/futures/release``'s work, for the lane."""
+    services = services_of(request)
+    owner = request_owner(request)
+    settings = services.settings
+    body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                      metrics=services.metrics)
+    done = await _release(request, services, body, owner)
+    return JSONResponse(done.model_dump(mode="json"))
+
+
+async def result(request: Request, future_id: str, wait: int | None,
+                 outputs: str | None) -> Response:
+    """``GET /v1/futures/{future_id}/result``'s work, for the lane (``wait`` in ms)."""
+    services = services_of(request)
+    owner = request_owner(request)
+    wait_s = min(wait or 0, services.settings.max_wait_ms) / 1000
+    return await _result(request, services, future_id, owner, wait_s, wants_json(request),
+                         outputs)
+
+
+RELEASE_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is release_outputs)
+RESULT_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is get_result)
