@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request, Response
 from starlette.datastructures import QueryParams
@@ -171,19 +171,6 @@ def _calls_query(raw: bytes) -> tuple[int | None] | None:
     return None if read is None else (read[0],)
 
 
-def _result_query(raw: bytes) -> tuple[int | None, str | None] | None:
-    """``(wait, outputs)`` of a result's query, as starlette reads it; ``None`` for a
-    value FastAPI should judge."""
-    if len(raw) <= _KEPT_BYTES:
-        return _known_result_query(raw)
-    return _parse_result_query(raw)
-
-
-@functools.lru_cache(maxsize=256)
-def _known_result_query(raw: bytes) -> tuple[int | None, str | None] | None:
-    return _parse_result_query(raw)
-
-
 def _parse_result_query(raw: bytes) -> tuple[int | None, str | None] | None:
     params = QueryParams(raw.decode("latin-1"))
     wait, outputs = _wait(params.get("wait")), params.get("outputs")
@@ -202,21 +189,21 @@ def _wait(value: str | None) -> int | None | bool:
     return int(value)
 
 
-def _query(raw: bytes) -> tuple[int | None, bool] | None:
-    """``(wait, keep)`` of a query string, read as starlette reads it (``QueryParams``:
-    escapes decoded, the last of a repeated name); ``None`` for a value FastAPI should
-    judge (a ``wait`` that is no plain number, a ``keep`` that is no plain boolean)."""
-    return _known_query(raw) if len(raw) <= _KEPT_BYTES else _parse_query(raw)
-
-
 # Clients repeat their queries call after call: short ones are parsed once, so the
 # parse is starlette's own (a cached lookup costs the same whoever parsed it).
 _KEPT_BYTES = 64
 
+T = TypeVar("T")
 
-@functools.lru_cache(maxsize=256)
-def _known_query(raw: bytes) -> tuple[int | None, bool] | None:
-    return _parse_query(raw)
+
+def _kept(parse: Callable[[bytes], T]) -> Callable[[bytes], T]:
+    """``parse``, its answers for short queries kept (``_KEPT_BYTES``, 256 of them)."""
+    known = functools.lru_cache(maxsize=256)(parse)
+
+    def read(raw: bytes) -> T:
+        return known(raw) if len(raw) <= _KEPT_BYTES else parse(raw)
+
+    return read
 
 
 def _parse_query(raw: bytes) -> tuple[int | None, bool] | None:
@@ -226,6 +213,14 @@ def _parse_query(raw: bytes) -> tuple[int | None, bool] | None:
     if wait is False or flag is None:
         return None
     return wait, flag
+
+
+#: ``(wait, keep)`` of an execute's query, read as starlette reads it (``QueryParams``:
+#: escapes decoded, the last of a repeated name); ``None`` for a value FastAPI should
+#: judge (a ``wait`` that is no plain number, a ``keep`` that is no plain boolean).
+_query = _kept(_parse_query)
+#: ``(wait, outputs)`` of a result's query, read the same way.
+_result_query = _kept(_parse_result_query)
 
 
 def _handler(app: LaneApp, exc: Exception) -> Callable[..., Awaitable[Response]] | None:

@@ -27,7 +27,9 @@ from ..deps import (
     Services,
     ServicesDep,
     WaitSeconds,
+    get_body,
     get_owner,
+    get_wait_s,
     request_cluster,
     request_owner,
     services_of,
@@ -180,10 +182,7 @@ async def release(request: Request) -> Response:
     """``POST /v1/futures/release``'s work, for the lane."""
     services = services_of(request)
     owner = request_owner(request)
-    settings = services.settings
-    body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                      metrics=services.metrics)
-    done = await _release(request, services, body, owner)
+    done = await _release(request, services, await get_body(request, services), owner)
     return JSONResponse(done.model_dump(mode="json"))
 
 
@@ -192,9 +191,8 @@ async def result(request: Request, future_id: str, wait: int | None,
     """``GET /v1/futures/{future_id}/result``'s work, for the lane (``wait`` in ms)."""
     services = services_of(request)
     owner = request_owner(request)
-    wait_s = min(wait or 0, services.settings.max_wait_ms) / 1000
-    return await _result(request, services, future_id, owner, wait_s, wants_json(request),
-                         outputs)
+    return await _result(request, services, future_id, owner, await get_wait_s(services, wait),
+                         wants_json(request), outputs)
 
 
 RELEASE_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is release_outputs)
