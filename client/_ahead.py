@@ -13,8 +13,13 @@ the call.
 A call whose outputs are small (``wire.INLINE_OUTPUTS_BYTES``) is marked ``inline``:
 the batch's answer waits up to ``Timeout.hold`` for it and carries its values, so
 ``np.asarray(f(x))`` costs one round trip, as without running ahead (the call's
-``_Hold`` stops asking for a while when it keeps missing). A numpy input is copied
-when the call is queued, so changing it afterwards does not change the call.
+``_Hold`` stops asking for a while when it keeps missing). So is a call whose small
+output a reader already waits for when its batch is built (``float(loss)`` right
+after a training step: ``_FutureState.awaited``): its answer waits for it as long
+as a fetch would, and carries the small outputs that came back with the run beside
+the big ones (``wire.carried_outputs``), so reading a step's loss costs no second
+request. A numpy input is copied when the call is queued, so changing it afterwards
+does not change the call.
 
 A call the server refuses (or that never reached it: the connection failed) raises
 its error on the first use of its outputs: a fetch, a reference in a later call,
@@ -47,6 +52,7 @@ from jitserve.client.errors import (
     JitserveError,
     JitserveTimeout,
     PayloadTooLarge,
+    ProtocolError,
     error_class,
 )
 
@@ -216,32 +222,60 @@ class _Batches:
             if queued in again:
                 continue
             if isinstance(entry, dict) and isinstance(entry.get("future_id"), str):
-                if "outputs" in entry:  # before ``sent``: a reader waiting for it finds them
+                # Before ``sent``: a reader waiting for them finds them.
+                if "outputs" in entry:
                     queued.state.keep(self._client._outputs(entry), None)
-                if call.get("inline"):
+                elif "carried" in entry:
+                    queued.state.keep(*self._carried(entry["carried"], queued.state.n_outputs))
+                if call.get("inline") and queued.hold is not None:
                     queued.hold.answered("outputs" in entry)
                 queued.state.sent(entry["future_id"])
             else:
                 queued.state.sent(None, _refusal(entry, queued.state.name))
         return again
 
+    def _carried(self, carried: Any, n_outputs: int) -> tuple[list[np.ndarray], list[int]]:
+        """The values and indices of an answer's ``carried`` outputs, checked."""
+        which = carried.get("outputs") if isinstance(carried, dict) else None
+        if not isinstance(which, list) or not all(
+                type(k) is int and 0 <= k < n_outputs for k in which):
+            raise ProtocolError(f"expected carried outputs below {n_outputs}, got {carried!r:.200}")
+        values = self._client._outputs({"outputs": carried.get("values")})
+        if len(values) != len(which):
+            raise ProtocolError(f"{len(which)} carried outputs with {len(values)} values")
+        return values, which
+
     def _mark_inline(self, batch: list[_Queued], calls: list[dict[str, Any] | None]) -> float | None:
-        """Mark the calls whose answer should carry their outputs, the last ones first
-        (``_INLINE_BYTES`` in all); the wait to ask for, ``None`` for none."""
-        hold, room = self._client.timeout.hold, _INLINE_BYTES
+        """Mark the calls whose answer should carry their outputs: those whose small
+        output a reader waits for, and, the last ones first, those whose outputs are
+        small (``_INLINE_BYTES`` in all); the wait to ask for, ``None`` for none.
+
+        A reader waits for the run anyway, so its call's answer may wait as long as
+        a fetch would (``Timeout.poll``); the others' waits only ``Timeout.hold``."""
+        timeout = self._client.timeout
+        hold, room = timeout.hold, _INLINE_BYTES
         if not hold:
             return None
-        marked = False
+        wait: float | None = None
         for queued, call in zip(reversed(batch), reversed(calls)):
-            if call is None or queued.hold is None:
+            if call is None:
                 continue
-            nbytes = sum(queued.state.nbytes or ())
+            state = queued.state
+            if state.awaited is not None and (state.nbytes is None or state.awaited in
+                                              wire.carried_outputs(state.nbytes)):
+                call["inline"], wait = True, timeout.poll
+                continue
+            if queued.hold is None or room < 0:
+                continue
+            nbytes = sum(state.nbytes or ())
             if nbytes > room:
-                break
+                room = -1  # the calls before it stay out: the last ones are read first
+                continue
             if queued.hold.ask():
-                call["inline"] = marked = True
+                call["inline"] = True
+                wait = wait or hold
                 room -= nbytes
-        return hold if marked else None
+        return wait
 
     def _op_lost(self, answered: list[tuple[_Queued, Any]]) -> Op[set[_Queued]]:
         """The calls of an answer to send again: those refused because the server lost

@@ -63,8 +63,8 @@ class _Hold:
         return True
 
     def answered(self, with_outputs: bool) -> None:
-        if with_outputs:
-            self.misses = 0
+        if with_outputs:  # also when a reader asked for them while skipping (``_ahead``)
+            self.misses = self.skip = 0
         else:
             self.misses += 1
             self.skip = min(1 << self.misses, _MAX_SKIP)

@@ -94,6 +94,9 @@ class _FutureState:
         self.values = values
         self.name = name
         self.released: set[int] = set()
+        # An output a reader waits for while the call is on its way: its batch asks
+        # for it with the answer, when it is small enough to come (``_ahead``).
+        self.awaited: int | None = None
         self.lock = threading.Lock()
         self.alock: asyncio.Lock | None = None  # made on first async use, in its loop
         self.tasks: set[asyncio.Task[Any]] = set()  # background fetches, kept alive
@@ -447,6 +450,7 @@ class RemoteArray(_RemoteBase):
                 raise JitserveTimeout(f"future {st.label} not done after {timeout} s")
             try:
                 # A call on its way: its batch's answer may bring the values (``_ahead``).
+                st.awaited = self.index
                 if st._sent is not None and not st._sent.wait(
                         None if deadline is None else max(deadline - time.monotonic(), 0.0)):
                     raise JitserveTimeout(f"future {st.label} not done after {timeout} s")
@@ -538,6 +542,7 @@ class AsyncRemoteArray(_RemoteBase):
                 raise JitserveTimeout(f"future {st.label} not done after {timeout} s") from None
             try:
                 # A call on its way: its batch's answer may bring the values (``_ahead``).
+                st.awaited = self.index
                 scope = asyncio.timeout(None if deadline is None
                                         else max(deadline - time.monotonic(), 0.0))
                 try:

@@ -71,7 +71,7 @@ from jitserve.compiler.program_store import StoredPrograms
 from jitserve.compiler.programs import Program, decode_program, lower
 from jitserve.compiler.redis.settings import RedisSettings
 from jitserve.compiler.safety import Limits, check_module
-from jitserve.wire import DTYPES, Aval, TierName
+from jitserve.wire import DTYPES, Aval, TierName, carried_outputs
 
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
@@ -246,9 +246,12 @@ class Executable:
             meta["cost"] = cost_of(loaded)
         self.meta = meta
         self.nbytes = nbytes
-        # The bytes of one run's outputs, known once (``None`` if a shape is not).
-        self.out_nbytes = (sum(a.nbytes for a in self.out_avals)
-                           if all(a.is_static for a in self.out_avals) else None)
+        # The bytes of one run's outputs, and those whose values come back with its
+        # answer (``wire.carried_outputs``), known once (``None`` if a shape is not).
+        static = all(a.is_static for a in self.out_avals)
+        self.out_nbytes = sum(a.nbytes for a in self.out_avals) if static else None
+        self.carried = (carried_outputs([a.nbytes for a in self.out_avals]) if static
+                        else None)
 
     @property
     def loaded(self) -> Any:

@@ -28,7 +28,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -251,6 +251,23 @@ STREAM_BYTES = 1 << 20
 #: from the runtime, so the server holds their values; the SDK asks for them
 #: with the call itself (``Timeout.hold``) rather than in a second request.
 INLINE_OUTPUTS_BYTES = 64 << 10
+#: When a run's outputs are bigger than that, those of at most this many bytes each
+#: still come back (``carried_outputs``): a training step's loss beside its model.
+SMALL_OUTPUT_BYTES = 1 << 10
+
+
+def carried_outputs(nbytes: Sequence[int]) -> tuple[int, ...]:
+    """The outputs (of ``nbytes`` each) whose values come back with a run's answer: all
+    of them when they total ``INLINE_OUTPUTS_BYTES`` or less, else, in order, those of
+    at most ``SMALL_OUTPUT_BYTES`` while they total that."""
+    if sum(nbytes) <= INLINE_OUTPUTS_BYTES:
+        return tuple(range(len(nbytes)))
+    carried, total = [], 0
+    for index, n in enumerate(nbytes):
+        if n <= SMALL_OUTPUT_BYTES and total + n <= INLINE_OUTPUTS_BYTES:
+            carried.append(index)
+            total += n
+    return tuple(carried)
 
 
 def pack_pieces(obj: Any) -> list[bytes | memoryview]:

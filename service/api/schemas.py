@@ -52,6 +52,7 @@ __all__ = [
     "CallsJSON",
     "CallsMsgpack",
     "CallsRequest",
+    "CarriedOutputs",
     "DeleteResult",
     "ErrorBody",
     "ErrorDetail",
@@ -214,6 +215,13 @@ class CallsRequest(_Strict):
     calls: list[CallsItem] = Field(max_length=MAX_CALLS)
 
 
+class CarriedOutputs(BaseModel):
+    """The small outputs of an ``inline`` call whose other outputs are big."""
+
+    outputs: list[int] = Field(description="which outputs, in order")
+    values: list[ArrayJSON]
+
+
 class CallStarted(BaseModel):
     """A call of the batch that was accepted: its future, to poll, fetch or pass on."""
 
@@ -223,6 +231,8 @@ class CallStarted(BaseModel):
     tier: str
     outputs: list[ArrayJSON] | None = Field(None, description=(
         "the outputs of an ``inline`` call that ended within ?wait (small ones only)"))
+    carried: CarriedOutputs | None = Field(None, description=(
+        "when some of those outputs are big: the small ones (a loss beside a model)"))
 
 
 class CallRefused(BaseModel):

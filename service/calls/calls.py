@@ -392,12 +392,15 @@ class Calls:
         released = [k for k, buf in zip(which, buffers) if buf is None]
         if released:
             raise NotFound(f"output {released[0]} of future {fut.future_id} was released")
+        known = fut.host or [None] * len(fut.outputs)
+        missing = [k for k in which if known[k] is None]
         try:
-            host = ([fut.host[k] for k in which] if fut.host is not None
-                    else await self._runtimes.fetch(buffers))
+            fetched = dict(zip(missing, await self._runtimes.fetch(
+                [fut.outputs[k] for k in missing]))) if missing else {}
         except RemoteError as e:
             raise FutureFailed(f"future {fut.future_id}'s outputs are gone: {e}",
                                cause={"code": e.code, "message": str(e)}) from None
+        host = [fetched[k] if known[k] is None else known[k] for k in which]
         self._metrics.transferred("out", sum(a.nbytes for a in host))
         return host
 

@@ -500,8 +500,10 @@ class Executor:
                                "were lost")
             return
         run_s = float(reply["run_s"])
-        if "values" in reply:
-            fut.host = frames.unpack_arrays(reply["values"])
+        if "values" in reply:  # the small ones (``wire.carried_outputs``), ``None`` elsewhere
+            descs = reply["values"]
+            values = iter(frames.unpack_arrays([d for d in descs if d is not None]))
+            fut.host = [None if d is None else next(values) for d in descs]
         self._metrics.observe(self._metrics.execute_seconds, run_s)
         self._futures.complete(fut, outputs, run_s)
 

@@ -86,7 +86,8 @@ class Future:
         server from when it accepted the call until the run ends).
       status, outputs, error, timings: progress; ``outputs`` only when done (an
         entry is ``None`` once that output is freed).
-      host: small outputs' host copies, which came with the run's answer.
+      host: small outputs' host copies, which came with the run's answer (``None``
+        for the others: ``wire.carried_outputs``).
       removed: why the future left the store (``"deleted"``, ``"expired"``,
         ``"released"``), if it did.
       released: the outputs its caller let go of.

@@ -50,6 +50,7 @@ from jitserve import wire
 from .. import memory
 from . import frames, landlock
 from .protocol import (
+    ArrayDesc,
     CancelRequest,
     Config,
     DecodeAnswer,
@@ -552,14 +553,19 @@ class RuntimeServer:
             self.buffers[handle] = out
             handles.append(handle)
         reply: RunAnswer = {"handles": handles, "run_s": run_s}
-        out_nbytes = exe.out_nbytes
-        if out_nbytes is None:
-            out_nbytes = sum(out.nbytes for out in outputs)
-        if out_nbytes <= wire.INLINE_OUTPUTS_BYTES:
-            # Small outputs come along: fetching them later would cost a round trip.
+        carried = exe.carried
+        if carried is None:
+            carried = wire.carried_outputs([out.nbytes for out in outputs])
+        if carried:
+            # Small outputs come along (all, or a loss beside a model): fetching them
+            # later would cost a round trip.
             import numpy as np
 
-            reply["values"], _ = frames.pack_arrays([np.asarray(o) for o in outputs], None)
+            packed, _ = frames.pack_arrays([np.asarray(outputs[i]) for i in carried], None)
+            values: list[ArrayDesc | None] = [None] * len(outputs)
+            for i, desc in zip(carried, packed):
+                values[i] = desc
+            reply["values"] = values
         return reply
 
     def _split(self, outputs: list[Any], rows: list[int], run_s: float) -> SplitAnswer:

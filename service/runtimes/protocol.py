@@ -249,7 +249,8 @@ class RunRequest(TypedDict):
 class RunAnswer(TypedDict):
     handles: list[int]  # the outputs, kept on the device
     run_s: float
-    values: NotRequired[list[ArrayDesc]]  # the outputs too, when small (``INLINE_OUTPUTS_BYTES``)
+    # Each output's value when small (``wire.carried_outputs``), ``None`` for the others.
+    values: NotRequired[list[ArrayDesc | None]]
 
 
 class SplitAnswer(TypedDict):

@@ -366,3 +366,16 @@ def test_fuzzed_messages_decode_or_raise_wire_error(decode: Any, encode: Any) ->
             decode(bytes(blob[:cut]), max_bytes=1 << 20)
         except WireError:
             pass
+
+
+@pytest.mark.parametrize(("nbytes", "carried"), [
+    ([], ()),
+    ([4, 8, 4], (0, 1, 2)),  # small in all: every one comes back
+    ([wire.INLINE_OUTPUTS_BYTES - 4, 4], (0, 1)),
+    ([1 << 20, 4], (1,)),  # a model and its loss: the loss
+    ([4, 1 << 20, wire.SMALL_OUTPUT_BYTES, wire.SMALL_OUTPUT_BYTES + 1], (0, 2)),
+    ([wire.SMALL_OUTPUT_BYTES] * 70 + [1 << 20], tuple(range(64))),  # 64 KiB in all at most
+])
+def test_carried_outputs(nbytes: list[int], carried: tuple[int, ...]) -> None:
+    """Which outputs a runtime sends back with a run's answer (``wire.carried_outputs``)."""
+    assert wire.carried_outputs(nbytes) == carried

@@ -112,6 +112,51 @@ def test_a_batch_that_waits_carries_the_outputs_of_its_inline_calls(http: httpx.
     assert "outputs" not in r.json()["calls"][0]
 
 
+def test_an_inline_call_s_small_outputs_come_beside_its_big_ones(http: httpx.Client) -> None:
+    """A training step's loss beside its model: the answer carries the outputs that
+    came back with the run (``wire.carried_outputs``), the big one stays, and a fetch
+    of both gives the small one from the server's copy and the big one from its
+    runtime."""
+    n = wire.INLINE_OUTPUTS_BYTES // 16 + 1  # four float32 a row: past the limit
+    exp = export.export(jax.jit(lambda a: (jax.numpy.tile(a, (n, 1)), a.sum(), a[:3] + 1.0)))(
+        jax.ShapeDtypeStruct((4,), np.float32))
+    r = http.post("/v1/programs", content=bytes(exp.serialize()),
+                  headers={"content-type": wire.OCTET_STREAM})
+    assert r.status_code in (200, 201), r.text
+    pid = r.json()["program_id"]
+    a = np.arange(4, dtype=np.float32) / 4
+    for as_json in (False, True):
+        calls = [{"program_id": pid, "args": [a], "inline": True}]
+        body = wire.dumps_json({"calls": calls}) if as_json else wire.packb({"calls": calls})
+        ctype = wire.JSON if as_json else wire.MSGPACK
+        r = http.post("/v1/calls", params={"wait": 30000}, content=body,
+                      headers={"content-type": ctype, "accept": ctype})
+        assert r.status_code == 200, r.text
+        [entry] = (wire.loads_json(r.content) if as_json else wire.unpackb(r.content))["calls"]
+        assert entry["status"] == "done"
+        assert "outputs" not in entry  # not all of them are small
+        assert entry["carried"]["outputs"] == [1, 2]
+        total, head = entry["carried"]["values"]
+        np.testing.assert_allclose(total, a.sum(), rtol=1e-5)
+        np.testing.assert_array_equal(head, a[:3] + 1.0)
+        r = http.get(f"/v1/futures/{entry['future_id']}/result", params={"outputs": "1,0,2"},
+                     headers={"accept": wire.MSGPACK})
+        assert r.status_code == 200, r.text
+        total, big, head = wire.unpackb(r.content)["outputs"]
+        np.testing.assert_allclose(total, a.sum(), rtol=1e-5)
+        np.testing.assert_array_equal(big, np.tile(a, (n, 1)))
+        np.testing.assert_array_equal(head, a[:3] + 1.0)
+        # Released, the small output is gone from the server's copy too.
+        r = http.post("/v1/futures/release",
+                      json={"outputs": [{"future": entry["future_id"], "output": 1}]})
+        assert r.status_code == 200, r.text
+        r = http.get(f"/v1/futures/{entry['future_id']}/result", params={"outputs": "1"})
+        assert r.status_code == 404, r.text
+        r = http.get(f"/v1/futures/{entry['future_id']}/result", params={"outputs": "0"},
+                     headers={"accept": wire.MSGPACK})
+        np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], np.tile(a, (n, 1)))
+
+
 def test_bad_batches_are_refused_whole(http: httpx.Client) -> None:
     pid = _program(http)
     assert _calls(http, []).json() == {"calls": []}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import pytest
 from e2e.conftest import _free_port
 from flax import linen as nn
 
+from jitserve import wire
 from jitserve.client import AsyncClient, Client
 from jitserve.client.errors import FutureFailed, NotFound, TransportError
 
@@ -190,6 +193,39 @@ def test_a_quick_call_s_values_come_with_its_batch_s_answer(server_url: str) -> 
             np.testing.assert_array_equal(np.asarray(out), a + k + 1)
             assert float(total) == float((a + k).sum())
         assert counting.seen == ["POST /v1/calls"] * 5, counting.seen
+
+
+def test_a_loss_awaited_while_its_call_is_queued_comes_with_the_batch_s_answer(
+        server_url: str) -> None:
+    """Reading a step's loss beside a model too big to come along costs the call's
+    request only: a reader that waits before the batch is sent makes the batch ask
+    for the answer to carry it (``_FutureState.awaited``), however long the run."""
+    counting = _Counting()
+    n = wire.INLINE_OUTPUTS_BYTES // 4 + 1  # float32: one element past the limit
+    with Client(server_url, run_ahead=8, transport=counting) as c:
+        step = c.jit(lambda w, x: (w - 0.1 * x, jnp.sum(w * x)), donate_argnums=0)
+        x = np.full(n, 0.5, np.float32)
+        local = jax.jit(lambda w, x: (w - 0.1 * x, jnp.sum(w * x)))
+        w, mine = c.device_put(np.ones(n, np.float32)), jnp.ones(n, np.float32)
+        w, loss = step(w, x)  # the signature's first call waits for the server
+        mine, expected = local(mine, x)
+        assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+        counting.seen.clear()
+        for _ in range(3):
+            got: list[float] = []
+            with c._ahead._cv:  # the sender takes the call only once the reader waits
+                w, loss = step(w, x)
+                state = loss._future
+                reader = threading.Thread(target=lambda out=got, y=loss: out.append(float(y)))
+                reader.start()
+                deadline = time.monotonic() + 60
+                while state.awaited is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            reader.join(60)
+            mine, expected = local(mine, x)
+            assert got == [pytest.approx(float(expected), rel=1e-6)]
+        assert counting.seen == ["POST /v1/calls"] * 3, counting.seen
+        np.testing.assert_allclose(np.asarray(w), np.asarray(mine), rtol=1e-6)
 
 
 def test_a_queued_call_sees_its_numpy_inputs_as_they_were(server_url: str) -> None:

@@ -14,9 +14,11 @@ The outputs' avals are not repeated here: ``GET /v1/futures/{id}`` gives them.
 
 With ``?wait=<ms>``, the answer waits up to that long for the calls marked
 ``inline``, and carries the outputs of those that ended, when they came back with
-the run's answer (small ones: ``wire.INLINE_OUTPUTS_BYTES``): a client that runs
-ahead reads a quick call's values with one round trip, as an execute's ``?wait``
-gives them. Their futures are kept.
+the run's answer (small ones: ``wire.carried_outputs``): all of them as
+``outputs``, or, beside big ones, the small ones as ``carried`` (``{"outputs":
+[k, ...], "values": [...]}``: a training step's loss beside its model). A client
+that runs ahead reads a quick call's values, or the loss it waits for, with one
+round trip, as an execute's ``?wait`` gives them. Their futures are kept.
 
 With replicas, a batch runs where most of its input futures are, as an execute
 does: relayed whole to the replica holding them, whose answer it is. An input
@@ -134,12 +136,17 @@ async def _answer(request: Request, started: list[Call | None], entries: list[di
     nbytes, carried = 0, False
     for i, fut in waited:
         entries[i]["status"] = fut.status.value
-        host = fut.host
-        if (fut.status.is_final and host is not None and fut.outputs is not None
-                and all(buf is not None for buf in fut.outputs)):
+        host, outputs = fut.host, fut.outputs
+        if not fut.status.is_final or host is None or outputs is None:
+            continue
+        which = [k for k, (value, buf) in enumerate(zip(host, outputs))
+                 if value is not None and buf is not None]
+        if len(which) == len(outputs):
             entries[i]["outputs"] = host
-            nbytes += sum(a.nbytes for a in host)
-            carried = True
+        elif which:  # a loss beside a model: only the small ones came back
+            entries[i]["carried"] = {"outputs": which, "values": [host[k] for k in which]}
+        nbytes += sum(host[k].nbytes for k in which)
+        carried = carried or bool(which)
     if not carried:
         return JSONResponse({"calls": entries})
     services_of(request).metrics.transferred("out", nbytes)
