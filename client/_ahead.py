@@ -18,8 +18,9 @@ output a reader already waits for when its batch is built (``float(loss)`` right
 after a training step: ``_FutureState.awaited``): its answer waits for it as long
 as a fetch would, and carries the small outputs that came back with the run beside
 the big ones (``wire.carried_outputs``), so reading a step's loss costs no second
-request. A numpy input is copied when the call is queued, so changing it afterwards
-does not change the call.
+request (while several threads or tasks queue calls, it waits only the hold: the
+sender sends nothing while a batch waits). A numpy input is copied when the call
+is queued, so changing it afterwards does not change the call.
 
 A call the server refuses (or that never reached it: the connection failed) raises
 its error on the first use of its outputs: a fetch, a reference in a later call,
@@ -72,6 +73,9 @@ _BATCH_MAX = 1024  # the server's most calls per POST /v1/calls
 _BATCH_BYTES = 8 << 20
 # Outputs the answer of one batch may carry, in all: the inline calls are the last ones.
 _INLINE_BYTES = 4 * wire.INLINE_OUTPUTS_BYTES
+# Calls in a row from one thread or task, after another's, before a batch waits for
+# a reader's run again (``_Batches._queued_by``).
+_SHARED_CALLS = 64
 
 
 class _TooBig(Exception):
@@ -144,6 +148,20 @@ class _Batches:
         self._in_flight = 0  # calls in the batch being sent
         self._closed = False
         self._batch_bytes = _BATCH_BYTES
+        # Who queued the last call (a thread, or a task of the loop), and how many more
+        # calls must come from one caller before a batch waits for a reader again.
+        self._caller: int | None = None
+        self._shared = 0
+
+    def _queued_by(self, caller: int) -> None:
+        """Note who queued a call. While several threads or tasks queue calls, a batch
+        never waits long for the run a reader awaits (``_mark_inline``): the calls the
+        others queue meanwhile would wait for that run too."""
+        if caller != self._caller:
+            self._shared = _SHARED_CALLS if self._caller is not None else 0
+            self._caller = caller
+        elif self._shared:
+            self._shared -= 1
 
     def _full(self) -> bool:
         return len(self._queue) + self._in_flight >= self.limit
@@ -251,7 +269,8 @@ class _Batches:
         small (``_INLINE_BYTES`` in all); the wait to ask for, ``None`` for none.
 
         A reader waits for the run anyway, so its call's answer may wait as long as
-        a fetch would (``Timeout.poll``); the others' waits only ``Timeout.hold``."""
+        a fetch would (``Timeout.poll``), unless other threads or tasks queue calls
+        too (``_queued_by``); the others' waits only ``Timeout.hold``."""
         timeout = self._client.timeout
         hold, room = timeout.hold, _INLINE_BYTES
         if not hold:
@@ -263,7 +282,8 @@ class _Batches:
             state = queued.state
             if state.awaited is not None and (state.nbytes is None or state.awaited in
                                               wire.carried_outputs(state.nbytes)):
-                call["inline"], wait = True, timeout.poll
+                call["inline"] = True
+                wait = max(wait or 0.0, hold if self._shared else timeout.poll)
                 continue
             if queued.hold is None or room < 0:
                 continue
@@ -273,7 +293,7 @@ class _Batches:
                 continue
             if queued.hold.ask():
                 call["inline"] = True
-                wait = wait or hold
+                wait = max(wait or 0.0, hold)
                 room -= nbytes
         return wait
 
@@ -346,6 +366,7 @@ class RunAhead(_Batches):
             if not self._cv.wait_for(lambda: not self._full() or self._closed, timeout):
                 raise self._too_long(timeout)
             self._queue.append(queued)
+            self._queued_by(threading.get_ident())
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="jitserve-run-ahead",
                                                 daemon=True)
@@ -422,6 +443,7 @@ class AsyncRunAhead(_Batches):
             except TimeoutError:
                 raise self._too_long(timeout) from None
             self._queue.append(queued)
+            self._queued_by(id(asyncio.current_task()))
             if self._task is None or self._task.done():
                 self._task = asyncio.get_running_loop().create_task(
                     self._run(), name="jitserve-run-ahead")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -328,6 +329,23 @@ def test_small_outputs_come_back_with_the_call(each_client: Client, server: Fake
     assert each_client._ahead is None or each_client._ahead.flush(5)
     assert executes(server)[-1]["args"] == [{"future": y.future_id, "output": 0}]
     np.testing.assert_allclose(np.asarray(z), np.sin(np.sin(X + 1)), rtol=1e-6)
+
+
+def test_a_reader_s_batch_waits_only_the_hold_while_several_threads_call(
+        client: Client, server: FakeServer) -> None:
+    """Running ahead, a batch a reader waits for may wait for the whole run, and the
+    sender sends nothing meanwhile: not while calls come from several threads, whose
+    calls would wait for it too (``_Batches._queued_by``)."""
+    f = client.jit(lambda a: (jnp.sin(a), a.sum()))
+    f(X)
+    other = threading.Thread(target=lambda: f(X + 2))
+    other.start()
+    other.join(10)
+    assert client._ahead is not None and client._ahead.flush(5)
+    server.requests.clear()
+    for k in range(3):
+        np.testing.assert_allclose(np.asarray(f(X + k)[0]), np.sin(X + k), rtol=1e-6)
+    assert held(server) == ["2"] * 3  # Timeout.hold, in ms, never Timeout.poll
 
 
 def test_big_outputs_are_not_held(each_client: Client, server: FakeServer) -> None:
