@@ -392,7 +392,8 @@ class Calls:
         released = [k for k, buf in zip(which, buffers) if buf is None]
         if released:
             raise NotFound(f"output {released[0]} of future {fut.future_id} was released")
-        known = fut.host or [None] * len(fut.outputs)
+        # A copy: a sibling released while the rest is fetched leaves ``fut.host``.
+        known: list[Any] = list(fut.host) if fut.host is not None else [None] * len(fut.outputs)
         missing = [k for k in which if known[k] is None]
         try:
             fetched = dict(zip(missing, await self._runtimes.fetch(

@@ -55,6 +55,9 @@ def programs() -> dict[str, bytes]:
                        _spec((4,), np.float64), _spec((), np.int64)),
         # 1 MiB of float32 + 1: results big enough to stream in slices
         "big": _export(lambda x: x + jnp.float32(1), _spec((1 << 18,))),
+        # a model and its loss: 1 MiB of float32 + 1 and the sum, which alone comes
+        # back with the run's answer (``wire.carried_outputs``)
+        "step": _export(lambda x: (x + jnp.float32(1), x.sum()), _spec((1 << 18,))),
         # 64 KiB of float32 + 1: inputs and outputs inline, a pipe's worth each
         "plus1": _export(lambda x: x + jnp.float32(1), _spec((1 << 14,))),
         # n rounds of a 256x256 matmul: as long a run as a caller asks for

@@ -248,3 +248,25 @@ async def test_donating_a_host_array_or_nothing_known_is_fine(api, x) -> None:
     np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], x + x)
     r = await api.execute(pid, [x, x], donate=[2])
     assert r.status_code == 400 and "donate" in r.json()["error"]["message"]
+
+
+async def test_a_fetch_keeps_the_small_output_it_has_while_a_sibling_is_released(api) -> None:
+    """A step's loss came back with its run; its model is fetched from the runtime.
+    A release of the loss while that fetch is on its way leaves the fetch whole (it
+    read the loss before), and later fetches of the loss are refused."""
+    pid = await api.upload("step")
+    x = np.arange(1 << 18, dtype=np.float32) / (1 << 18)
+    for _ in range(3):
+        r = await api.execute(pid, [x])
+        assert r.status_code in (200, 202), r.text
+        fid = r.json()["future_id"]
+        await _final(api, fid)
+        fetched, released = await asyncio.gather(_result(api, fid, "0,1"), _release(api, (fid, 1)))
+        assert fetched.status_code == 200, fetched.text
+        model, loss = wire.unpackb(fetched.content)["outputs"]
+        np.testing.assert_array_equal(model, x + 1)
+        np.testing.assert_allclose(loss, x.sum(), rtol=1e-5)
+        assert released["released"] == 1
+        assert (await _result(api, fid, "1")).status_code == 404
+        np.testing.assert_array_equal(
+            wire.unpackb((await _result(api, fid, "0")).content)["outputs"][0], x + 1)
