@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ import numpy as np
 
 from jitserve import wire
 from jitserve.client._base import _array_bytes
+from jitserve.client._release import Ref
 from jitserve.client._remote import _FutureState, _RemoteBase
 from jitserve.client.errors import (
     APIError,
@@ -152,6 +154,32 @@ class _Batches:
         # calls must come from one caller before a batch waits for a reader again.
         self._caller: int | None = None
         self._shared = 0
+        # Releases of dropped outputs that ride on the next batch (``_ride``), once
+        # the server's answers say it takes them; those of the batch on its way.
+        self.takes_release = False
+        self._release_lock = threading.Lock()
+        self._releases: list[Ref] = []
+        self._riding: list[Ref] = []
+        ride = weakref.WeakMethod(self._ride)
+        client._releases.rider = lambda refs: (r := ride()) is not None and r(refs)
+
+    def _ride(self, refs: list[Ref]) -> bool:
+        """Take ``refs`` along with the next batch (from the ``ReleaseQueue``'s thread):
+        only while the sender is busy (calls wait to go, or a batch is on its way, after
+        whose answer ``_answered`` gives them back if no call waits)."""
+        with self._release_lock:
+            if not self.takes_release or self._closed or not (self._queue or self._in_flight):
+                return False
+            self._releases.extend(refs)
+            return True
+
+    def _give_back(self, refs: list[Ref] | None = None) -> None:
+        """Releases that no batch took to the server go on their own: ``refs``, or
+        those of the batch that did not reach it."""
+        if refs is None:
+            refs, self._riding = self._riding, []
+        for future_id, output in refs:
+            self._client._releases.put(future_id, output)
 
     def _queued_by(self, caller: int) -> None:
         """Note who queued a call. While several threads or tasks queue calls, a batch
@@ -175,19 +203,24 @@ class _Batches:
         first call, ``_batch_bytes``), and its array bytes."""
         batch: list[_Queued] = []
         nbytes = 0
-        while self._queue and len(batch) < _BATCH_MAX:
-            size = _array_bytes(self._queue[0].args)
-            if batch and nbytes + size > self._batch_bytes:
-                break
-            batch.append(self._queue.popleft())
-            nbytes += size
-        self._in_flight = len(batch)
+        with self._release_lock:  # releases ride only while calls are queued (``_ride``)
+            while self._queue and len(batch) < _BATCH_MAX:
+                size = _array_bytes(self._queue[0].args)
+                if batch and nbytes + size > self._batch_bytes:
+                    break
+                batch.append(self._queue.popleft())
+                nbytes += size
+            self._riding, self._releases = self._releases, []
+            self._in_flight = len(batch)
         return batch, nbytes
 
     def _answered(self, batch: list[_Queued], nbytes: int, outcome: BaseException | None,
                   again: set[_Queued]) -> None:
         """After a batch went (``outcome``: what it raised): what goes back to the front
         of the queue, and what fails."""
+        if outcome is not None:
+            self._give_back()
+        self._riding = []
         if isinstance(outcome, _TooBig):  # nothing of it started: back, and smaller
             self._queue.extendleft(reversed([q for q in batch if not q.state.is_known()]))
             self._batch_bytes = max(1, nbytes // 2)
@@ -200,7 +233,11 @@ class _Batches:
                 log.error("the run-ahead sender failed a batch", exc_info=outcome)
         if again:  # in their order, before anything queued since
             self._queue.extendleft(reversed([q for q in batch if q in again]))
-        self._in_flight = 0
+        with self._release_lock:
+            self._in_flight = 0
+            idle = not self._queue  # no batch to take the releases waiting for one
+            left, self._releases = (self._releases, []) if idle else ([], self._releases)
+        self._give_back(left)
 
     def _op_send(self, batch: list[_Queued]) -> Op[set[_Queued]]:
         """Send ``batch`` and settle each call's future; the calls to send again."""
@@ -222,13 +259,16 @@ class _Batches:
             calls.append(body)
         sent = [c for c in calls if c is not None]
         if not sent:
+            self._give_back()
             return set()
         wait = self._mark_inline(batch, calls)
         try:
-            entries = yield from self._client._op_calls(sent, wait)
+            entries, self.takes_release = yield from self._client._op_calls(
+                sent, wait, self._riding)
         except JitserveError as e:  # never reached the server, or not understood: each call fails
             if isinstance(e, PayloadTooLarge) and len(sent) > 1:
                 raise _TooBig() from e
+            self._give_back()
             for queued, call in zip(batch, calls):
                 if call is not None:
                     queued.state.sent(None, _named(e, queued.state.name))

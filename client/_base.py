@@ -566,12 +566,17 @@ class BaseClient:
         return _Call("POST", "/v1/futures/release", None, content, ctype,
                      replica=_holder(f for f, _ in refs))
 
-    def _op_calls(self, calls: list[dict[str, Any]], wait: float | None = None) -> Op[list[Any]]:
-        """``POST /v1/calls``: start ``calls`` in order; one entry per call, its future
-        or its error (``_ahead``). With ``wait``, the ``inline`` calls' entries carry
+    def _op_calls(self, calls: list[dict[str, Any]], wait: float | None = None,
+                  release: Sequence[Ref] = ()) -> Op[tuple[list[Any], bool]]:
+        """``POST /v1/calls``: start ``calls`` in order, then let go of ``release``; one
+        entry per call, its future or its error (``_ahead``), and whether the server
+        takes releases with a batch. With ``wait``, the ``inline`` calls' entries carry
         their outputs if they end within it. Sent to the replica holding most of the
         batch's inputs."""
-        content, ctype = self._encode({"calls": calls})
+        body: dict[str, Any] = {"calls": calls}
+        if release:
+            body["release"] = [{"future": f, "output": i} for f, i in release]
+        content, ctype = self._encode(body)
         ask = None if wait is None else min(wait, self.timeout.poll)
         params = None if ask is None else {"wait": _ms(ask)}
         refs = (a["future"] for c in calls for a in c["args"] if wire.is_future_ref(a))
@@ -581,7 +586,7 @@ class BaseClient:
         if not isinstance(entries, list) or len(entries) != len(calls):
             raise ProtocolError(f"POST /v1/calls: expected {len(calls)} entries, got "
                                 f"{reply.body!r:.200}", request=reply.request)
-        return entries
+        return entries, type(reply.body.get("released")) is int
 
     def _op_release(self, refs: Iterable[Ref]) -> Op[int]:
         reply = yield self._release_call(refs)

@@ -35,10 +35,15 @@ class ReleaseQueue:
       max_bytes: a batch whose outputs hold this many bytes is sent at once: a
         loop that drops a big state per step would otherwise keep an interval's
         worth of states on the server, more the faster it runs.
+
+    ``rider``, when set, is offered each batch first (but those sent at once for
+    ``max_bytes``): it returns whether it takes the batch along (a running-ahead
+    client's next ``POST /v1/calls``), sparing a request of its own.
     """
 
     def __init__(self, send: Callable[[list[Ref]], object], *, interval: float = 0.05,
                  batch: int = 512, max_bytes: int = 16 << 20) -> None:
+        self.rider: Callable[[list[Ref]], bool] | None = None
         self._send = send
         self._interval = interval
         self._batch = batch
@@ -76,12 +81,18 @@ class ReleaseQueue:
                     break
                 nbytes += batch[-1][2]
             stop = batch[-1] is _STOP
-            self._post([(item[0], item[1]) for item in batch if item is not _STOP])
+            self._post([(item[0], item[1]) for item in batch if item is not _STOP],
+                       urgent=nbytes >= self._max_bytes)
 
-    def _post(self, refs: list[Ref]) -> None:
+    def _post(self, refs: list[Ref], urgent: bool = False) -> None:
+        """Send ``refs``, or let the ``rider`` take them (not ``urgent`` ones: those
+        that hold ``max_bytes`` go at once)."""
         if not refs:
             return
         try:
+            rider = self.rider
+            if not urgent and rider is not None and rider(refs):
+                return
             self._send(refs)
         except Exception as e:  # noqa: BLE001 - the server's TTL frees them; never kill the thread
             logger.debug("releasing %d outputs failed: %s", len(refs), e)

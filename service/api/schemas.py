@@ -193,13 +193,20 @@ class CallMsgpack(_Call):
     args: list[ArrayMsgpack | FutureRef | CallRef]
 
 
-class CallsJSON(_Strict):
+class _CallsBody(_Strict):
+    release: list[FutureRef] = Field(
+        default_factory=list, max_length=MAX_RELEASE, description=(
+            "outputs the caller lets go of, as ``POST /v1/futures/release`` takes them; "
+            "released once the calls have started (a call still reads those it takes)"))
+
+
+class CallsJSON(_CallsBody):
     """Body of ``POST /v1/calls``, in JSON: calls to start in order."""
 
     calls: list[CallJSON] = Field(max_length=MAX_CALLS)
 
 
-class CallsMsgpack(_Strict):
+class CallsMsgpack(_CallsBody):
     """Body of ``POST /v1/calls``, in msgpack: calls to start in order."""
 
     calls: list[CallMsgpack] = Field(max_length=MAX_CALLS)
@@ -211,7 +218,7 @@ class CallsItem(_Call):
     args: list[Any]
 
 
-class CallsRequest(_Strict):
+class CallsRequest(_CallsBody):
     calls: list[CallsItem] = Field(max_length=MAX_CALLS)
 
 
@@ -245,6 +252,10 @@ class CallsAnswer(BaseModel):
     """The answer of ``POST /v1/calls``: one entry per call, in order."""
 
     calls: list[CallStarted | CallRefused]
+    released: int = Field(0, description=(
+        "the outputs of ``release`` let go of (its others, ``unknown``, are not "
+        "the caller's); always there, so a client knows the server takes ``release``"))
+    unknown: int = 0
 
 
 class OutputsJSON(BaseModel):

@@ -124,6 +124,30 @@ def test_garbage_collected_arrays_are_released_per_output() -> None:
     assert float(second) == 2.5
 
 
+def test_a_rider_takes_release_batches_but_those_that_free_much() -> None:
+    """``ReleaseQueue.rider`` (a running-ahead client's next batch) is offered each
+    batch, and what it refuses is sent; a batch cut at ``max_bytes`` is sent at once."""
+    sent: list[list[tuple[str, int]]] = []
+    offered: list[list[tuple[str, int]]] = []
+    answers = iter([True, False])
+    queue = ReleaseQueue(sent.append, interval=0.01, max_bytes=1000)
+
+    def rider(refs: list[tuple[str, int]]) -> bool:
+        offered.append(refs)
+        return next(answers)
+
+    queue.rider = rider
+    for n, future_id in enumerate(("taken", "refused")):
+        queue.put(future_id, 0)
+        deadline = time.monotonic() + 10
+        while len(offered) <= n and time.monotonic() < deadline:  # one batch each
+            time.sleep(0.005)
+    queue.put("big", 0, 1000)
+    queue.close()
+    assert offered == [[("taken", 0)], [("refused", 0)]]
+    assert sent == [[("refused", 0)], [("big", 0)]]
+
+
 def test_release_queue_batches_and_survives_failures() -> None:
     batches: list[list[tuple[str, int]]] = []
     calls = iter([RuntimeError("server down")] + [None] * 100)

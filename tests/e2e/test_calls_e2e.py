@@ -31,11 +31,13 @@ def _program(http: httpx.Client, headers: dict[str, str] | None = None) -> str:
 
 
 def _calls(http: httpx.Client, calls: list[dict[str, Any]], *, as_json: bool = False,
-           headers: dict[str, str] | None = None) -> httpx.Response:
+           headers: dict[str, str] | None = None,
+           release: list[dict[str, Any]] | None = None) -> httpx.Response:
+    body = {"calls": calls, **({"release": release} if release is not None else {})}
     if as_json:
-        return http.post("/v1/calls", content=wire.dumps_json({"calls": calls}),
+        return http.post("/v1/calls", content=wire.dumps_json(body),
                          headers={"content-type": wire.JSON, **(headers or {})})
-    return http.post("/v1/calls", content=wire.packb({"calls": calls}),
+    return http.post("/v1/calls", content=wire.packb(body),
                      headers={"content-type": wire.MSGPACK, **(headers or {})})
 
 
@@ -157,11 +159,31 @@ def test_an_inline_call_s_small_outputs_come_beside_its_big_ones(http: httpx.Cli
         np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], np.tile(a, (n, 1)))
 
 
+def test_a_batch_releases_outputs_once_its_calls_started(http: httpx.Client) -> None:
+    """``release`` lets go of outputs as ``POST /v1/futures/release`` does, after the
+    batch's calls started: a call of the batch still reads an output it releases."""
+    pid = _program(http)
+    a = np.arange(4, dtype=np.float32)
+    for as_json in (False, True):
+        first = _calls(http, [{"program_id": pid, "args": [a]}]).json()["calls"][0]["future_id"]
+        ref = {"future": first, "output": 0}
+        r = _calls(http, [{"program_id": pid, "args": [ref]}], as_json=as_json, release=[
+            ref, {"future": "no-such-future", "output": 0}])
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert (answer["released"], answer["unknown"]) == (1, 1)
+        np.testing.assert_array_equal(_value(http, answer["calls"][0]["future_id"]), a * 4 + 3)
+        r = http.get(f"/v1/futures/{first}/result", params={"wait": 30000})
+        assert r.status_code == 404, r.text
+
+
 def test_bad_batches_are_refused_whole(http: httpx.Client) -> None:
     pid = _program(http)
-    assert _calls(http, []).json() == {"calls": []}
+    assert _calls(http, []).json() == {"calls": [], "released": 0, "unknown": 0}
     for body in ({}, {"calls": "no"}, {"calls": [{"args": []}]},
                  {"calls": [{"program_id": pid, "args": [], "what": 1}]},
+                 {"calls": [], "release": [{"future": "x"}]},
+                 {"calls": [], "release": "no"},
                  {"calls": [{"program_id": pid, "args": []}] * 1025}):
         r = http.post("/v1/calls", content=wire.packb(body), headers={"content-type": wire.MSGPACK})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", (body, r.text)

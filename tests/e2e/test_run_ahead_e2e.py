@@ -167,12 +167,13 @@ def test_calls_whose_program_the_server_lost_go_again_after_an_upload(server_url
 class _Counting(httpx.HTTPTransport):
     """A real HTTP transport that remembers each request's method and path."""
 
-    def __init__(self) -> None:
+    def __init__(self, releases: bool = False) -> None:
         super().__init__()
         self.seen: list[str] = []
+        self._releases = releases  # whether to count POST /v1/futures/release too
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path != "/v1/futures/release":
+        if self._releases or request.url.path != "/v1/futures/release":
             self.seen.append(f"{request.method} {request.url.path}")
         return super().handle_request(request)
 
@@ -226,6 +227,35 @@ def test_a_loss_awaited_while_its_call_is_queued_comes_with_the_batch_s_answer(
             assert got == [pytest.approx(float(expected), rel=1e-6)]
         assert counting.seen == ["POST /v1/calls"] * 3, counting.seen
         np.testing.assert_allclose(np.asarray(w), np.asarray(mine), rtol=1e-6)
+
+
+def test_releases_of_dropped_outputs_ride_on_the_next_batch(server_url: str) -> None:
+    """An output dropped while calls wait to go is released by their batch
+    (``release`` of ``POST /v1/calls``), not by a request of its own."""
+    counting = _Counting(releases=True)
+    with Client(server_url, run_ahead=8, transport=counting) as c:
+        f = c.jit(lambda v: (v * 2.0, v.sum()))
+        a = np.arange(4, dtype=np.float32)
+        y, total = f(a)  # the signature's first call waits for the server
+        kept = f(a)  # a batch: its answer says releases ride (and nothing is dropped yet)
+        assert float(kept[1]) == float(a.sum())
+        assert c._ahead is not None and c._ahead.flush(30) and c._ahead.takes_release
+        future_id = y.future_id
+        with c._ahead._cv:  # the sender takes nothing meanwhile: the call waits to go
+            z, z_total = f(a + 1)  # both kept: nothing else is dropped
+            del y  # its release is queued, and offered to the batch after ``interval``
+            deadline = time.monotonic() + 60
+            while not c._ahead._releases and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert c._ahead._releases == [(future_id, 0)]
+        assert c._ahead.flush(30)
+        r = httpx.get(f"{server_url}/v1/futures/{future_id}/result", params={"outputs": "0"},
+                      timeout=30)
+        assert r.status_code == 404, r.text  # released by the batch
+        assert float(total) == float(a.sum())  # its sibling stays
+        np.testing.assert_array_equal(np.asarray(z), (a + 1) * 2.0)
+        assert float(z_total) == float((a + 1).sum())
+        assert "POST /v1/futures/release" not in counting.seen, counting.seen
 
 
 def test_a_queued_call_sees_its_numpy_inputs_as_they_were(server_url: str) -> None:

@@ -12,6 +12,12 @@ the error its own execute would have got. A call refused leaves the later ones
 to go on; one that takes an output of a refused call is refused too, naming it.
 The outputs' avals are not repeated here: ``GET /v1/futures/{id}`` gives them.
 
+A batch may also let go of outputs (``release``, as ``POST /v1/futures/release``
+takes them), once its calls have started: a client that runs ahead sends the
+outputs its program dropped with its next calls rather than in a request of its
+own. The answer always says how many were released (``released``, ``unknown``),
+so a client knows the server takes them.
+
 With ``?wait=<ms>``, the answer waits up to that long for the calls marked
 ``inline``, and carries the outputs of those that ended, when they came back with
 the run's answer (small ones: ``wire.carried_outputs``): all of them as
@@ -43,6 +49,7 @@ from ..bodies import BodyReader, array_response, wants_json
 from ..deps import request_cluster, request_owner, services_of
 from ..openapi import errors, message_body
 from ..schemas import CallsAnswer, CallsItem, CallsJSON, CallsMsgpack, CallsRequest, parse
+from .futures import release_refs
 
 __all__ = ["router"]
 
@@ -78,8 +85,9 @@ async def start_calls(
     body = BodyReader(request, settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                       metrics=services.metrics)
     raw, message = await body.raw_message()
-    batch = parse(CallsRequest, message, "calls request").calls
-    del message
+    parsed = parse(CallsRequest, message, "calls request")
+    batch, release = parsed.calls, parsed.release
+    del message, parsed
     wait_s = min(wait or 0, settings.max_wait_ms) / 1000
     forwarding = request_cluster(request, services)
     if forwarding is not None:  # the batch runs where most of its inputs are, as an execute
@@ -108,25 +116,29 @@ async def start_calls(
         entries.append({"future_id": fut.future_id, "status": fut.status.value,
                         "executable_id": fut.executable_id, "tier": call.tier})
     batch.clear()  # the executor holds the inputs now
+    # After the calls started: one that takes an output released here still reads it.
+    done = await release_refs(request, services, release, owner)
+    answer = {"calls": entries, "released": done.released, "unknown": done.unknown}
     cluster = services.cluster
     if cluster is None:
-        return await _answer(request, started, entries, inline, wait_s)
+        return await _answer(request, started, answer, inline, wait_s)
     # Another replica may answer for these futures once they are in Redis: the
     # answer waits for that, as an execute's does.
     async with contextlib.AsyncExitStack() as stack:
         for each in started:
             if each is not None:
                 await stack.enter_async_context(cluster.mirror.answering(each.future))
-        return await _answer(request, started, entries, inline, wait_s)
+        return await _answer(request, started, answer, inline, wait_s)
 
 
-async def _answer(request: Request, started: list[Call | None], entries: list[dict[str, Any]],
+async def _answer(request: Request, started: list[Call | None], answer: dict[str, Any],
                   inline: list[int], wait_s: float) -> Response:
     """The batch's answer; with ``wait_s``, once the ``inline`` calls ended (or it
     passed), their entries carrying the outputs that came back with their runs."""
+    entries = answer["calls"]
     waited = [(i, call.future) for i in inline if (call := started[i]) is not None]
     if not wait_s or not waited:
-        return JSONResponse({"calls": entries})
+        return JSONResponse(answer)
     deadline = time.monotonic() + wait_s
     for _, fut in waited:  # in order: the last to end is usually the last started
         remaining = deadline - time.monotonic()
@@ -148,9 +160,9 @@ async def _answer(request: Request, started: list[Call | None], entries: list[di
         nbytes += sum(host[k].nbytes for k in which)
         carried = carried or bool(which)
     if not carried:
-        return JSONResponse({"calls": entries})
+        return JSONResponse(answer)
     services_of(request).metrics.transferred("out", nbytes)
-    return array_response({"calls": entries}, wants_json(request), nbytes=nbytes)
+    return array_response(answer, wants_json(request), nbytes=nbytes)
 
 
 async def _start(request: Request, item: CallsItem, index: int, started: list[Call | None],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -37,13 +38,14 @@ from ..deps import (
 from ..openapi import errors, message_body, outputs_content
 from ..schemas import (
     DeleteResult,
+    FutureRef,
     FutureView,
     ReleaseRequest,
     ReleaseResult,
     parse,
 )
 
-__all__ = ["RELEASE_ROUTE", "RESULT_ROUTE", "release", "result", "router"]
+__all__ = ["RELEASE_ROUTE", "RESULT_ROUTE", "release", "release_refs", "result", "router"]
 
 router = APIRouter(prefix="/v1/futures", tags=["futures"], dependencies=[Depends(get_owner)],
                    responses=errors(ErrorCode.UNAUTHORIZED, ErrorCode.NOT_FOUND,
@@ -72,11 +74,18 @@ async def release_outputs(request: Request, services: ServicesDep, body: Body,
 
 async def _release(request: Request, services: Services, body: BodyReader,
                    owner: str | None) -> ReleaseResult:
-    cluster = request_cluster(request, services)
     req = parse(ReleaseRequest, await body.message(), "release request")
+    return await release_refs(request, services, req.outputs, owner)
+
+
+async def release_refs(request: Request, services: Services, refs: Iterable[FutureRef],
+                       owner: str | None) -> ReleaseResult:
+    """Let go of the outputs ``refs`` names, here and on the replicas holding them
+    (``POST /v1/futures/release``, and a batch's ``release``)."""
+    cluster = request_cluster(request, services)
     here: list[tuple[str, int]] = []
     elsewhere: defaultdict[str, list[tuple[str, int]]] = defaultdict(list)
-    for r in req.outputs:
+    for r in refs:
         rid = remote_replica(cluster, r.future)
         (here if rid is None else elsewhere[rid]).append((r.future, r.output))
     released, unknown = services.futures.release(here, owner)
