@@ -104,3 +104,15 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
                 for c in (task / "children").read_text().split()]
     return of(pid), sum(of(c) for c in children)
+
+
+def requests_by_route(url: str) -> dict[str, float]:
+    """Requests the server at ``url`` has answered, by route template (all statuses;
+    ``/metrics`` itself left out), from ``jitserve_requests_total`` on ``/metrics``."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('jitserve_requests_total{route="'):
+            route = line.split('"', 2)[1]
+            if route != "/metrics":
+                counts[route] = counts.get(route, 0.0) + float(line.rpartition(" ")[2])
+    return counts

@@ -15,8 +15,9 @@ each way, local and every client taking turns (this machine's speed drifts withi
 minutes), ``--steps`` steps a round after warm-up steps that compile. Per loop and
 client: the median ms per step, its speed ÷ local speed (the issue's figure: 1.0 is
 local speed), CPU ms per step of this client, of the server's API process and of
-its runtimes (``/proc``), and, through the relay, its speed ÷ the same client's
-over loopback (the issue's run-ahead target: at least 0.8 at 10 ms).
+its runtimes (``/proc``), the requests per step by route (the server's
+``/metrics``), and, through the relay, its speed ÷ the same client's over loopback
+(the issue's run-ahead target: at least 0.8 at 10 ms).
 
 Run: ``.venv/bin/python bench/training.py [--loops mlp cnn64] [--steps 200]
 [--rtt-ms 10] [--run-ahead 32]``; writes bench/results/training.json.
@@ -42,7 +43,13 @@ from flax import linen as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _servers, beside this file
 
-from _servers import cpu_seconds, free_port, jitserve, write_results  # noqa: E402
+from _servers import (  # noqa: E402
+    cpu_seconds,
+    free_port,
+    jitserve,
+    requests_by_route,
+    write_results,
+)
 
 from jitserve.client import Client  # noqa: E402
 
@@ -105,7 +112,7 @@ def run_steps(step: Callable[..., Any], state: tuple[Any, Any], images: Any, lab
     return (params, opt_state), time.perf_counter() - start, losses
 
 
-def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
+def bench_loop(name: str, clients: dict[str, Client], server: tuple[str, int],
                args: argparse.Namespace) -> dict[str, Any]:
     """Local jax.jit against each of ``clients`` (a label each), taking turns."""
     train_step, params, opt_state, images, labels = make_loop(name)
@@ -118,8 +125,9 @@ def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
         state, _, losses = run_steps(step, c.device_put((params, opt_state)), images, labels,
                                      args.warmup, 1)
         np.testing.assert_allclose(losses, local_losses, rtol=1e-4)  # the same training
-        remote[label] = {"step": step, "state": state, "ms": [],
+        remote[label] = {"step": step, "state": state, "ms": [], "requests": {},
                          "cpu": {"client": 0.0, "api": 0.0, "runtimes": 0.0}}
+    url, server_pid = server
     local_ms = []
     local_cpu = 0.0
     for _ in range(args.rounds):
@@ -128,11 +136,14 @@ def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
         local_cpu += time.process_time() - cpu0
         local_ms.append(1e3 * seconds / args.steps)
         for r in remote.values():
+            requests0 = requests_by_route(url)
             client0, (api0, runtimes0) = time.process_time(), cpu_seconds(server_pid)
             r["state"], seconds, _ = run_steps(r["step"], r["state"], images, labels, args.steps,
                                                args.fetch_every)
             r["ms"].append(1e3 * seconds / args.steps)
             api1, runtimes1 = cpu_seconds(server_pid)
+            for route, n in requests_by_route(url).items():
+                r["requests"][route] = r["requests"].get(route, 0.0) + n - requests0.get(route, 0.0)
             r["cpu"]["client"] += time.process_time() - client0
             r["cpu"]["api"] += api1 - api0
             r["cpu"]["runtimes"] += runtimes1 - runtimes0
@@ -150,6 +161,8 @@ def bench_loop(name: str, clients: dict[str, Client], server_pid: int,
         # their CPU over the cores, whatever overlaps.
         bound = sum(cpu.values()) / cores
         out[label] = {"ms_per_step": ms, "ms_rounds": r["ms"],
+                      "requests_per_step": {route: round(n / total, 3)
+                                            for route, n in r["requests"].items() if n},
                       "speed_over_local": out["local_ms_per_step"] / ms,
                       "cpu_ms_per_step": cpu, "cpu_bound_ms_per_step": round(bound, 3),
                       "bound_speed_over_local": out["local_ms_per_step"] / bound}
@@ -197,7 +210,7 @@ def main() -> int:
                 clients[f"{where}+ahead"] = stack.enter_context(
                     Client(target, timeout=300, run_ahead=args.run_ahead))
         for name in args.loops:
-            r = results[name] = bench_loop(name, clients, proc.pid, args)
+            r = results[name] = bench_loop(name, clients, (url, proc.pid), args)
             print(f"{name} ({r['leaves']} state leaves): local {r['local_ms_per_step']:.2f} ms/step, "
                   f"{r['local_cpu_ms_per_step']:.2f} ms of CPU ({r['cores']} cores)")
             for label in clients:
@@ -207,6 +220,8 @@ def main() -> int:
                       f"local speed; CPU ms/step client {cpu['client']:.2f}, API {cpu['api']:.2f}, "
                       f"runtimes {cpu['runtimes']:.2f}: at best {x['cpu_bound_ms_per_step']:.2f} "
                       f"ms/step ({x['bound_speed_over_local']:.2f}x)")
+                print(f"  {'':>20}  requests/step: " + ", ".join(
+                    f"{route} {n:.2f}" for route, n in sorted(x["requests_per_step"].items())))
             for label in clients:
                 if label.startswith("rtt"):
                     base = r[label.replace(f"rtt{args.rtt_ms:g}ms", "loopback")]["ms_per_step"]
