@@ -218,9 +218,10 @@ class _Batches:
                   again: set[_Queued]) -> None:
         """After a batch went (``outcome``: what it raised): what goes back to the front
         of the queue, and what fails."""
-        if outcome is not None:
+        if outcome is not None:  # what rode on it may not have reached the server
             self._give_back()
-        self._riding = []
+        else:
+            self._riding = []
         if isinstance(outcome, _TooBig):  # nothing of it started: back, and smaller
             self._queue.extendleft(reversed([q for q in batch if not q.state.is_known()]))
             self._batch_bytes = max(1, nbytes // 2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -78,10 +78,12 @@ async def _release(request: Request, services: Services, body: BodyReader,
     return await release_refs(request, services, req.outputs, owner)
 
 
-async def release_refs(request: Request, services: Services, refs: Iterable[FutureRef],
+async def release_refs(request: Request, services: Services, refs: Sequence[FutureRef],
                        owner: str | None) -> ReleaseResult:
     """Let go of the outputs ``refs`` names, here and on the replicas holding them
-    (``POST /v1/futures/release``, and a batch's ``release``)."""
+    (``POST /v1/futures/release``, and a batch's ``release``, most often empty)."""
+    if not refs:
+        return ReleaseResult(released=0, unknown=0)
     cluster = request_cluster(request, services)
     here: list[tuple[str, int]] = []
     elsewhere: defaultdict[str, list[tuple[str, int]]] = defaultdict(list)
