@@ -88,6 +88,9 @@ Arg = np.ndarray | Buffer | FutureRef
 # Codes a runtime's failure of a run keeps; anything else is "future_failed".
 _RUN_CODES = frozenset({"execution_timeout", "runtime_crashed", "runtime_stopped",
                         "out_of_memory", "future_cancelled", "future_expired", "unavailable"})
+# A run sent ahead whose input's run failed (``runtimes.protocol``): its future fails
+# as one whose input future failed does, with the runtime's words, which name both.
+_DEPENDENCY_FAILED = "dependency_failed"
 # How often a run that never began is sent again when its runtime is stopped under it
 # (by another's deadline or cancel); after a crash, once: a second loss says the run
 # itself is the likely cause (its inputs' transfer, its load).
@@ -96,6 +99,8 @@ _RESENDS = 3
 
 def run_error(e: RemoteError) -> tuple[str, str]:
     """The code and message a future fails with when its runtime failed its run."""
+    if e.code == _DEPENDENCY_FAILED:
+        return "future_failed", str(e)
     code = e.code if e.code in _RUN_CODES else "future_failed"
     return code, (str(e) if code != "future_failed" else f"execution failed: {e}")
 
@@ -130,6 +135,8 @@ class ExecutionJob:
         # What the job holds until it ends: retained buffers, pinned references.
         self.held = [a for a in args if isinstance(a, Buffer)]
         self.waiting = [a for a in args if isinstance(a, FutureRef)]
+        # The buffers its outputs will be, named when the run was sent (``_promise``).
+        self.promised: list[Buffer] | None = None
         self.task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._started = False
@@ -301,16 +308,14 @@ class Executor:
     def hold(self, args: Sequence[Arg]) -> None:
         """Keep the outputs ``args`` name until the run has read them (``drop`` undoes it)."""
         self._runtimes.retain([a for a in args if isinstance(a, Buffer)])
-        for a in args:
-            if isinstance(a, FutureRef):
-                self._futures.pin(a.future, a.index)
+        for fut, indices in _by_future(args).values():
+            self._futures.pin(fut, indices)
 
     def drop(self, args: Sequence[Arg]) -> None:
         """Let go of the holds a call took on ``args`` (it will not run)."""
         self._runtimes.release([a for a in args if isinstance(a, Buffer)])
-        for a in args:
-            if isinstance(a, FutureRef):
-                self._futures.unpin(a.future, a.index)
+        for fut, indices in _by_future(args).values():
+            self._futures.unpin(fut, indices)
 
     def _let_go(self, job: ExecutionJob) -> None:
         held, waiting = job.held, job.waiting
@@ -342,7 +347,7 @@ class Executor:
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(fut, e)
         else:
-            self._done(fut, runtime, reply)
+            self._done(job, runtime, reply)
         finally:
             self._let_go(job)
             if segment is not None:
@@ -357,8 +362,13 @@ class Executor:
         its runtime is lost before the run begins there (``NotStarted``)."""
         while True:
             try:
-                return await job.runtime.request(Op.RUN, message, timeout_s=timeout_s,
-                                                 tag=job, on_started=self._on_started(job.future))
+                runtime = job.runtime
+                await runtime.wait_up()
+                promised = self._promise(job, message)
+                answer = runtime.send(Op.RUN, message, timeout_s=timeout_s, tag=job,
+                                      on_started=self._on_started(job.future))
+                self._sent(job, promised)
+                return await answer
             except NotStarted as e:
                 resends += 1
                 if not self._may_resend(job, message, e, resends):
@@ -405,6 +415,7 @@ class Executor:
         it = iter(packed)
         message = _run_message(program, executable, options,
                                [d if d is not None else next(it) for d in descs])
+        promised = self._promise(job, message)
         memory = executable.memory
         temp = memory.temp_bytes if memory is not None else 0
         if not self._budget.try_take(temp):
@@ -423,6 +434,7 @@ class Executor:
             raise
         job.start()  # nothing ran since the job was made: it cannot be cancelled yet
         job.args = None
+        self._sent(job, promised)
         return True
 
     def _answered(self, job: ExecutionJob, temp: int, message: RunRequest, timeout_s: float,
@@ -447,7 +459,7 @@ class Executor:
                 self._failed(fut, error)
             else:
                 assert reply is not None
-                self._done(fut, job.runtime, reply)
+                self._done(job, job.runtime, reply)
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(fut, e)
         finally:
@@ -469,7 +481,7 @@ class Executor:
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(fut, e)
         else:
-            self._done(fut, job.runtime, reply)
+            self._done(job, job.runtime, reply)
         finally:
             self._let_go(job)
 
@@ -490,11 +502,35 @@ class Executor:
             self._futures.fail(fut, "future_failed",
                                f"execution failed: internal error ({type(e).__name__})")
 
-    def _done(self, fut: Future, runtime: Runtime, reply: dict[str, Any]) -> None:
-        """Complete ``fut`` with the outputs its run's answer names."""
-        outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
-                   for h, a in zip(reply["handles"], fut.out_avals)]
-        if not all(b.alive for b in outputs):  # the runtime died right after answering
+    def _promise(self, job: ExecutionJob, message: RunRequest) -> list[Buffer]:
+        """Name the handles of the outputs of ``job``'s run in ``message`` (its ``out``):
+        the buffers they will be on its runtime (``runtimes.protocol``: runs sent
+        ahead). A stale generation (the runtime restarting meanwhile) only makes
+        them dead: calls then wait for the run's answer instead."""
+        runtime, avals = job.runtime, job.future.out_avals
+        handles = runtime.promise(len(avals))
+        message["out"] = handles
+        return [Buffer(runtime, runtime.generation, h, a.nbytes) for h, a in zip(handles, avals)]
+
+    def _sent(self, job: ExecutionJob, promised: list[Buffer]) -> None:
+        """``job``'s run, which names ``promised``, was written to its runtime: calls
+        placed there may read them from now on, before it has run."""
+        job.promised = promised
+        if promised:
+            self._futures.promise(job.future, promised)
+
+    def _done(self, job: ExecutionJob, runtime: Runtime, reply: dict[str, Any]) -> None:
+        """Complete ``job``'s future with the outputs its run's answer names: those it
+        promised when it was sent, but the ones freed since."""
+        fut, promised = job.future, job.promised
+        if (promised and promised[0].generation == reply["generation"]
+                and reply["handles"] == [b.handle for b in promised]):
+            outputs: list[Any] = (fut.outputs if fut.outputs is not None
+                                  else [None] * len(promised))
+        else:
+            outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
+                       for h, a in zip(reply["handles"], fut.out_avals)]
+        if not all(b is None or b.alive for b in outputs):  # the runtime died right after answering
             self._futures.fail(fut, "runtime_crashed",
                                f"runtime {runtime.index} {runtime.last_exit}: the outputs "
                                "were lost")
@@ -584,17 +620,22 @@ class Executor:
         return await run_in_threadpool(pack, host, segments) if big else pack(host, segments)
 
     async def _resolve(self, job: ExecutionJob) -> None:
-        """Replace future references by the buffers they name, waiting if needed."""
-        assert job.args is not None
-        for i, arg in enumerate(job.args):
-            if isinstance(arg, FutureRef):
-                await arg.future.wait_ended()
-                buf = _output_of(arg, i)
-                self._runtimes.retain([buf])
-                job.held.append(buf)
-                job.waiting.remove(arg)
-                self._futures.unpin(arg.future, arg.index)
-                job.args[i] = buf
+        """Replace future references by the buffers they name, waiting if needed: for
+        each future once, in order, then for all its outputs at once (a model's
+        leaves come from one call)."""
+        args = job.args
+        assert args is not None
+        for fut, indices in _by_future(args).values():
+            await fut.wait_ended()
+            positions = [i for i, a in enumerate(args)
+                         if isinstance(a, FutureRef) and a.future is fut]
+            bufs = [_output_of(args[i], i) for i in positions]
+            self._runtimes.retain(bufs)
+            job.held.extend(bufs)
+            for i, buf in zip(positions, bufs):
+                args[i] = buf
+            job.waiting = [a for a in job.waiting if a.future is not fut]
+            self._futures.unpin(fut, indices)
 
     async def _marshal(self, job: ExecutionJob) -> tuple[list[dict[str, Any]],
                                                           frames.Segment | None]:
@@ -655,6 +696,16 @@ def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:
     that others hold is copied there."""
     give = position in job.donate and buf.refs == 1
     return {"handle": buf.handle, **({"give": True} if give else {})}
+
+
+def _by_future(args: Sequence[Any]) -> dict[int, tuple[Future, list[int]]]:
+    """The future references among ``args``, grouped by future in order of first use:
+    ``id(future) -> (future, output indices)`` (an index twice if read twice)."""
+    out: dict[int, tuple[Future, list[int]]] = {}
+    for a in args:
+        if isinstance(a, FutureRef):
+            out.setdefault(id(a.future), (a.future, []))[1].append(a.index)
+    return out
 
 
 def _output_of(ref: FutureRef, position: int) -> Any:

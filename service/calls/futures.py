@@ -29,7 +29,7 @@ import heapq
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from jitserve.compiler.errors import LimitExceeded
@@ -408,6 +408,16 @@ class FutureStore:
         self._finish(fut, FutureStatus.DONE)
         self._settle(fut)  # released or deleted meanwhile: nobody can fetch those
 
+    def promise(self, fut: Future, outputs: list[Any]) -> None:
+        """``fut``'s run was sent to its runtime: ``outputs`` are the buffers it will
+        make there, under handles this process chose, which calls sent after it
+        may read before it has run (``runtimes.protocol``: runs sent ahead). The
+        future is not done: only such calls see them. Those released meanwhile
+        (or all, if the future is gone) are freed at once; the runtime drops them
+        as it makes them."""
+        fut.outputs = list(outputs)
+        self._settle(fut)
+
     def fail(self, fut: Future, code: str, message: str, **extra: Any) -> None:
         """The execution failed; the future keeps the error (``extra``: its other fields,
         such as the ``quota`` a refused compile ran into)."""
@@ -499,6 +509,7 @@ class FutureStore:
         released outputs when it ends.
         """
         released = unknown = 0
+        touched: dict[str, tuple[Future, list[int]]] = {}
         for future_id, index in refs:
             fut = self._futures.get(future_id)
             if (fut is None or not same_owner(fut.owner, owner)
@@ -507,22 +518,30 @@ class FutureStore:
                 continue
             fut.released.add(index)
             released += 1
+            touched.setdefault(future_id, (fut, []))[1].append(index)
+        for fut, indices in touched.values():  # each future settled once, for its outputs
             if len(fut.released) == len(fut.out_avals):
                 self._remove(fut, "released")
             else:
-                self._settle(fut)
+                self._settle(fut, indices)
         return released, unknown
 
-    def pin(self, fut: Future, index: int) -> None:
-        """An accepted call will read output ``index`` of ``fut`` once it is done."""
-        fut.pins[index] += 1
+    def pin(self, fut: Future, indices: Iterable[int]) -> None:
+        """An accepted call will read outputs ``indices`` of ``fut`` once it is done."""
+        pins = fut.pins
+        for index in indices:
+            pins[index] += 1
 
-    def unpin(self, fut: Future, index: int) -> None:
-        """That call has taken hold of the output (or will never need it)."""
-        fut.pins[index] -= 1
-        if fut.pins[index] <= 0:
-            del fut.pins[index]
-            self._settle(fut)
+    def unpin(self, fut: Future, indices: Iterable[int]) -> None:
+        """That call has taken hold of those outputs (or will never need them)."""
+        pins, free = fut.pins, []
+        for index in indices:
+            pins[index] -= 1
+            if pins[index] <= 0:
+                del pins[index]
+                free.append(index)
+        if free:
+            self._settle(fut, free)
 
     def _remove(self, fut: Future, why: str) -> None:
         if self._futures.pop(fut.future_id, None) is not None:
@@ -535,23 +554,29 @@ class FutureStore:
         fut._notify()
         self._changed(fut)
 
-    def _settle(self, fut: Future) -> None:
+    def _settle(self, fut: Future, indices: Iterable[int] | None = None) -> None:
         """Free the outputs nobody may fetch any more (released, or the future left
         the store or failed) unless a queued call still needs them; a finished
-        future that holds nothing more gives back the rest of its reservation."""
+        future that holds nothing more gives back the rest of its reservation.
+        ``indices``: only those outputs changed (a release, an unpin), so only
+        they are looked at: a call reading a model's 25 leaves settles once, not
+        25 times over 25 outputs."""
         outputs = fut.outputs
         gone = fut.removed is not None or fut.status in (FutureStatus.FAILED,
                                                           FutureStatus.CANCELLED)
         if outputs is not None:
-            for index, buf in enumerate(outputs):
+            freed = []
+            for index in range(len(outputs)) if indices is None else indices:
+                buf = outputs[index]
                 if buf is not None and (gone or index in fut.released) and not fut.pins[index]:
                     outputs[index] = None
                     if fut.host is not None:
                         fut.host[index] = None
                     self._unreserve(fut, fut.out_bytes[index] if fut.out_bytes
                                     else fut.out_avals[index].nbytes)
-                    if self.on_release is not None:
-                        self.on_release([buf])
+                    freed.append(buf)
+            if freed and self.on_release is not None:
+                self.on_release(freed)
             if all(b is None for b in outputs):
                 fut.outputs = fut.host = None
         if gone and fut.outputs is None and fut.status is not FutureStatus.RUNNING:

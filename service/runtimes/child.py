@@ -160,11 +160,18 @@ class RuntimeServer:
         self._runs_lock = threading.Lock()
         self._run_slots = settings.executor_threads
         self._queued_runs: collections.deque[dict[str, Any]] = collections.deque()
+        # Runs sent ahead (``protocol``), under ``_runs_lock``: by handle, the runs
+        # waiting for a run not ended yet to make it (one list per promising run);
+        # promised handles freed before they were made; handles whose run failed,
+        # with why, until they are freed.
+        self._promised: dict[int, list[dict[str, Any]]] = {}
+        self._unwanted: set[int] = set()
+        self._failed: dict[int, str] = {}
         # A run known to take less than this (all of it: inputs, run, answer) is done
         # by the thread holding the pipe, which reads the next request after it.
         self._quick_run_s = settings.runtime_quick_run_ms / 1000
         self._run_times: dict[str, float] = {}  # the last run's seconds, by executable
-        self.runs = self.quick_runs = 0
+        self.runs = self.quick_runs = self.runs_waited = 0
         self._quick_watch = _QuickWatch(self._send)
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
         self._launch_lock = threading.Lock()  # runs of sharded executables, one at a time
@@ -237,7 +244,7 @@ class RuntimeServer:
                                                    f"{message!r:.40}"))
                 continue
             for handle in message.pop("free", ()):  # frees riding on a request
-                self.buffers.pop(handle, None)
+                self._drop(handle)
             op = message.get("op")
             if op == _FREE:  # no answer
                 HANDLERS[_FREE](self, message)
@@ -250,6 +257,10 @@ class RuntimeServer:
                 self._answer(message)
                 continue
             with self._runs_lock:
+                self._promise(message)
+                if self._parked(message):  # waits for a run sent before it, in no slot
+                    self.runs_waited += 1
+                    continue
                 if self._run_slots == 0:
                     self._queued_runs.append(message)
                     continue
@@ -265,6 +276,73 @@ class RuntimeServer:
                 run, quick = self._next_run(), False
                 if run is not None:  # a queued run: not this thread's to read for
                     self._let_go()
+
+    # -- runs sent ahead (protocol) ----------------------------------------------
+
+    def _promise(self, m: dict[str, Any]) -> None:
+        """From now on, the handles run ``m`` names for its outputs are promised.
+        Under ``_runs_lock``, by the reader, in the pipe's order."""
+        out = m.get("out")
+        if isinstance(out, list) and "split" not in m:
+            waiting: list[dict[str, Any]] = []
+            for handle in out:
+                if type(handle) is int and handle < 0:
+                    self._promised[handle] = waiting
+
+    def _parked(self, m: dict[str, Any]) -> bool:
+        """Park run ``m`` if an argument of its is promised by a run not ended yet;
+        whether it was. Under ``_runs_lock``."""
+        for a in m.get("args") or ():
+            handle = a.get("handle") if isinstance(a, dict) else None
+            if type(handle) is int and handle < 0:
+                waiting = self._promised.get(handle)
+                if waiting is not None:
+                    waiting.append(m)
+                    return True
+        return False
+
+    def _kept(self, out: list[int], outputs: list[Any]) -> None:
+        """The run that promised ``out`` made ``outputs``: keep them (but those
+        freed meanwhile), and let the runs waiting for them go."""
+        with self._runs_lock:
+            self._ended(out, self.buffers, outputs)
+
+    def _broken(self, out: list[int], why: str) -> None:
+        """The run that promised ``out`` failed (``why``): the runs waiting for them
+        go, and fail. Under ``_runs_lock``."""
+        self._ended(out, self._failed, [why] * len(out))
+
+    def _ended(self, out: list[int], into: dict[int, Any], values: list[Any]) -> None:
+        """The run that promised ``out`` ended: each handle's value goes ``into`` its
+        place (the buffers, or the failures), but for those freed meanwhile; the
+        runs waiting for them go. Under ``_runs_lock``."""
+        waiting: list[dict[str, Any]] = []
+        for handle, value in zip(out, values):
+            waiting = self._promised.pop(handle, waiting)
+            if handle in self._unwanted:
+                self._unwanted.discard(handle)
+            else:
+                into[handle] = value
+        self._unpark(waiting)
+
+    def _unpark(self, waiting: list[dict[str, Any]]) -> None:
+        """Runs whose awaited outputs are made (or failed): first in the queue, unless
+        they wait for another run still; the thread whose run made them takes them
+        next (``_next_run``). Under ``_runs_lock``."""
+        ready = [m for m in waiting if not self._parked(m)]
+        self._queued_runs.extendleft(reversed(ready))
+
+    def _drop(self, handle: Any) -> None:
+        """Free output ``handle``; a promised one as soon as it is made."""
+        if type(handle) is not int or handle >= 0:
+            self.buffers.pop(handle, None)
+            return
+        with self._runs_lock:
+            if self.buffers.pop(handle, None) is None:
+                if handle in self._promised:
+                    self._unwanted.add(handle)
+                else:
+                    self._failed.pop(handle, None)
 
     def _hold(self) -> None:
         """Take the pipe, unless this thread holds it."""
@@ -295,6 +373,11 @@ class RuntimeServer:
         t0 = time.perf_counter()
         reply = self._reply(m, HANDLERS[_RUN], m.get("id", 0), quick)
         self.runs += 1
+        out = m.get("out")
+        if reply["kind"] != _OK and isinstance(out, list) and out:
+            with self._runs_lock:
+                if out[0] in self._promised:  # not kept: the run failed before it made them
+                    self._broken(out, f"{reply['code']}: {reply['message']}")
         if len(self._run_times) >= _RUN_TIMES_KEPT:
             self._run_times.clear()
         self._run_times[m.get("executable_id", "")] = time.perf_counter() - t0
@@ -516,6 +599,10 @@ class RuntimeServer:
                 take = self.buffers.pop if a.get("give") else self.buffers.get
                 buf = take(a["handle"], None)
                 if buf is None:
+                    why = self._failed.get(a["handle"])
+                    if why is not None:
+                        raise RemoteFailure("dependency_failed",
+                                            f"args[{i}]: the call that makes it failed: {why}")
                     raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
                 placed = self._placed(buf, exe.in_shardings[i] if sharded else self._singles[slot])
                 args.append(placed.copy() if i in donated and not a.get("give")
@@ -547,11 +634,19 @@ class RuntimeServer:
         run_s = time.perf_counter() - t0
         if m.get("split") is not None:
             return self._split(outputs, [int(n) for n in m["split"]], run_s)
-        handles = []
-        for out in outputs:
-            handle = next(self._handles)
-            self.buffers[handle] = out
-            handles.append(handle)
+        promised = m.get("out")
+        if promised is not None:
+            if len(promised) != len(outputs):
+                raise RemoteFailure("internal", f"protocol error: the run names {len(promised)} "
+                                                f"output handles for {len(outputs)} outputs")
+            handles = list(promised)
+            self._kept(handles, list(outputs))
+        else:
+            handles = []
+            for out in outputs:
+                handle = next(self._handles)
+                self.buffers[handle] = out
+                handles.append(handle)
         reply: RunAnswer = {"handles": handles, "run_s": run_s}
         carried = exe.carried
         if carried is None:
@@ -668,7 +763,9 @@ class RuntimeServer:
             "l1_entries": compiler["l1_entries"], "l1_bytes": compiler["l1_bytes"],
             "cache": catalog.state, "redis": catalog.shared_stats(), "runs": self.runs,
             "quick_runs": self.quick_runs, "quick_runs_overran": self._quick_watch.overran,
-            "relaid": self.relaid, "device_runs": list(self.device_runs)}
+            "relaid": self.relaid, "device_runs": list(self.device_runs),
+            "runs_waited": self.runs_waited, "promised": len(self._promised),
+            "failed_handles": len(self._failed)}
         if m.get("memory"):
             answer["device_memory"] = self._device_memory()
         return answer
@@ -756,17 +853,27 @@ class RuntimeServer:
         """Take a queued run out of the queue and answer it ``future_cancelled``. Done by
         the reader, as a free is: a run that began is not touched."""
         rid = m.get("run")
+        message = "deleted while it waited to run"
         with self._runs_lock:
             run = next((q for q in self._queued_runs if q.get("id") == rid), None)
+            if run is not None:
+                self._queued_runs.remove(run)
+            else:  # parked, waiting for another run's outputs?
+                for waiting in {id(w): w for w in self._promised.values()}.values():
+                    run = next((q for q in waiting if q.get("id") == rid), None)
+                    if run is not None:
+                        waiting.remove(run)
+                        break
             if run is None:
                 return
-            self._queued_runs.remove(run)
-        self._send(_failure(int(rid), "future_cancelled", "deleted while it waited to run"))
+            if run.get("out"):
+                self._broken(run["out"], f"future_cancelled: {message}")
+        self._send(_failure(int(rid), "future_cancelled", message))
 
     def op_free(self, m: FreeRequest) -> None:
         """Drop outputs. Never answered: the reader does it before it reads on."""
         for handle in m.get("handles", ()):
-            self.buffers.pop(handle, None)
+            self._drop(handle)
 
 
 class _QuickWatch:

@@ -189,6 +189,7 @@ class Runtime:
         self._frees: list[int] = []  # handles of this generation to free (send_free)
         self._frees_loop: asyncio.AbstractEventLoop | None = None  # where _send_frees is due
         self._ids = itertools.count(1)
+        self._promises = itertools.count(-1, -1)  # output handles named here (``promise``)
         self._up = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
         self._pipe: frames.Pipe | None = None
@@ -248,6 +249,12 @@ class Runtime:
             asked.add_done_callback(lambda _: self._pool.segments.give_back(segment))
         reply: Any = await asyncio.shield(asked)
         return reply
+
+    def promise(self, n: int) -> list[int]:
+        """``n`` handles for the outputs of a run about to be sent (its ``out``), which
+        runs sent after it may name before it has run (``protocol``: runs sent
+        ahead). Negative: the runtime's own handles are positive."""
+        return [next(self._promises) for _ in range(n)]
 
     def send(self, op: Op, message: Mapping[str, Any], *, timeout_s: float | None = None,
              tag: object = None, on_started: Callable[[], None] | None = None

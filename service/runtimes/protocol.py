@@ -45,6 +45,16 @@ is served (frees ride on requests: ``RuntimePool.free``)::
 - ``error``: request ``id`` failed (``Failure``): ``code`` (a ``wire.ErrorCode``
   value, or ``execution_failed``) and ``message``.
 
+**Runs sent ahead.** A run may name the handles of its outputs (``out``). From
+the moment the runtime reads it, those handles are *promised*: a later run may
+take them as arguments, and waits, holding no run slot, until the run that makes
+them has ended; a free of one drops the output as soon as it is made. If that run
+fails (or is cancelled), the runs waiting on its outputs fail with
+``dependency_failed``, naming the argument and the first failure. The API process
+sends a call whose inputs are still being computed at once this way, without
+waiting for their run's answer, so the runtime goes from one run to the next
+without a round trip to the API process between them.
+
 **Errors.** A request whose ``op`` is none of ``Op`` is a protocol error: its answer
 is an ``error`` with code ``internal`` whose message names the op, and the runtime
 serves on. A handler's failure is its request's ``error`` (``unknown_program``,
@@ -244,6 +254,10 @@ class RunRequest(TypedDict):
     args: list[ArgDesc]
     split: NotRequired[list[int]]  # a batch's rows per call (``calls.batching``)
     scope: NotRequired[str]  # as ``LookupRequest``'s, to compile again under
+    # The handles its outputs take, chosen by the API process (negative: the
+    # runtime's own are positive), so that runs sent after it may name them as
+    # arguments before it has run ("Runs sent ahead" above).
+    out: NotRequired[list[int]]
 
 
 class RunAnswer(TypedDict):
@@ -301,6 +315,11 @@ class StatsAnswer(TypedDict):
     quick_runs: int  # done by the thread that read them
     quick_runs_overran: int  # quick runs that said ``started`` late
     relaid: int  # kept outputs moved to the layout a run wanted
+    # Runs sent ahead: those that waited here for another run's outputs; handles
+    # promised and not made yet; handles whose run failed, not freed yet.
+    runs_waited: int
+    promised: int
+    failed_handles: int
     device_runs: list[int]  # runs so far on each of its devices (a sharded run: its first's)
     # Each of its devices' memory: ``in_use`` bytes, and ``limit`` and ``peak`` where
     # XLA reports them (GPU); on the CPU, ``in_use`` is the bytes of its live arrays there.

@@ -1,0 +1,129 @@
+"""Runs sent ahead (``runtimes.protocol``): a call whose input is an output of a call
+already sent to the same runtime is sent at once, naming the handle that run
+promised; the runtime runs it when that run has made it, with no round trip
+through the API process between the two. Real runtime processes of the test's
+own; their ``stats`` answer counts the runs that waited, the handles promised
+and not made yet, and the failed ones not freed yet.
+
+Each test holds a run going (``spin``, seconds long) while the calls it is about
+are sent, and checks that it still was (the API process and the test share one
+event loop, so what the store says between two awaits is what has happened)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jitserve import wire
+from jitserve.wire import FutureStatus
+
+Y = np.full((256, 256), 0.01, np.float32)
+LONG = np.int32(8000)  # seconds of matmuls: room for a few requests meanwhile
+
+
+async def _stats(api) -> dict:
+    return await api.app.services.runtimes.runtimes[0].request("stats", {}, timeout_s=60)
+
+
+async def _start(api, pid: str, args: list) -> str:
+    r = await api.execute(pid, args)
+    assert r.status_code == 202, r.text
+    return r.json()["future_id"]
+
+
+async def _running(api, fid: str) -> None:
+    while (await api.http.get(f"/v1/futures/{fid}")).json()["status"] != "running":
+        await asyncio.sleep(0.005)
+
+
+def _status(api, fid: str) -> FutureStatus:
+    return api.app.services.futures.get(fid, None).status
+
+
+async def _behind_a_long_run(api) -> tuple[str, int, str]:
+    """The ``spin`` program, the buffers its runtime holds once it has run, and the
+    future of a long run of it, running."""
+    pid = await api.upload("spin")
+    await api.outputs(pid, [Y, np.int32(1)])
+    held = (await _stats(api))["buffers"]
+    blocker = await _start(api, pid, [Y, LONG])
+    await _running(api, blocker)
+    return pid, held, blocker
+
+
+def _spin(y: np.ndarray, n: int) -> np.ndarray:
+    return np.asarray(jax.jit(lambda x: jax.lax.fori_loop(
+        0, n, lambda i, z: jnp.tanh(z @ z), x))(y))
+
+
+async def test_a_call_on_a_running_call_s_output_is_sent_at_once_and_waits_there(make_api) -> None:
+    async with make_api(own_runtimes=True) as api:
+        pid = await api.upload("spin")
+        await api.outputs(pid, [Y, np.int32(1)])
+        before = await _stats(api)
+        a = await _start(api, pid, [Y, np.int32(4000)])
+        await _running(api, a)
+        b = await _start(api, pid, [{"future": a, "output": 0}, np.int32(1)])
+        # Both runs are in the runtime now: b's did not wait for a's answer.
+        assert _status(api, a) is FutureStatus.RUNNING, "a ended too soon: a slow machine?"
+        assert api.app.services.runtimes.runtimes[0].runs == 2
+        assert _status(api, b) is FutureStatus.PENDING
+        r = await api.result(b, wait=120_000)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(wire.unpackb(r.content)["outputs"][0],
+                                   _spin(_spin(Y, 4000), 1), rtol=1e-5)
+        ra = await api.result(a, wait=1)  # a's own outputs are there too
+        np.testing.assert_allclose(wire.unpackb(ra.content)["outputs"][0], _spin(Y, 4000),
+                                   rtol=1e-5)
+        after = await _stats(api)
+    assert after["runs_waited"] == before["runs_waited"] + 1
+    assert (after["promised"], after["failed_handles"]) == (0, 0)
+
+
+async def test_calls_sent_ahead_on_a_cancelled_call_fail_naming_it(make_api) -> None:
+    """One run at a time: ``a`` waits in the runtime's queue behind a long run, ``b``
+    waits for ``a``'s output and ``c`` for ``b``'s. Deleting ``a`` takes it out of
+    the queue; ``b`` and ``c`` fail, saying why, and the long run is untouched."""
+    async with make_api(own_runtimes=True, executor_threads=1) as api:
+        pid, held, blocker = await _behind_a_long_run(api)
+        a = await _start(api, pid, [Y, np.int32(1)])
+        b = await _start(api, pid, [{"future": a, "output": 0}, np.int32(1)])
+        c = await _start(api, pid, [{"future": b, "output": 0}, np.int32(1)])
+        r = await api.http.delete(f"/v1/futures/{a}")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "cancelled"
+        assert _status(api, blocker) is FutureStatus.RUNNING, "too slow a machine?"
+        for fid, said in ((b, "future_cancelled: deleted while it waited to run"),
+                          (c, "args[0]: the call that makes it failed: ")):
+            r = await api.result(fid, wait=120_000)
+            assert r.status_code == 422, r.text
+            error = r.json()["error"]
+            assert error["code"] == "future_failed"
+            assert error["message"].startswith("args[0]: the call that makes it failed: ")
+            assert said in error["message"]
+        assert (await api.result(blocker, wait=120_000)).status_code == 200
+        stats = await _stats(api)  # the frees of a's, b's and c's outputs ride on it
+    assert (stats["promised"], stats["failed_handles"]) == (0, 0)
+    assert stats["buffers"] == held + 1  # the blocker's output, and nothing else
+    assert stats["runs_waited"] == 2  # b and c
+
+
+async def test_an_output_released_before_its_run_made_it_is_dropped_when_made(make_api) -> None:
+    async with make_api(own_runtimes=True, executor_threads=1) as api:
+        pid, held, blocker = await _behind_a_long_run(api)
+        a = await _start(api, pid, [Y, np.int32(1)])  # queued there, its output promised
+        fut_a = api.app.services.futures.get(a, None)  # the store forgets it: all released
+        r = await api.http.post("/v1/futures/release",
+                                json={"outputs": [{"future": a, "output": 0}]})
+        assert r.status_code == 200, r.text
+        assert _status(api, blocker) is FutureStatus.RUNNING, "too slow a machine?"
+        assert (await _stats(api))["promised"] == 2  # the blocker's output, and a's
+        assert (await api.result(blocker, wait=120_000)).status_code == 200
+        while fut_a.status is not FutureStatus.DONE:  # a ran after the blocker
+            await asyncio.sleep(0.005)
+        stats = await _stats(api)
+    assert stats["promised"] == 0
+    assert stats["buffers"] == held + 1  # the blocker's; a's was dropped as it was made
