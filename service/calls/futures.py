@@ -565,18 +565,20 @@ class FutureStore:
         gone = fut.removed is not None or fut.status in (FutureStatus.FAILED,
                                                           FutureStatus.CANCELLED)
         if outputs is not None:
-            freed = []
+            freed, nbytes = [], 0
             for index in range(len(outputs)) if indices is None else indices:
                 buf = outputs[index]
                 if buf is not None and (gone or index in fut.released) and not fut.pins[index]:
                     outputs[index] = None
                     if fut.host is not None:
                         fut.host[index] = None
-                    self._unreserve(fut, fut.out_bytes[index] if fut.out_bytes
-                                    else fut.out_avals[index].nbytes)
+                    nbytes += (fut.out_bytes[index] if fut.out_bytes
+                               else fut.out_avals[index].nbytes)
                     freed.append(buf)
-            if freed and self.on_release is not None:
-                self.on_release(freed)
+            if freed:
+                self._unreserve(fut, nbytes)
+                if self.on_release is not None:
+                    self.on_release(freed)
             if all(b is None for b in outputs):
                 fut.outputs = fut.host = None
         if gone and fut.outputs is None and fut.status is not FutureStatus.RUNNING:

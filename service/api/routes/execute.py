@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from jitserve.wire import ErrorCode
+from jitserve.wire import ErrorCode, FutureStatus
 
 from ...calls.calls import Call
 from ...errors import BadRequest
@@ -100,7 +100,8 @@ async def _answer(request: Request, services: Services, call: Call, wait_s: floa
     """The outputs, if ``call`` is done within ``wait_s`` (and then, unless ``keep``,
     its future is gone); else ``202`` with the future."""
     fut = call.future
-    if wait_s and await fut.wait_final(wait_s) and fut.outputs is not None:
+    if (wait_s and await fut.wait_final(wait_s) and fut.status is FutureStatus.DONE
+            and fut.outputs is not None):
         answer = await outputs_response(fut, services.calls, wants_json(request))
         if not keep:  # the answer holds the values on the host: the outputs can go
             services.futures.delete(fut)
