@@ -640,7 +640,6 @@ class RuntimeServer:
                 raise RemoteFailure("internal", f"protocol error: the run names {len(promised)} "
                                                 f"output handles for {len(outputs)} outputs")
             handles = list(promised)
-            self._kept(handles, list(outputs))
         else:
             handles = []
             for out in outputs:
@@ -661,6 +660,8 @@ class RuntimeServer:
             for i, desc in zip(carried, packed):
                 values[i] = desc
             reply["values"] = values
+        if promised is not None:  # last: a run waiting for them may donate them at once
+            self._kept(handles, list(outputs))
         return reply
 
     def _split(self, outputs: list[Any], rows: list[int], run_s: float) -> SplitAnswer:
