@@ -277,7 +277,6 @@ class Calls:
         avals = [aval for _, aval in resolved]
         inputs = [a for a, _ in resolved]
         runtime = self._place(owner, program, inputs)
-        inputs = [_sent_ahead(a, runtime) for a in inputs]
         self._executor.hold(inputs)
         try:
             key = call_key(program.program_id, avals, options)
@@ -504,19 +503,6 @@ def _lookup_of(reply: dict[str, Any]) -> Resolved:
     doc = reply["executable"]
     exe = RemoteExecutable.from_json(doc)
     return Resolved(exe, exe.executable_id, doc["tier"], float(doc["compile_seconds"]))
-
-
-def _sent_ahead(arg: Arg, runtime: Runtime) -> Arg:
-    """``arg``, or, for an output of a call whose run was already sent to ``runtime``,
-    the buffer that run promised: this call's run then goes at once, and the
-    runtime runs it when that one has made its inputs, with no round trip through
-    this process between the two (``runtimes.protocol``: runs sent ahead)."""
-    if isinstance(arg, FutureRef):
-        outputs = arg.future.outputs
-        buf = outputs[arg.index] if outputs is not None else None
-        if buf is not None and buf.runtime is runtime and buf.alive:
-            return buf
-    return arg
 
 
 def _host_bytes(args: Sequence[Any]) -> int:

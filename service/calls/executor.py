@@ -42,10 +42,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,9 @@ class ExecutionJob:
         self.waiting = [a for a in args if isinstance(a, FutureRef)]
         # The buffers its outputs will be, named when the run was sent (``_promise``).
         self.promised: list[Buffer] | None = None
+        # Arguments that are buffers another run sent to the same runtime promised,
+        # by position: the references they stand for (``Executor._send_ahead``).
+        self.sources: dict[int, FutureRef] = {}
         self.task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._started = False
@@ -173,6 +177,12 @@ class ExecutionJob:
     def sent(self) -> bool:
         """Whether the run has been (or is being) sent to its runtime."""
         return self._started
+
+    def unsent(self) -> None:
+        """Its run was lost before it began, and goes again: until it is sent, a cancel
+        drops it, as it would any run not sent yet."""
+        with self._lock:
+            self._started = False
 
     def start(self) -> None:
         """Claim the job for sending; ``_Cancelled`` if it was cancelled."""
@@ -291,19 +301,69 @@ class Executor:
         future.runtime = runtime
         timeout = min(timeout_s or self.timeout_s, self.timeout_s)
         try:
+            self._send_ahead(job)
             if self._send_now(job, program, executable, options, timeout):
                 return job
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(future, e)
             self._let_go(job)
             return job
-        job.task = asyncio.get_running_loop().create_task(
-            self._run(job, program, executable, options, timeout))
+        self._spawn(job, self._run(job, program, executable, options, timeout))
+        return job
+
+    def _spawn(self, job: ExecutionJob, run: Coroutine[Any, Any, None]) -> None:
+        """``job``'s run (``_run``) in a task of its own."""
+        job.task = asyncio.get_running_loop().create_task(run)
         self._tasks.add(job.task)
         job.task.add_done_callback(self._tasks.discard)
         # A task cancelled before it starts never runs its ``finally``.
         job.task.add_done_callback(lambda _: self._let_go(job))
-        return job
+
+    def _send_ahead(self, job: ExecutionJob) -> None:
+        """Take the outputs ``job`` reads of calls whose runs were already sent to its
+        runtime as the buffers those runs promised: its run then goes at once, and
+        the runtime runs it when they are made, with no round trip through this
+        process between the two (``runtimes.protocol``: runs sent ahead)."""
+        args, runtime = job.args, job.runtime
+        assert args is not None
+        taken: list[FutureRef] = []
+        for i, arg in enumerate(args):
+            if isinstance(arg, FutureRef):
+                outputs = arg.future.outputs
+                buf = outputs[arg.index] if outputs is not None else None
+                if buf is not None and buf.runtime is runtime and buf.alive:
+                    self._runtimes.retain([buf])
+                    job.held.append(buf)
+                    args[i] = buf
+                    job.sources[i] = arg
+                    taken.append(arg)
+        if taken:
+            job.waiting = [a for a in job.waiting if all(a is not t for t in taken)]
+            for fut, indices in _by_future(taken).values():
+                self._futures.unpin(fut, indices)
+
+    def _unsend(self, job: ExecutionJob) -> bool:
+        """A run sent ahead that its runtime lost before it began: its promised inputs
+        become the references they stood for again, so that it goes once the runs
+        that make them have ended (sent again themselves, where they can be).
+        Whether it can: no other input of it lived in the lost process."""
+        args = job.args
+        if not job.sources or args is None or any(
+                isinstance(a, Buffer) and i not in job.sources and not a.alive
+                for i, a in enumerate(args)):
+            return False
+        refs = list(job.sources.values())
+        for fut, indices in _by_future(refs).values():
+            self._futures.pin(fut, indices)
+        gone = [args[i] for i in job.sources]
+        job.held = [b for b in job.held if all(b is not g for g in gone)]
+        self._runtimes.release(gone)
+        for i, ref in job.sources.items():
+            args[i] = ref
+        job.waiting.extend(refs)
+        job.sources = {}
+        job.unsent()
+        return True
 
     def hold(self, args: Sequence[Arg]) -> None:
         """Keep the outputs ``args`` name until the run has read them (``drop`` undoes it)."""
@@ -383,8 +443,14 @@ class Executor:
     def _may_resend(job: ExecutionJob, message: RunRequest, e: NotStarted,
                     resends: int) -> bool:
         """Whether ``job``'s run, lost before it began, goes again: it still has a
-        caller, and ``_resendable``."""
-        if job.future.removed is not None or job.future.status.is_final:
+        caller, and ``_resendable``. A future its caller let go of entirely still has
+        one while accepted calls read its outputs: calls waiting for them here (its
+        pins), or sent ahead with them (its promised buffers' other holders)."""
+        fut = job.future
+        if fut.status.is_final:
+            return False
+        if fut.removed is not None and not fut.pins and not any(
+                b.refs > 0 for b in job.promised or ()):
             return False
         return _resendable(message, e, resends)
 
@@ -421,9 +487,10 @@ class Executor:
         if not self._budget.try_take(temp):
             return False
         try:
+            again = functools.partial(self._run, job, program, executable, options, timeout_s)
             runtime.send_then(Op.RUN, message,
                               lambda reply, error: self._answered(job, temp, message, timeout_s,
-                                                                  reply, error),
+                                                                  reply, error, again),
                               timeout_s=timeout_s, tag=job,
                               on_started=self._on_started(job.future))
         except RuntimeLost:  # restarting: the task waits for it
@@ -433,15 +500,27 @@ class Executor:
             self._budget.give(temp)
             raise
         job.start()  # nothing ran since the job was made: it cannot be cancelled yet
-        job.args = None
+        if not job.sources:  # else kept, to go again should its runtime be lost (_unsend)
+            job.args = None
         self._sent(job, promised)
         return True
 
     def _answered(self, job: ExecutionJob, temp: int, message: RunRequest, timeout_s: float,
-                  reply: dict[str, Any] | None, error: BaseException | None) -> None:
+                  reply: dict[str, Any] | None, error: BaseException | None,
+                  again: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Settle the future of a run ``_send_now`` sent (or send it again, in a task,
-        when its runtime was lost before it began)."""
+        when its runtime was lost before it began: ``again`` is that task's, for a
+        run sent ahead, which waits for its inputs first)."""
         fut = job.future
+        if (isinstance(error, NotStarted) and not fut.status.is_final
+                and fut.removed is None and self._unsend(job)):
+            self._budget.give(temp)
+            job.runtime = fut.runtime = self._runtimes.replace(fut.owner, job.runtime,
+                                                              message["executable_id"])
+            job.promised = None
+            self._metrics.run_resent()
+            self._spawn(job, again())
+            return
         if isinstance(error, NotStarted) and self._may_resend(job, message, error, 1):
             self._budget.give(temp)
             job.runtime = fut.runtime = self._runtimes.replace(fut.owner, job.runtime,

@@ -28,8 +28,8 @@ async def _stats(api) -> dict:
     return await api.app.services.runtimes.runtimes[0].request("stats", {}, timeout_s=60)
 
 
-async def _start(api, pid: str, args: list) -> str:
-    r = await api.execute(pid, args)
+async def _start(api, pid: str, args: list, **extra) -> str:
+    r = await api.execute(pid, args, **extra)
     assert r.status_code == 202, r.text
     return r.json()["future_id"]
 
@@ -127,3 +127,29 @@ async def test_an_output_released_before_its_run_made_it_is_dropped_when_made(ma
         stats = await _stats(api)
     assert stats["promised"] == 0
     assert stats["buffers"] == held + 1  # the blocker's; a's was dropped as it was made
+
+
+async def test_a_call_sent_ahead_goes_again_when_its_runtime_is_lost_before_it_began(
+        make_api) -> None:
+    """``a`` (host inputs only) waits in the runtime's queue behind a long run, and ``b``
+    waits there for ``a``'s output, which it donates. The runtime is killed: the long
+    run fails with it, ``a`` is sent again to the restarted runtime, and ``b`` goes
+    again behind it, on its new output, as if it had waited in the API process."""
+    async with make_api(own_runtimes=True, executor_threads=1) as api:
+        pid = await api.upload("spin")
+        await api.outputs(pid, [Y, np.int32(1)], donate=[0])  # compiled so, b goes at once
+        _, _, blocker = await _behind_a_long_run(api)
+        a = await _start(api, pid, [Y, np.int32(1)])
+        b = await _start(api, pid, [{"future": a, "output": 0}, np.int32(1)], donate=[0])
+        runtime = api.app.services.runtimes.runtimes[0]
+        assert runtime.runs == 3, "too slow a machine?"  # all three are in the runtime
+        runtime.kill("cancel")
+        r = await api.result(blocker, wait=120_000)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["cause"]["code"] == "runtime_stopped"
+        r = await api.result(b, wait=120_000)
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(wire.unpackb(r.content)["outputs"][0],
+                                   _spin(_spin(Y, 1), 1), rtol=1e-5)
+        assert (await api.result(a, wait=1)).status_code == 404  # donated to b: released
+        assert await api.metric("jitserve_runs_resent_total") == 2
