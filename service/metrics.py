@@ -42,6 +42,8 @@ Names (the Grafana dashboard and the acceptance tests read these)::
                                               (docs/batching.md)
     jitserve_device_runs_total{device}        runs on each of the host's devices
     jitserve_runtime_relaid_total             kept outputs moved to another layout
+    jitserve_runtime_runs_waited_total        runs sent ahead that waited in their runtime
+                                              for the run making their inputs
     jitserve_device_memory_bytes{device,kind} each device's memory: in_use (on the CPU,
                                               the runtimes' live arrays there), and limit
                                               and peak where XLA reports them (GPU)
@@ -49,6 +51,7 @@ Names (the Grafana dashboard and the acceptance tests read these)::
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -157,7 +160,10 @@ class Metrics:
         self.runtime_relaid = Counter(
             "jitserve_runtime_relaid", "kept outputs moved device to device to the layout a "
             "run wanted (sharded programs), or gathered for a single-device one", registry=r)
-        self._relaid_seen = 0
+        self.runtime_runs_waited = Counter(
+            "jitserve_runtime_runs_waited", "runs sent ahead that waited in their runtime for "
+            "the run making their inputs to end (docs/runtimes.md)", registry=r)
+        self._seen: collections.Counter[str] = collections.Counter()
         self.device_memory_bytes = Gauge(
             "jitserve_device_memory_bytes", "each device's memory: in_use (on the CPU, the "
             "runtimes' live arrays there), and limit and peak where XLA reports them",
@@ -297,9 +303,16 @@ class Metrics:
 
     def relaid(self, total: int) -> None:
         """Bring ``jitserve_runtime_relaid_total`` up to the runtimes' count (``RuntimePool.report``)."""
-        if total > self._relaid_seen:
-            self.runtime_relaid.inc(total - self._relaid_seen)
-            self._relaid_seen = total
+        self._catch_up(self.runtime_relaid, "relaid", total)
+
+    def runs_waited(self, total: int) -> None:
+        """Bring ``jitserve_runtime_runs_waited_total`` up to the runtimes' count."""
+        self._catch_up(self.runtime_runs_waited, "runs_waited", total)
+
+    def _catch_up(self, counter: Counter, key: str, total: int) -> None:
+        if total > self._seen[key]:
+            counter.inc(total - self._seen[key])
+            self._seen[key] = total
 
     def runs_by_device(self, totals: Mapping[int, int]) -> None:
         """Bring ``jitserve_device_runs_total`` up to the runtimes' counts, by host device id."""

@@ -102,6 +102,9 @@ class NotStarted(RuntimeLost):
 # Why the supervisor killed a runtime, when it did so on purpose: the requests in
 # flight there were stopped with it (``runtime_stopped``), not crashed.
 _DELIBERATE = frozenset({"timeout", "request_timeout", "cancel"})
+# Counters of a runtime's ``stats`` that ``report`` sums over every process there has
+# been, so that they stay monotonic across restarts.
+_SUMMED = ("relaid", "runs_waited")
 
 
 @dataclasses.dataclass(eq=False)
@@ -680,7 +683,7 @@ class RuntimePool:
         self.last_restart_s: float | None = None
         self._latest: dict[int, tuple[int, dict[str, Any]]] = {}
         self._retired: dict[str, int] = {}
-        self._retired_relaid = 0
+        self._retired_counts: collections.Counter[str] = collections.Counter()
         self._retired_device_runs = collections.Counter[int]()
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name="jitserve-runtime-watchdog")
@@ -921,7 +924,8 @@ class RuntimePool:
         with self._lock:
             latest = list(self._latest.values())
             retired = dict(self._retired)
-            relaid = self._retired_relaid + sum(int(doc.get("relaid", 0)) for _, doc in latest)
+            counts = {k: self._retired_counts[k] + sum(int(doc.get(k, 0)) for _, doc in latest)
+                      for k in _SUMMED}
             device_runs = collections.Counter(self._retired_device_runs)
             for index, (_, doc) in self._latest.items():
                 device_runs.update(self._device_runs_of(index, doc))
@@ -934,7 +938,7 @@ class RuntimePool:
                 for k, v in doc["redis"].items():
                     if isinstance(v, int):
                         redis[k] = redis.get(k, 0) + v
-        out: dict[str, Any] = {"cache": cache, "redis": redis, "relaid": relaid,
+        out: dict[str, Any] = {"cache": cache, "redis": redis, **counts,
                                "device_runs": dict(device_runs)}
         if memory:
             used: dict[int, collections.Counter[str]] = {}
@@ -975,7 +979,7 @@ class RuntimePool:
                 for k, v in (old[1].get("redis") or {}).items():
                     if isinstance(v, int):
                         self._retired[k] = self._retired.get(k, 0) + v
-                self._retired_relaid += int(old[1].get("relaid", 0))
+                self._retired_counts.update({k: int(old[1].get(k, 0)) for k in _SUMMED})
                 self._retired_device_runs.update(self._device_runs_of(index, old[1]))
             self._latest[index] = (generation, doc)
 

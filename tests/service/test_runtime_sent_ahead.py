@@ -64,6 +64,7 @@ async def test_a_call_on_a_running_call_s_output_is_sent_at_once_and_waits_there
         pid = await api.upload("spin")
         await api.outputs(pid, [Y, np.int32(1)])
         before = await _stats(api)
+        waited = await api.metric("jitserve_runtime_runs_waited_total")
         a = await _start(api, pid, [Y, np.int32(4000)])
         await _running(api, a)
         b = await _start(api, pid, [{"future": a, "output": 0}, np.int32(1)])
@@ -79,6 +80,7 @@ async def test_a_call_on_a_running_call_s_output_is_sent_at_once_and_waits_there
         np.testing.assert_allclose(wire.unpackb(ra.content)["outputs"][0], _spin(Y, 4000),
                                    rtol=1e-5)
         after = await _stats(api)
+        assert await api.metric("jitserve_runtime_runs_waited_total") == waited + 1
     assert after["runs_waited"] == before["runs_waited"] + 1
     assert (after["promised"], after["failed_handles"]) == (0, 0)
 

@@ -83,6 +83,7 @@ async def metrics(services: ServicesDep) -> Response:
     metrics, futures, runtimes = services.metrics, services.futures, services.runtimes
     report = await runtimes.report(memory=True)
     metrics.relaid(report["relaid"])
+    metrics.runs_waited(report["runs_waited"])
     metrics.runs_by_device(report["device_runs"])
     metrics.device_memory(report["device_memory"])
     shared = report["redis"]  # the runtimes use Redis; this process lists
