@@ -442,17 +442,9 @@ class Executor:
     @staticmethod
     def _may_resend(job: ExecutionJob, message: RunRequest, e: NotStarted,
                     resends: int) -> bool:
-        """Whether ``job``'s run, lost before it began, goes again: it still has a
-        caller, and ``_resendable``. A future its caller let go of entirely still has
-        one while accepted calls read its outputs: calls waiting for them here (its
-        pins), or sent ahead with them (its promised buffers' other holders)."""
-        fut = job.future
-        if fut.status.is_final:
-            return False
-        if fut.removed is not None and not fut.pins and not any(
-                b.refs > 0 for b in job.promised or ()):
-            return False
-        return _resendable(message, e, resends)
+        """Whether ``job``'s run, lost before it began, goes again: it is ``_wanted``,
+        and ``_resendable``."""
+        return _wanted(job) and _resendable(message, e, resends)
 
     def _send_now(self, job: ExecutionJob, program: Program, executable: RemoteExecutable,
                   options: CallOptions, timeout_s: float) -> bool:
@@ -512,8 +504,7 @@ class Executor:
         when its runtime was lost before it began: ``again`` is that task's, for a
         run sent ahead, which waits for its inputs first)."""
         fut = job.future
-        if (isinstance(error, NotStarted) and not fut.status.is_final
-                and fut.removed is None and self._unsend(job)):
+        if isinstance(error, NotStarted) and _wanted(job) and self._unsend(job):
             self._budget.give(temp)
             job.runtime = fut.runtime = self._runtimes.replace(fut.owner, job.runtime,
                                                               message["executable_id"])
@@ -758,6 +749,18 @@ def _run_message(program: Program, executable: RemoteExecutable, options: CallOp
     if options.scope:
         message["scope"] = options.scope
     return message
+
+
+def _wanted(job: ExecutionJob) -> bool:
+    """Whether ``job``'s run still has a caller: its future is not final, and its
+    caller holds it, or accepted calls read its outputs even though its caller let go
+    of them all: calls waiting for them here (pins), or calls sent ahead with them
+    (holders of its promised buffers)."""
+    fut = job.future
+    if fut.status.is_final:
+        return False
+    return (fut.removed is None or bool(fut.pins)
+            or any(b.refs > 0 for b in job.promised or ()))
 
 
 def _resendable(message: RunRequest, e: NotStarted, resends: int) -> bool:

@@ -131,27 +131,30 @@ async def test_an_output_released_before_its_run_made_it_is_dropped_when_made(ma
     assert stats["buffers"] == held + 1  # the blocker's; a's was dropped as it was made
 
 
-async def test_a_call_sent_ahead_goes_again_when_its_runtime_is_lost_before_it_began(
+async def test_calls_sent_ahead_go_again_when_their_runtime_is_lost_before_they_began(
         make_api) -> None:
-    """``a`` (host inputs only) waits in the runtime's queue behind a long run, and ``b``
-    waits there for ``a``'s output, which it donates. The runtime is killed: the long
-    run fails with it, ``a`` is sent again to the restarted runtime, and ``b`` goes
-    again behind it, on its new output, as if it had waited in the API process."""
+    """``a`` (host inputs only) waits in the runtime's queue behind a long run; ``b``
+    waits there for ``a``'s output, and ``c`` for ``b``'s, each donating it (so the
+    callers hold neither ``a`` nor ``b``). The runtime is killed: the long run fails
+    with it, ``a`` is sent again to the restarted runtime, and ``b`` and ``c`` go
+    again behind it, on its new output, as if they had waited in the API process."""
     async with make_api(own_runtimes=True, executor_threads=1) as api:
         pid = await api.upload("spin")
-        await api.outputs(pid, [Y, np.int32(1)], donate=[0])  # compiled so, b goes at once
+        await api.outputs(pid, [Y, np.int32(1)], donate=[0])  # compiled so: b, c go at once
         _, _, blocker = await _behind_a_long_run(api)
         a = await _start(api, pid, [Y, np.int32(1)])
         b = await _start(api, pid, [{"future": a, "output": 0}, np.int32(1)], donate=[0])
+        c = await _start(api, pid, [{"future": b, "output": 0}, np.int32(1)], donate=[0])
         runtime = api.app.services.runtimes.runtimes[0]
-        assert runtime.runs == 3, "too slow a machine?"  # all three are in the runtime
+        assert runtime.runs == 4, "too slow a machine?"  # all four are in the runtime
         runtime.kill("cancel")
         r = await api.result(blocker, wait=120_000)
         assert r.status_code == 422, r.text
         assert r.json()["error"]["cause"]["code"] == "runtime_stopped"
-        r = await api.result(b, wait=120_000)
+        r = await api.result(c, wait=120_000)
         assert r.status_code == 200, r.text
         np.testing.assert_allclose(wire.unpackb(r.content)["outputs"][0],
-                                   _spin(_spin(Y, 1), 1), rtol=1e-5)
-        assert (await api.result(a, wait=1)).status_code == 404  # donated to b: released
-        assert await api.metric("jitserve_runs_resent_total") == 2
+                                   _spin(_spin(_spin(Y, 1), 1), 1), rtol=1e-5)
+        for fid in (a, b):  # donated: released
+            assert (await api.result(fid, wait=1)).status_code == 404
+        assert await api.metric("jitserve_runs_resent_total") == 3
