@@ -341,7 +341,7 @@ def check_inputs(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
     if len(avals) != len(expected):
         raise SignatureMismatch(f"program takes {len(expected)} inputs, got {len(avals)}")
     for i, (want, got) in enumerate(zip(expected, avals)):
-        if not want.matches(got):
+        if want is not got and not want.matches(got):
             raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
 
 

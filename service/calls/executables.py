@@ -10,6 +10,7 @@ records are also the catalog's local listing (``compiler.Catalog``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,11 @@ class RemoteExecutable:
                    tuple(Aval.from_json(a) for a in doc["out_avals"]), doc.get("out_tree"),
                    MemoryStats.from_json(doc.get("memory")), dict(doc.get("meta") or {}),
                    int(doc.get("nbytes") or 0))
+
+    @functools.cached_property
+    def in_avals_json(self) -> list[dict[str, Any]]:
+        """``in_avals`` as every run request of it names them (made once: read, never changed)."""
+        return [a.to_json() for a in self.in_avals]
 
     def check_inputs(self, avals: Sequence[Aval]) -> None:
         """Raise ``SignatureMismatch`` naming the first input that does not fit."""

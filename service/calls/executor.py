@@ -338,7 +338,8 @@ class Executor:
                     job.sources[i] = arg
                     taken.append(arg)
         if taken:
-            job.waiting = [a for a in job.waiting if all(a is not t for t in taken)]
+            gone = {id(t) for t in taken}
+            job.waiting = [a for a in job.waiting if id(a) not in gone]
             for fut, indices in _by_future(taken).values():
                 self._futures.unpin(fut, indices)
 
@@ -356,7 +357,8 @@ class Executor:
         for fut, indices in _by_future(refs).values():
             self._futures.pin(fut, indices)
         gone = [args[i] for i in job.sources]
-        job.held = [b for b in job.held if all(b is not g for g in gone)]
+        ids = {id(g) for g in gone}
+        job.held = [b for b in job.held if id(b) not in ids]
         self._runtimes.release(gone)
         for i, ref in job.sources.items():
             args[i] = ref
@@ -745,7 +747,7 @@ def _run_message(program: Program, executable: RemoteExecutable, options: CallOp
     message: RunRequest = {
         "executable_id": executable.executable_id, "program_id": program.program_id,
         "static_key": options.static_key, "donate": list(options.donate),
-        "avals": [a.to_json() for a in executable.in_avals], "args": descs}
+        "avals": executable.in_avals_json, "args": descs}
     if options.scope:
         message["scope"] = options.scope
     return message

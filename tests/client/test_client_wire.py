@@ -14,6 +14,7 @@ import pytest
 
 from jitserve import wire
 from jitserve.wire import WireError
+from jitserve.wire import _codec as wire_codec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,6 +98,32 @@ def test_decode_is_zero_copy() -> None:
     out = wire.decode_array({"dtype": "float32", "shape": [2, 2], "data": buf})
     assert not out.flags.writeable  # a view of the immutable bytes
     assert np.shares_memory(out, np.frombuffer(buf, np.uint8))
+
+
+def test_a_big_message_of_few_values_decodes_as_views_of_itself() -> None:
+    a = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: read by _views, not copied
+    body = bytearray(wire.packb({"args": [a, {"future": "f", "output": 0}]}))
+    out = wire.unpackb(body)
+    assert np.shares_memory(out["args"][0], np.frombuffer(body, np.uint8))
+    np.testing.assert_array_equal(out["args"][0], a)
+    assert out["args"][1] == {"future": "f", "output": 0}
+
+
+def test_a_big_message_of_many_values_decodes_as_msgpack_does() -> None:
+    # A batch of calls: a small array and 25 references each, 2 MiB in all. Too many
+    # values for the Python reader to pay off: msgpack's decoder copies, and the
+    # walk makes its arrays and leaves the rest as they are.
+    calls = [{"args": [np.full((64, 784), i, np.float32),
+                       *({"future": f"f{i}", "output": k, "none": None} for k in range(25))],
+              "donate": [0, 1], "static_key": ""} for i in range(10)]
+    body = bytearray(wire.packb({"calls": calls, "release": []}))
+    assert len(body) >= wire.STREAM_BYTES
+    out = wire.unpackb(body)
+    for i, call in enumerate(out["calls"]):
+        np.testing.assert_array_equal(call["args"][0], calls[i]["args"][0])
+        assert not np.shares_memory(call["args"][0], np.frombuffer(body, np.uint8))
+        assert call["args"][1:] == calls[i]["args"][1:]
+        assert call["donate"] == [0, 1]
 
 
 @pytest.mark.parametrize("name", ["int16", "int64", "float32", "float64", "complex128", "uint32"])
@@ -196,6 +223,17 @@ def test_max_bytes_bounds_each_array_and_the_total() -> None:
     with pytest.raises(WireError, match="over the limit"):
         wire.loads_json(wire.dumps_json([np.zeros(10, np.complex128)] * 2), max_bytes=200)
     assert len(wire.unpackb(blob, max_bytes=len(blob))) == 2
+
+
+def test_an_error_past_decoded_arrays_names_its_path() -> None:
+    # The walk decodes arrays in place; the error's second walk counts them again.
+    a = np.zeros(100, np.uint8)
+    bad = {"dtype": "float32", "shape": [3], "data": b"xx"}
+    with pytest.raises(WireError, match=r"^\$\.x\.args\[1\]: array data is 2 bytes"):
+        wire.unpackb(wire.packb({"x": {"args": [a, bad]}}))
+    decoder = wire_codec._Decoder(150, wire_codec._msgpack_array)
+    with pytest.raises(WireError, match=r"^\$\.x\.args\[1\]: .* over the limit of 50"):
+        decoder.walk(msgpack.unpackb(wire.packb({"x": {"args": [a, a]}})))
 
 
 F32_8 = np.arange(2, dtype=np.float32).tobytes()
