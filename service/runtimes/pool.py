@@ -63,6 +63,7 @@ _READY_TIMEOUT_S = 120.0
 _WATCH_INTERVAL_S = 0.05
 _KILL_GRACE_S = 0.5  # after the first late run, before the kill (check_deadlines)
 _MAX_BACKOFF_S = 30.0
+_EXIT_GRACE_S = 2.0  # for a process whose pipe closed while it started, to exit itself
 # Frees of small buffers wait this long for a request to the runtime to ride on
 # (send_free); bigger ones, or this many handles, go at once.
 _FREE_AFTER_S = 0.02
@@ -134,6 +135,20 @@ class _Call:
     deadline: float | None = None
     stop: str | None = None  # "timeout" | "cancel": why this call's runtime was killed
     started: bool = False  # a run the runtime said ``started`` for
+
+
+def _start_failure(process: subprocess.Popen[bytes], e: BaseException) -> str:
+    """Why a process whose pipe failed (``e``) before it was ready did not start: how
+    it exited, when it did so itself (its pipe closed as it died: a moment is given
+    for that), else what failed of the pipe; it is killed then."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(_EXIT_GRACE_S if isinstance(e, EOFError) else 0)
+    code = process.poll()
+    if code is not None:
+        return f"{_exit_reason(code, None)} while starting"
+    process.kill()
+    process.wait()
+    return f"its pipe failed while starting ({type(e).__name__}: {e}); killed"
 
 
 def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
@@ -492,9 +507,7 @@ class Runtime:
             ready = frames.unpack(pipe.recv_bytes())
         except (OSError, EOFError, ValueError) as e:
             pipe.close()
-            process.kill()
-            code = process.wait()
-            raise _StartFailed(f"{_exit_reason(code, None)} while starting") from e
+            raise _StartFailed(_start_failure(process, e)) from e
         except _StartFailed:
             pipe.close()
             process.kill()
