@@ -40,6 +40,7 @@ from jitserve.client import (
     RemoteArray,
     Timeout,
 )
+from jitserve.client._models import DEFAULT_RUN_AHEAD
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -173,7 +174,11 @@ def test_dropped_arrays_keep_device_memory_bounded(client: Client, url: str) -> 
         if i % 10 == 0:
             peak = max(peak, metric_total(url, DEVICE_BYTES))
     assert float(s[0, 0]) == 300.0
-    assert peak < 16 * state_bytes, f"device bytes reached {peak / MiB:.0f} MiB"
+    # Bounded by the calls that may be on their way (each reserves its output) and a
+    # few states not yet released, not by the 300 steps. The bound was 16 states: CI
+    # once saw exactly 16 (64 MiB) with the default run_ahead of 32 calls in flight.
+    bound = (DEFAULT_RUN_AHEAD + 4) * state_bytes
+    assert peak < bound, f"device bytes reached {peak / MiB:.0f} MiB"
 
 
 def test_donated_arrays_are_deleted_and_reused(client: Client, url: str) -> None:
