@@ -41,14 +41,21 @@ async def test_no_run_is_quick_at_zero(make_api, x) -> None:
 
 
 async def test_requests_behind_a_long_run_are_answered_while_it_runs(api) -> None:
+    """A run of an executable known to be long hands the pipe on before it runs.
+
+    The first run (300 steps, some 50 ms) makes ``spin`` known to be long whatever
+    ran before in this session's runtime: a warm-up of one step could leave it known
+    quick, and then a run of 300 steps ended before ``_QuickWatch`` said ``started``
+    for it, and this test's wait for ``running`` never ended (seen in CI)."""
     pid = await api.upload("spin")
     y = np.full((256, 256), 0.01, np.float32)
-    assert (await api.execute(pid, [y, np.int32(1)], wait=60_000)).status_code == 200
-    for _ in range(2):  # unknown, then known to be long: handed off both times
+    assert (await api.execute(pid, [y, np.int32(300)], wait=60_000)).status_code == 200
+    for _ in range(2):
         before = (await _stats(api))["runs"]
-        fid = (await api.execute(pid, [y, np.int32(300)])).json()["future_id"]
-        while (await api.http.get(f"/v1/futures/{fid}")).json()["status"] != "running":
+        fid = (await api.execute(pid, [y, np.int32(3000)])).json()["future_id"]
+        while (status := (await api.http.get(f"/v1/futures/{fid}")).json()["status"]) == "pending":
             await asyncio.sleep(0.005)
+        assert status == "running"
         stats = await _stats(api)  # read by another thread while the run goes on
         assert stats["runs"] == before
         assert (await api.http.get(f"/v1/futures/{fid}")).json()["status"] == "running"
