@@ -40,6 +40,25 @@ def test_writes_past_a_full_pipe_return_at_once_and_arrive_in_order() -> None:
     conn.close()
 
 
+def test_one_thread_sends_what_each_full_pipe_left() -> None:
+    """Three times the pipe fills and is read empty: the writer's one thread, started
+    at the first, sends each time's rest (starting a thread each time cost the event
+    loop a tenth of its time on a loop that runs ahead)."""
+    r, w = os.pipe()
+    writer = PipeWriter(w, "test-writer-once")
+    conn = Connection(r, writable=False)
+    for round_ in range(3):
+        messages = [bytes([round_]) * 50_000 for _ in range(4)]  # 200 KB: past 64 KiB
+        for m in messages:
+            writer.write(m)
+        assert [conn.recv_bytes() for _ in messages] == messages
+    assert [t.name for t in threading.enumerate()].count("test-writer-once") == 1
+    writer.close()
+    assert "test-writer-once" not in [t.name for t in threading.enumerate()]
+    os.close(w)
+    conn.close()
+
+
 def test_close_drops_what_waits_and_lets_go_of_the_descriptor() -> None:
     r, w = os.pipe()
     writer = PipeWriter(w, "test-writer")
