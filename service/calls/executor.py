@@ -471,27 +471,34 @@ class Executor:
                 return False
         if sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES:
             return False
-        packed, _ = frames.pack_arrays(host, None)
-        it = iter(packed)
-        message = _run_message(program, executable, options,
-                               [d if d is not None else next(it) for d in descs])
-        promised = self._promise(job, message)
         memory = executable.memory
         temp = memory.temp_bytes if memory is not None else 0
         if not self._budget.try_take(temp):
             return False
+        # Arrays of SHARED_FROM_BYTES and more (a training step's batch) go in a
+        # segment, given back once the runtime has answered (_answered, _resend).
+        segments = self._runtimes.segments
+        packed, segment = frames.pack_arrays(host, segments, frames.SHARED_FROM_BYTES)
+        it = iter(packed)
+        message = _run_message(program, executable, options,
+                               [d if d is not None else next(it) for d in descs])
+        promised = self._promise(job, message)
         try:
             again = functools.partial(self._run, job, program, executable, options, timeout_s)
             runtime.send_then(Op.RUN, message,
                               lambda reply, error: self._answered(job, temp, message, timeout_s,
-                                                                  reply, error, again),
+                                                                  reply, error, again, segment),
                               timeout_s=timeout_s, tag=job,
                               on_started=self._on_started(job.future))
         except RuntimeLost:  # restarting: the task waits for it
             self._budget.give(temp)
+            if segment is not None:
+                segments.give_back(segment)
             return False
         except BaseException:
             self._budget.give(temp)
+            if segment is not None:  # the runtime may read it yet: unlinked, left to it
+                segment.destroy()
             raise
         job.start()  # nothing ran since the job was made: it cannot be cancelled yet
         if not job.sources:  # else kept, to go again should its runtime be lost (_unsend)
@@ -501,12 +508,18 @@ class Executor:
 
     def _answered(self, job: ExecutionJob, temp: int, message: RunRequest, timeout_s: float,
                   reply: dict[str, Any] | None, error: BaseException | None,
-                  again: Callable[[], Coroutine[Any, Any, None]]) -> None:
+                  again: Callable[[], Coroutine[Any, Any, None]],
+                  segment: frames.Segment | None = None) -> None:
         """Settle the future of a run ``_send_now`` sent (or send it again, in a task,
         when its runtime was lost before it began: ``again`` is that task's, for a
-        run sent ahead, which waits for its inputs first)."""
+        run sent ahead, which waits for its inputs first). ``segment``: the one that
+        holds the run's big host inputs. Its runtime is done with it now: it has
+        answered, or it has ended (``pool``'s supervisor fails a process's calls
+        once it has exited). ``message`` sent again keeps it until that is answered."""
         fut = job.future
         if isinstance(error, NotStarted) and _wanted(job) and self._unsend(job):
+            if segment is not None:  # it goes again from its arguments, packed anew
+                self._runtimes.segments.give_back(segment)
             self._budget.give(temp)
             job.runtime = fut.runtime = self._runtimes.replace(fut.owner, job.runtime,
                                                               message["executable_id"])
@@ -520,10 +533,12 @@ class Executor:
                                                               message["executable_id"])
             self._metrics.run_resent()
             task = asyncio.get_running_loop().create_task(
-                self._resend(job, temp, message, timeout_s))
+                self._resend(job, temp, message, timeout_s, segment))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
+        if segment is not None:
+            self._runtimes.segments.give_back(segment)
         try:
             self._budget.give(temp)
             if error is not None:
@@ -538,17 +553,21 @@ class Executor:
             self._let_go(job)
 
     async def _resend(self, job: ExecutionJob, temp: int, message: RunRequest,
-                      timeout_s: float) -> None:
-        """The rest of a ``_send_now`` run that its runtime lost before it began."""
+                      timeout_s: float, segment: frames.Segment | None = None) -> None:
+        """The rest of a ``_send_now`` run that its runtime lost before it began;
+        ``segment`` holds its big host inputs (``_answered``)."""
         fut = job.future
+        answered = False  # whether no runtime reads the segment any more
         try:
             async with self._budget.hold(temp):
                 reply = await self._request_run(job, message, timeout_s, resends=1)
+            answered = True
         except asyncio.CancelledError:
             if not fut.status.is_final:
                 self._futures.fail(fut, "unavailable", "the server is shutting down")
             raise
         except RemoteError as e:
+            answered = True
             self._failed(fut, e)
         except Exception as e:  # a bug here: the future still ends, and says so
             self._broken(fut, e)
@@ -556,6 +575,11 @@ class Executor:
             self._done(job, job.runtime, reply)
         finally:
             self._let_go(job)
+            if segment is not None:
+                if answered:
+                    self._runtimes.segments.give_back(segment)
+                else:  # a runtime may read it yet: unlinked, left to it
+                    segment.destroy()
 
     def _on_started(self, fut: Future) -> Callable[[], None]:
         """What a run's ``started`` does: ``fut`` turns running, its queue time kept."""
@@ -629,7 +653,7 @@ class Executor:
         """
         memory = executable.memory
         timeout = min(timeout_s or self.timeout_s, self.timeout_s)
-        descs, segment = await self._pack(host)
+        descs, segment = await self._pack(host, frames.SHARED_FROM_BYTES)
         answered = False
         try:
             message: RunRequest = {**_run_message(program, executable, options, descs),
@@ -683,13 +707,15 @@ class Executor:
         self._futures.mark_running(future, 0.0)
         self._futures.complete(future, outputs, 0.0)
 
-    async def _pack(self, host: list[np.ndarray]) -> tuple[list[dict[str, Any]],
-                                                            frames.Segment | None]:
-        """Descriptions of host arrays for a runtime: big ones in one shared segment."""
+    async def _pack(self, host: list[np.ndarray], inline_max: int = frames.INLINE_MAX_BYTES
+                    ) -> tuple[list[dict[str, Any]], frames.Segment | None]:
+        """Descriptions of host arrays for a runtime: those of ``inline_max`` bytes and
+        more in one shared segment (a run's from ``frames.SHARED_FROM_BYTES``)."""
         big = sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES
         pack = frames.pack_arrays
         segments = self._runtimes.segments
-        return await run_in_threadpool(pack, host, segments) if big else pack(host, segments)
+        return (await run_in_threadpool(pack, host, segments, inline_max) if big
+                else pack(host, segments, inline_max))
 
     async def _resolve(self, job: ExecutionJob) -> None:
         """Replace future references by the buffers they name, waiting if needed: for
@@ -729,7 +755,7 @@ class Executor:
             host.append(arg)
             descs.append(None)
         job.args = None
-        packed, segment = await self._pack(host)
+        packed, segment = await self._pack(host, frames.SHARED_FROM_BYTES)
         del host
         it = iter(packed)
         return [d if d is not None else next(it) for d in descs], segment

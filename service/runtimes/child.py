@@ -174,6 +174,7 @@ class RuntimeServer:
         self.runs = self.quick_runs = self.runs_waited = 0
         self._quick_watch = _QuickWatch(self._send)
         self._slices: dict[int, Any] = {}  # batched runs' splits, by rows (_piece)
+        self._maps = frames.SegmentMaps()  # the API process's segments, mapped here
         self._launch_lock = threading.Lock()  # runs of sharded executables, one at a time
         self.relaid = 0  # kept outputs moved to the layout a run wanted (_placed)
         # Single-device runs go to the least busy of this runtime's devices, taking
@@ -592,7 +593,7 @@ class RuntimeServer:
                 slot: int) -> RunAnswer | SplitAnswer:
         """``op_run`` of ``exe`` on the runtime's ``slot``-th device (its first N, sharded)."""
         args: list[Any] = []
-        host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a])
+        host = frames.unpack_arrays([a for a in m["args"] if "handle" not in a], self._maps)
         host_iter = iter(host)
         donated = set(m.get("donate", ()))
         sharded = exe.device_count > 1

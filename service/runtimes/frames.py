@@ -38,11 +38,15 @@ import numpy as np
 from jitserve import wire
 from jitserve.compiler._worker import Pipe
 
-__all__ = ["INLINE_MAX_BYTES", "Pipe", "Segment", "SegmentCache",
-           "frame", "frame_size", "layout", "pack", "pack_arrays", "unpack", "unpack_arrays",
-           "write_arrays"]
+__all__ = ["INLINE_MAX_BYTES", "Pipe", "SHARED_FROM_BYTES", "Segment", "SegmentCache",
+           "SegmentMaps", "frame", "frame_size", "header", "layout", "pack", "pack_arrays",
+           "unpack", "unpack_arrays", "write_arrays"]
 
 INLINE_MAX_BYTES = 1 << 20
+# A run's inputs from this size up go by shared memory even under INLINE_MAX_BYTES
+# (``pack_arrays(..., inline_max=SHARED_FROM_BYTES)``): a training step's batch of
+# 200 KB cost the API process more to write into the pipe than the rest of its call.
+SHARED_FROM_BYTES = 64 << 10
 _ALIGN = 64
 _MIN_SEGMENT = 4 << 20
 SHM_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
@@ -66,11 +70,14 @@ _SIZE = struct.Struct("!i")
 _BIG_SIZE = struct.Struct("!Q")
 
 
+def header(n: int) -> bytes:
+    """The header ``Pipe.send_bytes`` puts before ``n`` bytes."""
+    return _SIZE.pack(n) if n <= 0x7FFFFFFF else _SIZE.pack(-1) + _BIG_SIZE.pack(n)
+
+
 def frame(data: bytes) -> bytes:
     """``data`` framed as ``Pipe.send_bytes`` frames it, for writers of their own."""
-    n = len(data)
-    head = _SIZE.pack(n) if n <= 0x7FFFFFFF else _SIZE.pack(-1) + _BIG_SIZE.pack(n)
-    return head + data
+    return header(len(data)) + data
 
 
 def frame_size(buffer: bytes | bytearray, start: int) -> tuple[int | None, int]:
@@ -142,13 +149,16 @@ class SegmentCache:
         self._lock = threading.Lock()
 
     def take(self, size: int) -> Segment:
+        # Under INLINE_MAX_BYTES (a run's inputs of SHARED_FROM_BYTES up) a segment is as
+        # small as it can be: a loop running ahead has dozens of them in use at once.
+        floor = _MIN_SEGMENT if size >= INLINE_MAX_BYTES else SHARED_FROM_BYTES
         with self._lock:
-            fits = [s for s in self._free if size <= s.size <= 4 * max(size, _MIN_SEGMENT)]
+            fits = [s for s in self._free if size <= s.size <= 4 * max(size, floor)]
             if fits:
                 best = min(fits, key=lambda s: s.size)
                 self._free.remove(best)
                 return best
-        return Segment.create(self.prefix, max(_MIN_SEGMENT, 1 << (size - 1).bit_length()))
+        return Segment.create(self.prefix, max(floor, 1 << (size - 1).bit_length()))
 
     def give_back(self, segment: Segment) -> None:
         with self._lock:
@@ -175,6 +185,29 @@ class SegmentCache:
             segment.destroy()
 
 
+class SegmentMaps(dict[str, Any]):
+    """A runtime's mappings of the API process's segments, by name, kept for the next
+    message that names them (an ``unpack_arrays`` ``maps``): the API process reuses
+    its segments, and mapping one again costs its page tables each time. It keeps
+    the last ``count`` of at most ``max_size`` bytes each; a bigger one is mapped
+    for its message only. One that the API process has unlinked stays mapped (its
+    memory held) until newer ones push it out."""
+
+    def __init__(self, count: int = 64, max_size: int = _MIN_SEGMENT) -> None:
+        super().__init__()
+        self._count = count
+        self._max_size = max_size
+        self._lock = threading.Lock()  # a runtime's run threads share it
+
+    def __setitem__(self, name: str, mapping: Any) -> None:
+        if len(mapping) > self._max_size:
+            return
+        with self._lock:
+            while len(self) >= self._count:
+                self.pop(next(iter(self)), None)  # the oldest
+            super().__setitem__(name, mapping)
+
+
 def unlink(name: str) -> None:
     try:
         os.unlink(SHM_DIR / name)
@@ -193,13 +226,15 @@ def remove_all(prefix: str) -> None:
         unlink(path.name)
 
 
-def layout(nbytes: Sequence[int]) -> tuple[list[int | None], int]:
-    """Offsets in one segment of the arrays of ``nbytes`` that do not go inline
-    (``None`` for those that do), and the segment's size (0: no segment)."""
+def layout(nbytes: Sequence[int], inline_max: int = INLINE_MAX_BYTES
+           ) -> tuple[list[int | None], int]:
+    """Offsets in one segment of the arrays of ``nbytes`` that do not go inline (those
+    of ``inline_max`` bytes and more; ``None`` for the others), and the segment's
+    size (0: no segment)."""
     offsets: list[int | None] = []
     total = 0
     for n in nbytes:
-        if n >= INLINE_MAX_BYTES:
+        if n >= inline_max:
             offsets.append(total)
             total += -(-n // _ALIGN) * _ALIGN
         else:
@@ -218,18 +253,18 @@ def write_arrays(arrays: Sequence[np.ndarray], offsets: Sequence[int | None],
             view = np.ndarray(a.shape, a.dtype, buffer=target, offset=offset)
             np.copyto(view, a, casting="no")
             desc["shm"], desc["offset"] = name, offset
-        else:
-            desc["data"] = np.ascontiguousarray(a).tobytes()
+        else:  # its bytes as they are, copied once, by msgpack into the message
+            desc["data"] = np.ascontiguousarray(a).view(np.uint8).reshape(-1).data
         out.append(desc)
     return out
 
 
-def pack_arrays(arrays: Sequence[np.ndarray], cache: SegmentCache | None
-                ) -> tuple[list[dict[str, Any]], Segment | None]:
+def pack_arrays(arrays: Sequence[np.ndarray], cache: SegmentCache | None,
+                inline_max: int = INLINE_MAX_BYTES) -> tuple[list[dict[str, Any]], Segment | None]:
     """Descriptions of ``arrays`` for a message, and the segment (from ``cache``) that
-    holds the big ones; give it back when the other side is done with it. Without
-    a cache every array goes inline."""
-    offsets, size = layout([a.nbytes for a in arrays])
+    holds those of ``inline_max`` bytes and more; give it back when the other side is
+    done with it. Without a cache every array goes inline."""
+    offsets, size = layout([a.nbytes for a in arrays], inline_max)
     if cache is None or size == 0:
         return write_arrays(arrays, [None] * len(arrays), None, None), None
     segment = cache.take(size)
@@ -247,9 +282,10 @@ def unpack_arrays(descs: Sequence[dict[str, Any]],
         shape = tuple(int(n) for n in d["shape"])
         if "shm" in d:
             name = d["shm"]
-            if name not in maps:
-                maps[name] = Segment.open(name)
-            out.append(np.ndarray(shape, dtype, buffer=maps[name], offset=int(d["offset"])))
+            mapping = maps.get(name)
+            if mapping is None:
+                mapping = maps[name] = Segment.open(name)
+            out.append(np.ndarray(shape, dtype, buffer=mapping, offset=int(d["offset"])))
         else:
             out.append(np.frombuffer(d["data"], dtype).reshape(shape))
     return out

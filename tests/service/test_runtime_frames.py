@@ -81,3 +81,31 @@ def test_remove_all_cleans_up_after_a_pool() -> None:
     assert len(_segments(prefix)) == 3
     frames.remove_all(prefix)
     assert _segments(prefix) == []
+
+
+def test_inputs_of_64_kib_go_by_small_segments(cache) -> None:
+    """``inline_max=SHARED_FROM_BYTES`` (a run's inputs): 64 KiB and more go by shared
+    memory, in a segment as small as fits (a loop running ahead holds dozens)."""
+    arrays = [np.arange(1 << 14, dtype=np.float32), np.zeros(100, np.int32)]
+    descs, segment = frames.pack_arrays(arrays, cache, frames.SHARED_FROM_BYTES)
+    assert segment is not None and segment.size == 64 << 10
+    assert ["shm" in d for d in descs] == [True, False]
+    back = frames.unpack_arrays(frames.unpack(frames.pack({"a": descs}))["a"])
+    for want, got in zip(arrays, back):
+        np.testing.assert_array_equal(got, want)
+    cache.give_back(segment)
+    assert cache.take(100 << 10) is not segment  # too small for it
+    assert cache.take(50 << 10) is segment
+
+
+def test_a_runtime_keeps_its_last_mappings_and_not_big_ones(cache) -> None:
+    maps = frames.SegmentMaps(count=2, max_size=1 << 20)
+    made = [cache.take(64 << 10) for _ in range(3)]
+    for s in made:
+        descs = frames.write_arrays([np.ones(16, np.float32)], [0], s.map, s.name)
+        frames.unpack_arrays(descs, maps)
+    assert list(maps) == [made[1].name, made[2].name]  # the oldest went
+    big = cache.take(4 << 20)
+    frames.unpack_arrays(frames.write_arrays([np.ones(16, np.float32)], [0], big.map, big.name),
+                         maps)
+    assert big.name not in maps

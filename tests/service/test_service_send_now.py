@@ -163,3 +163,21 @@ async def test_a_bug_in_sending_fails_the_future_instead_of_leaving_it_pending(a
     error = (await api.result(fid)).json()["error"]
     assert error["code"] == "future_failed" and "TypeError" in error["message"]
     assert executor._budget.in_flight == 0
+
+
+async def test_an_input_of_64_kib_goes_by_shared_memory_in_one_segment_reused(api, sends) -> None:
+    """``frames.SHARED_FROM_BYTES``: a training step's batch goes to the runtime in a
+    segment, not through the pipe, still sent at once; the segment comes back when
+    the run has answered, and the next call takes it again."""
+    pid = await api.upload("plus1")
+    v = np.arange(1 << 14, dtype=np.float32)  # 64 KiB
+    assert (await api.execute(pid, [v], wait=30_000)).status_code == 200
+    segments = api.app.services.runtimes.segments
+    small = {s.name for s in segments._free if s.size < 1 << 20}
+    assert small  # the first call's, given back
+    sends.clear()
+    for k in range(5):
+        out = await api.outputs(pid, [v + k])
+        np.testing.assert_array_equal(out[0], v + k + 1)
+    assert sends == [True] * 5
+    assert {s.name for s in segments._free if s.size < 1 << 20} == small  # reused, no more
