@@ -141,6 +141,9 @@ class ExecutionJob:
         # Arguments that are buffers another run sent to the same runtime promised,
         # by position: the references they stand for (``Executor._send_ahead``).
         self.sources: dict[int, FutureRef] = {}
+        # The buffers the run message being made gives up to the run (``_by_handle``);
+        # marked ``given`` once it is sent (``Executor._sent``).
+        self.giving: list[Buffer] = []
         self.task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._started = False
@@ -461,6 +464,7 @@ class Executor:
             return False
         descs: list[dict[str, Any] | None] = []
         host: list[np.ndarray] = []
+        job.giving = []
         for i, arg in enumerate(job.args):
             if isinstance(arg, np.ndarray):
                 host.append(arg)
@@ -614,6 +618,9 @@ class Executor:
         job.promised = promised
         if promised:
             self._futures.promise(job.future, promised)
+        for buf in job.giving:  # the runtime drops them with the run: no free to send
+            buf.given = True
+        job.giving = []
 
     def _done(self, job: ExecutionJob, runtime: Runtime, reply: dict[str, Any]) -> None:
         """Complete ``job``'s future with the outputs its run's answer names: those it
@@ -742,6 +749,7 @@ class Executor:
         runtime = job.runtime
         descs: list[dict[str, Any] | None] = []
         host: list[np.ndarray] = []
+        job.giving = []
         for i, arg in enumerate(job.args):
             if isinstance(arg, Buffer):
                 if arg.runtime is runtime and arg.alive:
@@ -804,8 +812,10 @@ def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:
     """Argument ``position`` of ``job`` as a buffer already on its runtime. A donated
     buffer that only this run holds is given up to it (the run consumes it); one
     that others hold is copied there."""
-    give = position in job.donate and buf.refs == 1
-    return {"handle": buf.handle, **({"give": True} if give else {})}
+    if position in job.donate and buf.refs == 1:
+        job.giving.append(buf)
+        return {"handle": buf.handle, "give": True}
+    return {"handle": buf.handle}
 
 
 def _by_future(args: Sequence[Any]) -> dict[int, tuple[Future, list[int]]]:

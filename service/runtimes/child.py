@@ -337,6 +337,13 @@ class RuntimeServer:
         ready = [m for m in waiting if not self._parked(m)]
         self._queued_runs.extendleft(reversed(ready))
 
+    def _consume_given(self, m: dict[str, Any]) -> None:
+        """Drop the buffers run ``m`` was given (``give``), which a run that ended
+        before it took them did not: the API process sends no free for them."""
+        for a in m.get("args") or ():
+            if isinstance(a, dict) and a.get("give") and "handle" in a:
+                self._drop(a["handle"])
+
     def _drop(self, handle: Any) -> None:
         """Free output ``handle``; a promised one as soon as it is made."""
         if type(handle) is not int or handle >= 0:
@@ -379,10 +386,12 @@ class RuntimeServer:
         reply = self._reply(m, HANDLERS[_RUN], m.get("id", 0), quick)
         self.runs += 1
         out = m.get("out")
-        if reply["kind"] != _OK and isinstance(out, list) and out:
-            with self._runs_lock:
-                if out[0] in self._promised:  # not kept: the run failed before it made them
-                    self._broken(out, f"{reply['code']}: {reply['message']}")
+        if reply["kind"] != _OK:
+            self._consume_given(m)
+            if isinstance(out, list) and out:
+                with self._runs_lock:
+                    if out[0] in self._promised:  # not kept: the run failed before it made them
+                        self._broken(out, f"{reply['code']}: {reply['message']}")
         if len(self._run_times) >= _RUN_TIMES_KEPT:
             self._run_times.clear()
         self._run_times[m.get("executable_id", "")] = time.perf_counter() - t0
@@ -873,6 +882,7 @@ class RuntimeServer:
                 return
             if run.get("out"):
                 self._broken(run["out"], f"future_cancelled: {message}")
+        self._consume_given(run)
         self._send(_failure(int(rid), "future_cancelled", message))
 
     def op_free(self, m: FreeRequest) -> None:

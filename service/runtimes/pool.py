@@ -117,6 +117,9 @@ class Buffer:
     handle: int
     nbytes: int
     refs: int = 1  # the future that holds it, and the runs about to read it
+    # Given up to a run that consumes it (a donation nobody else held): its runtime
+    # drops it with that run, whatever the run's end, so no free is sent for it.
+    given: bool = False
 
     @property
     def alive(self) -> bool:
@@ -859,6 +862,8 @@ class RuntimePool:
         """Let go of ``buffers`` on their runtimes (no answer awaited)."""
         by_runtime: dict[tuple[Runtime, int], list[Buffer]] = {}
         for buf in buffers:
+            if buf.given:
+                continue
             by_runtime.setdefault((buf.runtime, buf.generation), []).append(buf)
         for (runtime, generation), bufs in by_runtime.items():
             runtime.send_free([b.handle for b in bufs], generation, sum(b.nbytes for b in bufs))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from jitserve.service.runtimes import Runtime, RuntimePool, frames
-from jitserve.service.runtimes.pool import _FREE_AFTER_S, _FREE_NOW_BYTES
+from jitserve.service.runtimes.pool import _FREE_AFTER_S, _FREE_NOW_BYTES, RemoteError
 
 
 async def _put(runtime: Runtime, *arrays: np.ndarray) -> tuple[list[int], int]:
@@ -60,3 +61,18 @@ async def test_frees_of_another_process_are_dropped(runtimes: RuntimePool) -> No
     held = await _held(runtime)
     runtime.send_free(handles, generation, 32)
     assert await _held(runtime) == held - 1
+
+
+async def test_a_run_that_fails_before_it_takes_what_it_was_given_drops_it(
+        runtimes: RuntimePool) -> None:
+    """The API process sends no free for a buffer it gave up to a run (``give``): the
+    runtime drops it with the run, even one that failed before it took it (here, an
+    executable no tier has, nor its program)."""
+    runtime = runtimes.runtimes[0]
+    before = await _held(runtime)
+    handles, _ = await _put(runtime, np.ones(4))
+    run = {"executable_id": "0" * 64, "program_id": "0" * 64, "static_key": "", "donate": [0],
+           "avals": [], "args": [{"handle": handles[0], "give": True}]}
+    with pytest.raises(RemoteError, match="no program"):
+        await runtime.request("run", run, timeout_s=60)
+    assert await _held(runtime) == before

@@ -270,3 +270,34 @@ async def test_a_fetch_keeps_the_small_output_it_has_while_a_sibling_is_released
         assert (await _result(api, fid, "1")).status_code == 404
         np.testing.assert_array_equal(
             wire.unpackb((await _result(api, fid, "0")).content)["outputs"][0], x + 1)
+
+
+async def test_a_donated_output_nobody_else_holds_is_dropped_with_its_run_no_free_sent(
+        api) -> None:
+    """Given up to the run that consumes it (``give``): the runtime drops it there, and
+    the API process sends no free for it (one per step of a training loop, a pipe
+    write and a wake-up of the runtime each, before)."""
+    runtime = api.app.services.runtimes.runtimes[0]
+    pid = await api.upload("plus1")
+    v = np.arange(1 << 14, dtype=np.float32)
+    first = (await api.execute(pid, [v])).json()["future_id"]
+    assert (await api.result(first, wait=30_000)).status_code == 200
+    freed: list[int] = []
+    send_free = runtime.send_free
+
+    def spy(handles, generation, nbytes=0):
+        freed.extend(handles)
+        send_free(handles, generation, nbytes)
+
+    runtime.send_free = spy
+    try:
+        given = api.app.services.futures.get(first, None).outputs[0]
+        held = (await runtime.request("stats", {}, timeout_s=60))["buffers"]
+        r = await api.execute(pid, [{"future": first, "output": 0}], donate=[0], wait=30_000)
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0], v + 2)
+        assert given.given and given.handle not in freed
+        # its output in, the donated buffer out
+        assert (await runtime.request("stats", {}, timeout_s=60))["buffers"] == held
+    finally:
+        runtime.send_free = send_free
