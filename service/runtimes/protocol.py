@@ -124,7 +124,8 @@ class Kind(enum.StrEnum):
 ArrayDesc: TypeAlias = dict[str, Any]
 # One argument of a run: an ``ArrayDesc``, or an output already on the runtime,
 # ``{"handle": int}``, with ``"give": True`` when the run may consume it (donated,
-# and held by nothing else).
+# and held by nothing else). A given handle is the run's from then on: the runtime
+# drops it with the run however the run ends, and the API process sends no free of it.
 ArgDesc: TypeAlias = dict[str, Any]
 # ``wire.Aval.to_json()``: shape, dtype, weak type.
 AvalDoc: TypeAlias = dict[str, Any]
