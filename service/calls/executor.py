@@ -415,11 +415,7 @@ class Executor:
             self._done(job, runtime, reply)
         finally:
             self._let_go(job)
-            if segment is not None:
-                if answered or not job.sent:
-                    self._runtimes.segments.give_back(segment)
-                else:  # the runtime may still read it: unlinked, left to it
-                    segment.destroy()
+            self._segment_done(segment, answered or not job.sent)
 
     async def _request_run(self, job: ExecutionJob, message: RunRequest,
                            timeout_s: float, resends: int = 0) -> dict[str, Any]:
@@ -481,8 +477,8 @@ class Executor:
             return False
         # Arrays of SHARED_FROM_BYTES and more (a training step's batch) go in a
         # segment, given back once the runtime has answered (_answered, _resend).
-        segments = self._runtimes.segments
-        packed, segment = frames.pack_arrays(host, segments, frames.SHARED_FROM_BYTES)
+        packed, segment = frames.pack_arrays(host, self._runtimes.segments,
+                                             frames.SHARED_FROM_BYTES)
         it = iter(packed)
         message = _run_message(program, executable, options,
                                [d if d is not None else next(it) for d in descs])
@@ -496,13 +492,11 @@ class Executor:
                               on_started=self._on_started(job.future))
         except RuntimeLost:  # restarting: the task waits for it
             self._budget.give(temp)
-            if segment is not None:
-                segments.give_back(segment)
+            self._segment_done(segment, True)
             return False
         except BaseException:
             self._budget.give(temp)
-            if segment is not None:  # the runtime may read it yet: unlinked, left to it
-                segment.destroy()
+            self._segment_done(segment, False)  # it may have been sent
             raise
         job.start()  # nothing ran since the job was made: it cannot be cancelled yet
         if not job.sources:  # else kept, to go again should its runtime be lost (_unsend)
@@ -522,8 +516,7 @@ class Executor:
         once it has exited). ``message`` sent again keeps it until that is answered."""
         fut = job.future
         if isinstance(error, NotStarted) and _wanted(job) and self._unsend(job):
-            if segment is not None:  # it goes again from its arguments, packed anew
-                self._runtimes.segments.give_back(segment)
+            self._segment_done(segment, True)  # it goes again from its arguments, packed anew
             self._budget.give(temp)
             job.runtime = fut.runtime = self._runtimes.replace(fut.owner, job.runtime,
                                                               message["executable_id"])
@@ -541,8 +534,7 @@ class Executor:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
-        if segment is not None:
-            self._runtimes.segments.give_back(segment)
+        self._segment_done(segment, True)
         try:
             self._budget.give(temp)
             if error is not None:
@@ -579,11 +571,18 @@ class Executor:
             self._done(job, job.runtime, reply)
         finally:
             self._let_go(job)
-            if segment is not None:
-                if answered:
-                    self._runtimes.segments.give_back(segment)
-                else:  # a runtime may read it yet: unlinked, left to it
-                    segment.destroy()
+            self._segment_done(segment, answered)
+
+    def _segment_done(self, segment: frames.Segment | None, read: bool) -> None:
+        """Done with ``segment``, which held a run's host inputs: back to the cache for
+        the next message once no runtime reads it any more (``read``: it answered, or
+        ended, or was never sent it), else unlinked and left to the runtime's mapping."""
+        if segment is None:
+            return
+        if read:
+            self._runtimes.segments.give_back(segment)
+        else:
+            segment.destroy()
 
     def _on_started(self, fut: Future) -> Callable[[], None]:
         """What a run's ``started`` does: ``fut`` turns running, its queue time kept."""
@@ -683,11 +682,7 @@ class Executor:
                         raise
             answered = True
         finally:
-            if segment is not None:
-                if answered:
-                    self._runtimes.segments.give_back(segment)
-                else:
-                    segment.destroy()
+            self._segment_done(segment, answered)
         pieces = []
         for handles, values, sizes in zip(reply["handles"], reply["values"], out_nbytes):
             buffers = [Buffer(runtime, reply["generation"], h, n) for h, n in zip(handles, sizes)]
@@ -705,8 +700,7 @@ class Executor:
         try:
             reply = await runtime.request(Op.PUT, PutRequest(args=descs), timeout_s=self.timeout_s)
         finally:
-            if segment is not None:
-                self._runtimes.segments.give_back(segment)
+            self._segment_done(segment, True)
         outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
                    for h, a in zip(reply["handles"], arrays)]
         if sum(a.nbytes for a in arrays) <= INLINE_OUTPUTS_BYTES:
