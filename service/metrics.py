@@ -127,7 +127,7 @@ class Metrics:
                                           "connections closed before a whole request head",
                                           ["reason"], registry=r)
         # JAX's IFRT proxy (service/ifrt): sessions, requests by type, bytes each way,
-        # compiles by tier and refusals by status.
+        # compiles by tier, refusals by status and requests per batch to the runtime.
         self.ifrt_sessions = Gauge("jitserve_ifrt_sessions", "open IFRT proxy sessions",
                                    registry=r)
         self.ifrt_sessions_closed = Counter("jitserve_ifrt_sessions_closed",
@@ -141,6 +141,10 @@ class Metrics:
                                      ["tier"], registry=r)
         self.ifrt_bytes = Counter("jitserve_ifrt_bytes", "host-buffer bytes moved by the IFRT proxy",
                                   ["direction"], registry=r)
+        self.ifrt_batch_requests = Histogram("jitserve_ifrt_batch_requests",
+                                             "IFRT proxy requests per batch sent to a runtime",
+                                             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                                             registry=r)
         self.runtimes_up = Gauge("jitserve_runtimes_up", "runtime processes up", registry=r)
         self.runtimes_count = Gauge("jitserve_runtimes", "runtime processes", registry=r)
         self.runtime_restarts = Counter("jitserve_runtime_restarts",

@@ -689,6 +689,8 @@ class ConsoleSession(BaseModel):
     host_bytes_held: int = Field(description="host buffers waiting here")
     device_bytes: int = Field(description="its arrays' device bytes, as of its last batch")
     compiles: dict[str, int] = Field(description="by tier")
+    waiting_for_host_buffers: list[int] = Field(
+        default_factory=list, description="host buffers its next requests wait for")
 
 
 class ConsoleSessions(BaseModel):

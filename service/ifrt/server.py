@@ -13,7 +13,9 @@ its own (``JITSERVE_IFRT_PORT``; off when unset).
   placed on one runtime (by API key, as ``/v1`` callers are) and lives there: its
   arrays and executables are the runtime's, and this process only relays. Requests
   queue while a batch is at the runtime and go as the next batch (``Op.IFRT``), so a
-  client that pipelines is answered at the runtime's pace, not a round trip's.
+  client that pipelines is answered at the runtime's pace, not a round trip's. A
+  request whose host buffer is still on its way holds its batch open until it comes,
+  so the requests sent behind it (the call that uses the array) go along.
 - ``HostBufferStore``/``Lookup``/``Delete`` move array bytes. Stored buffers wait here
   until the request that names them goes, and cross to the runtime in shared memory;
   a request whose buffer does not arrive within ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``
@@ -86,6 +88,7 @@ class _Session:
     host_in: dict[int, _Stored] = dataclasses.field(default_factory=dict)
     host_out: dict[int, Any] = dataclasses.field(default_factory=dict)  # ndarray, or nbytes
     arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
+    awaited: set[int] = dataclasses.field(default_factory=set)  # host buffers a request waits for
     requests: int = 0
     held: int = 0  # bytes of host_in, and of host_out's inline buffers
     bytes_in: int = 0
@@ -186,13 +189,14 @@ class IfrtService:
     def describe(self) -> list[dict[str, Any]]:
         """The open sessions, for the console (``service.console``): each one's id, owner
         (its key's digest, "" without keys), runtime, age, requests, bytes each way,
-        compiles by tier, and the device bytes its arrays held after its last batch."""
+        compiles by tier, the device bytes its arrays held after its last batch, and the host
+        buffers its next requests wait for."""
         now = time.monotonic()
         return [{"session": f"{s.id:016x}", "owner": s.owner, "runtime": s.runtime.index,
                  "protocol": s.protocol, "age_s": round(now - s.opened, 3),
                  "requests": s.requests, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
                  "host_bytes_held": s.held, "device_bytes": s.device_bytes,
-                 "compiles": dict(s.compiles)}
+                 "compiles": dict(s.compiles), "waiting_for_host_buffers": sorted(s.awaited)}
                 for s in list(self.sessions.values())]
 
     # -- GetVersion ------------------------------------------------------------------
@@ -341,13 +345,28 @@ class IfrtService:
                 "idle") from None
         if first is None:
             return None
-        batch = [first]
-        while len(batch) < _BATCH_MAX and not queue.empty():
-            item = queue.get_nowait()
-            if item is None:
-                queue.put_nowait(None)  # seen again after this batch
+        # Requests that name host buffers still on their way wait for them here, before
+        # the batch is closed: what the client sends meanwhile (the call that uses the
+        # arrays, its ready check) then goes with them, not a runtime round trip later.
+        batch: list[tuple[bytes, Any]] = []
+        more = [first]
+        while more:
+            waited = False
+            for _, request in more:
+                kind = request.WhichOneof("request") if request is not None else None
+                for handle in _host_buffers_named(request, kind) if kind else ():
+                    waited = await self._wait_for_buffer(session, handle) or waited
+            batch += more
+            more = []
+            while len(batch) + len(more) < _BATCH_MAX and not queue.empty():
+                item = queue.get_nowait()
+                if item is None:
+                    queue.put_nowait(None)  # seen again after this batch
+                    break
+                more.append(item)
+            if not waited:
+                batch += more
                 break
-            batch.append(item)
         return batch
 
     async def _relay(self, session: _Session, batch: list[tuple[bytes, Any]]) -> list[bytes]:
@@ -378,6 +397,7 @@ class IfrtService:
             sent.append(data)
             kinds.append(kind)
         if sent:
+            self.metrics.ifrt_batch_requests.observe(len(sent))
             responses, host, compiled = await self._to_runtime(session, sent, buffers, executes,
                                                                compiles)
             for each in compiled:
@@ -396,12 +416,19 @@ class IfrtService:
         session.requests += len(batch)
         return [a for a in answers if a is not None]
 
-    async def _wait_for_buffer(self, session: _Session, handle: int) -> None:
+    async def _wait_for_buffer(self, session: _Session, handle: int) -> bool:
+        """Wait until host buffer ``handle`` is here, or for at most
+        ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``; whether it had to."""
         if handle in session.host_in:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(session.event(handle).wait(),
-                                   self.settings.ifrt_host_buffer_wait_s)
+            return False
+        session.awaited.add(handle)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(session.event(handle).wait(),
+                                       self.settings.ifrt_host_buffer_wait_s)
+        finally:
+            session.awaited.discard(handle)
+        return True
 
     async def _to_runtime(self, session: _Session, requests: list[bytes],
                           buffers: dict[int, _Stored], executes: int, compiles: int

@@ -337,13 +337,22 @@ class Session:
 
     def send(self, data: bytes) -> Any:
         self._queue.put(data)
+        return self.answer()
+
+    def answer(self) -> Any:
+        """The next response, in the order of the requests."""
         return message(P + "IfrtResponse").FromString(next(self._responses))
 
     def request(self, **fields: Any) -> Any:
+        self.put(**fields)
+        return self.answer()
+
+    def put(self, **fields: Any) -> None:
+        """Send a request without waiting for its answer (``answer`` reads it)."""
         self.op += 1
         request = message(P + "IfrtRequest")(**fields)
         request.request_metadata.op_id = self.op
-        return self.send(request.SerializeToString())
+        self._queue.put(request.SerializeToString())
 
     def store(self, handle: int, data: bytes) -> None:
         meta = message(P + "GrpcHostBufferStoreMetadata")(session_id=self.session_id, handle=handle,
@@ -352,7 +361,7 @@ class Session:
         store(iter([message(P + "GrpcHostBufferStoreRequest")(data=data).SerializeToString()]),
               metadata=[("ifrt-proxy-grpc-host-buffer-store-metadata-bin", meta.SerializeToString())])
 
-    def make_array(self, handle: int, buffer: int, values: np.ndarray) -> Any:
+    def make_array(self, handle: int, buffer: int, values: np.ndarray, wait: bool = True) -> Any:
         single = message("xla.ifrt.SingleDeviceShardingProto")(device_id=0)
         request = {"make_array_from_host_buffer_request": {
             "dtype": {"kind": message("xla.ifrt.DTypeProto").Kind.Value("KIND_F32")},
@@ -360,6 +369,8 @@ class Session:
             "array_handle": handle,
             "sharding": {"serialized_sharding": {"type_name": "xla::ifrt::SingleDeviceSharding",
                                                  "data": single.SerializeToString()}}}}
+        if not wait:
+            return self.put(**request)
         return self.request(**request)
 
     def close(self) -> None:
@@ -397,6 +408,47 @@ def test_each_session_sees_only_its_own_arrays(ifrt: dict[str, str]) -> None:
     finally:
         alice.close()
         bob.close()
+
+
+def test_requests_behind_a_host_buffer_on_its_way_go_to_the_runtime_with_it(
+        ifrt: dict[str, str]) -> None:
+    """jaxlib's client sends an array's request before its host buffer, and the call
+    that uses the array right behind it: they wait for the buffer together and go to
+    the runtime as one batch, not a runtime round trip apart."""
+    session = Session(ifrt["target"])
+    url = ifrt["url"]
+    try:
+        values = np.arange(3, dtype=np.float32)
+        for buffer, stored in ((71, True), (72, False)):  # it comes; it never does (2 s)
+            batches = metric_total(url, "jitserve_ifrt_batch_requests_count")
+            requests = metric_total(url, "jitserve_ifrt_batch_requests_sum")
+            session.make_array(buffer - 10, buffer, values, wait=False)
+            _wait_for_sessions(url, lambda s, b=buffer: s["waiting_for_host_buffers"] == [b])
+            session.put(check_value_ready_request={"value_handles": [buffer - 10]})
+            if stored:
+                session.store(buffer, values.tobytes())
+                assert _status(session.answer()) == (0, "")
+                assert _status(session.answer()) == (0, "")
+            else:
+                code, text = _status(session.answer())
+                assert code == grpc.StatusCode.NOT_FOUND.value[0] and "never arrived" in text
+                assert "failed earlier" in _status(session.answer())[1]
+            assert metric_total(url, "jitserve_ifrt_batch_requests_count") == batches + 1
+            assert metric_total(url, "jitserve_ifrt_batch_requests_sum") == requests + 2
+    finally:
+        session.close()
+
+
+def _wait_for_sessions(url: str, ready: Any, timeout: float = 60.0) -> None:
+    """Until some open session of KEYS[0] is ``ready`` (a condition on its console entry)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sessions = httpx.get(f"{url}/v1/console/sessions", timeout=10,
+                             headers={"Authorization": f"Bearer {KEYS[0]}"}).json()["sessions"]
+        if any(ready(s) for s in sessions):
+            return
+        assert time.monotonic() < deadline, sessions
+        time.sleep(0.01)
 
 
 def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, str]) -> None:
