@@ -7,6 +7,7 @@ Run as ``python bench/_ifrt_worker.py SCENARIO [ARG]`` with ``JAX_PLATFORMS=jits
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -18,6 +19,23 @@ import jax.numpy as jnp
 import numpy as np
 
 MiB = 1 << 20
+
+
+def cpu() -> dict[str, float]:
+    """CPU seconds so far of this process and, when ``BENCH_SERVER_PID`` names a
+    jitserve server, of its API process and its runtimes (``/proc``)."""
+    out = {"client": time.process_time()}
+    pid = os.environ.get("BENCH_SERVER_PID")
+    if pid:
+        from _servers import cpu_seconds
+
+        out["api"], out["runtimes"] = cpu_seconds(int(pid))
+    return out
+
+
+def cpu_since(start: dict[str, float], per: float = 1.0) -> dict[str, float]:
+    """CPU each process spent since ``start`` (``cpu()``), in ms per ``per`` (1: in all)."""
+    return {k: round(1e3 * (v - start[k]) / per, 2) for k, v in cpu().items()}
 
 
 def median_call_s(f: Any, x: Any, calls: int) -> float:
@@ -74,28 +92,30 @@ def cnn(batch: int, steps: int = 12) -> dict[str, Any]:
     for step in range(2):
         params, opt_state, loss = train_step(params, opt_state, images[step], labels[step])
     float(loss)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu()
     for step in range(2, steps + 2):
         params, opt_state, loss = train_step(params, opt_state, images[step], labels[step])
         last = float(loss)  # as the docs' loop does: the loss comes back every step
     seconds = time.perf_counter() - t0
-    return {"steps_per_s": steps / seconds, "batch": batch, "steps": steps, "last_loss": last}
+    return {"steps_per_s": steps / seconds, "batch": batch, "steps": steps, "last_loss": last,
+            "cpu_ms_per_step": cpu_since(cpu0, steps)}
 
 
 def transfer(mib: int) -> dict[str, Any]:
     host = np.random.default_rng(0).random(mib * MiB // 4, dtype=np.float32)
     jax.device_put(host[:1024]).block_until_ready()  # the session and its first compile
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu()
     x = jax.device_put(host)
     x.block_until_ready()
-    put_s = time.perf_counter() - t0
+    put_s, put_cpu = time.perf_counter() - t0, cpu_since(cpu0)
     y = x + 1  # a fresh array: np.asarray of x might be served from the host copy jax keeps
     y.block_until_ready()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu()
     back = np.asarray(y)
-    get_s = time.perf_counter() - t0
+    get_s, get_cpu = time.perf_counter() - t0, cpu_since(cpu0)
     assert back[0] == host[0] + 1
-    return {"mib": mib, "put_gb_s": host.nbytes / put_s / 1e9, "get_gb_s": host.nbytes / get_s / 1e9}
+    return {"mib": mib, "put_gb_s": host.nbytes / put_s / 1e9, "get_gb_s": host.nbytes / get_s / 1e9,
+            "put_cpu_ms": put_cpu, "get_cpu_ms": get_cpu}
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@
 
 Each measurement runs in a fresh process (``bench/_ifrt_worker.py``): with
 ``JAX_PLATFORMS=jitserve`` against one ``jitserve serve --ifrt-port`` started here, or
-with ``JAX_PLATFORMS=cpu`` as the baseline, taking turns. Results go to
-bench/results/ifrt.json.
+with ``JAX_PLATFORMS=cpu`` as the baseline, taking turns. Through the proxy, the worker
+also reports the CPU its own process, the server's API process and its runtimes spent
+(``/proc``): per step in I2, with the fastest step those sums allow on this machine's
+cores; per transfer in I3. Results go to bench/results/ifrt.json.
 
 Run: ``.venv/bin/python bench/ifrt.py [--only I1 I2 I3] [--rounds N] [--mib 256]``
 """
@@ -32,12 +34,18 @@ from _servers import free_port, jitserve, write_results  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "_ifrt_worker.py"
 
 
-def measure(scenario: str, *args: int, target: str | None) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JITSERVE_"))}
+def measure(scenario: str, *args: int, target: str | None, server: int | None = None
+            ) -> dict[str, Any]:
+    """One run of ``scenario`` in a fresh process: through the proxy at ``target``, or
+    locally (``None``); ``server``: the server's pid, whose CPU the worker reports too."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_", "JITSERVE_", "BENCH_"))}
     if target is None:
         env["JAX_PLATFORMS"] = "cpu"
     else:
         env.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=target)
+    if server is not None:
+        env["BENCH_SERVER_PID"] = str(server)
     done = subprocess.run([sys.executable, str(WORKER), scenario, *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
@@ -67,7 +75,7 @@ def main() -> None:
     port = free_port()
     results: dict[str, Any] = {"rounds": args.rounds}
     with jitserve(JITSERVE_IFRT_PORT=str(port), JITSERVE_RUNTIMES="1",
-                  JITSERVE_MAX_BODY_BYTES=str((args.mib + 64) << 20)) as (url, _):
+                  JITSERVE_MAX_BODY_BYTES=str((args.mib + 64) << 20)) as (url, proc):
         target = f"127.0.0.1:{port}"
         measure("small", target=target)  # compile once: later rounds hit the cache
         if "I1" in args.only:
@@ -84,25 +92,43 @@ def main() -> None:
         if "I2" in args.only:
             for batch in (64, 256):
                 measure("cnn", batch, 2, target=target)  # compile the step once
-                proxy, local = [], []
+                proxy, local, cpu = [], [], []
                 for _ in range(args.rounds):
-                    proxy.append(measure("cnn", batch, target=target)["steps_per_s"])
+                    run = measure("cnn", batch, target=target, server=proc.pid)
+                    proxy.append(run["steps_per_s"])
+                    cpu.append(run["cpu_ms_per_step"])
                     local.append(measure("cnn", batch, target=None)["steps_per_s"])
                 p, lo = statistics.median(proxy), statistics.median(local)
-                results[f"I2_cnn_batch_{batch}"] = {"proxy_steps_per_s": p, "local_steps_per_s": lo,
-                                                    "ratio": p / lo}
+                # CPU ms per step of the client, the API process and the runtimes (mean of
+                # the rounds): sharing the machine's cores, a step cannot take less than
+                # their sum over the cores, whatever overlaps.
+                per = {k: round(statistics.mean(c[k] for c in cpu), 2) for k in cpu[0]}
+                bound = sum(per.values()) / len(os.sched_getaffinity(0))
+                results[f"I2_cnn_batch_{batch}"] = {
+                    "proxy_steps_per_s": p, "local_steps_per_s": lo, "ratio": p / lo,
+                    "proxy_cpu_ms_per_step": per, "cpu_bound_ms_per_step": round(bound, 2),
+                    "bound_ratio": 1e3 / lo / bound}
                 print(f"I2 CNN batch {batch}: proxy {p:.1f} steps/s, local {lo:.1f} steps/s "
-                      f"({p / lo:.2f}x local)")
+                      f"({p / lo:.2f}x local); CPU ms/step client {per['client']:.1f}, API "
+                      f"{per['api']:.1f}, runtimes {per['runtimes']:.1f}: at best {bound:.1f} "
+                      f"ms/step ({1e3 / lo / bound:.2f}x)")
         if "I3" in args.only:
-            runs = [measure("transfer", args.mib, target=target) for _ in range(args.rounds)]
+            runs = [measure("transfer", args.mib, target=target, server=proc.pid)
+                    for _ in range(args.rounds)]
             put = statistics.median(r["put_gb_s"] for r in runs)
             get = statistics.median(r["get_gb_s"] for r in runs)
             local = measure("transfer", args.mib, target=None)
             results["I3_transfer"] = {"mib": args.mib, "put_gb_s": put, "get_gb_s": get,
                                       "local_put_gb_s": local["put_gb_s"],
-                                      "local_get_gb_s": local["get_gb_s"]}
+                                      "local_get_gb_s": local["get_gb_s"],
+                                      "cpu_ms": [{"put": r["put_cpu_ms"], "get": r["get_cpu_ms"]}
+                                                 for r in runs]}
             print(f"I3 {args.mib} MiB: device_put {put:.2f} GB/s, np.asarray {get:.2f} GB/s "
                   f"(local: {local['put_gb_s']:.1f} and {local['get_gb_s']:.1f} GB/s)")
+            for way in ("put", "get"):
+                print(f"   CPU ms of each {way}, client / API / runtimes: " + "; ".join(
+                    f"{r[way + '_cpu_ms']['client']:.0f} / {r[way + '_cpu_ms']['api']:.0f} / "
+                    f"{r[way + '_cpu_ms']['runtimes']:.0f}" for r in runs))
     write_results("ifrt", results)
 
 
