@@ -88,6 +88,13 @@ NUMERICS = """
     big = np.random.default_rng(0).random((512, 1024))  # 4 MiB each way: shared memory
     back = np.asarray(jax.device_put(big) * 2)
     out["big"] = bool(np.array_equal(back, big * 2))
+    # The server's copy of an upload is its own: the shared memory it came through goes
+    # to the next uploads (each waited for: one at a time, each segment used in turn),
+    # and they do not change it. Read as computed there, not from the client's copy.
+    kept = jax.device_put(big).block_until_ready()
+    others = [jax.device_put(big * k).block_until_ready() for k in range(3, 9)]
+    out["kept"] = bool(np.array_equal(np.asarray(kept + 0), big)
+                       and np.array_equal(np.asarray(others[-1] + 0), big * 8))
     donated = jax.jit(lambda a: a + 1, donate_argnums=0)(jnp.ones(4))
     out["donated"] = np.asarray(donated).tolist()
     print(json.dumps(out))
