@@ -191,6 +191,7 @@ class RuntimeServer:
             from jax._src.lib import xla_client
 
             self._put = xla_client.batched_device_put
+            self._during_call = xla_client.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
         except (ImportError, AttributeError):
             self._put = None
         # jaxlib's wait for many arrays in one call (what jax.block_until_ready ends in):
@@ -538,13 +539,14 @@ class RuntimeServer:
 
     # -- runs and buffers --------------------------------------------------------
 
-    def _to_device(self, array: Any, slot: int = 0) -> Any:
+    def _to_device(self, array: Any, slot: int = 0, copy: bool = False) -> Any:
         """``jax.device_put(array, device)`` (this runtime's ``slot``-th) by jaxlib's own
         call, which is what ``device_put`` ends in: its Python layers cost 70-100 us
-        per array, 20 times the transfer of a small one (docs/performance.md)."""
+        per array, 20 times the transfer of a small one (docs/performance.md).
+        ``copy``: the array never keeps a view of ``array`` (copied during the call)."""
         sharding, device = self._singles[slot], self.compiler.devices[slot]
         if self._put is None:
-            return self._jax.device_put(array, device)
+            return self._jax.device_put(array, device, may_alias=False if copy else None)
         key = (array.shape, array.dtype)
         aval = self._avals.get(key)
         if aval is None:
@@ -553,7 +555,14 @@ class RuntimeServer:
             if len(self._avals) >= _AVALS_KEPT:
                 self._avals.clear()
             aval = self._avals[key] = core.ShapedArray(array.shape, array.dtype)
+        if copy:
+            return self._put(aval, sharding, [array], [device], True, True, self._during_call,
+                             enable_x64=True)
         return self._put(aval, sharding, [array], [device], True, enable_x64=True)
+
+    def _copy_to_device(self, array: Any, device: Any) -> Any:
+        """``_to_device`` of a copy of ``array`` onto ``device`` (one of this runtime's)."""
+        return self._to_device(array, self._slot_of[device.id], copy=True)
 
     def _take_slot(self, args: list[dict[str, Any]]) -> int:
         """The device a single-device run takes: where its first kept input lives (it
@@ -815,7 +824,7 @@ class RuntimeServer:
         if self._ifrt is None:
             from .ifrt import Sessions
 
-            self._ifrt = Sessions(self.compiler)
+            self._ifrt = Sessions(self.compiler, self._copy_to_device)
         return self._ifrt
 
     def op_ifrt(self, m: IfrtRequest) -> IfrtAnswer:

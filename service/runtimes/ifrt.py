@@ -139,22 +139,16 @@ class Session:
 class Sessions:
     """Every IFRT session this runtime holds; ``serve`` answers one batch of one session."""
 
-    def __init__(self, compiler: Any) -> None:
+    def __init__(self, compiler: Any, copy_to_device: Callable[[np.ndarray, Any], Any]) -> None:
+        """``copy_to_device(host, device)``: the runtime's transfer of a contiguous host
+        array to one of its devices, as a copy (``_device_put``)."""
         import jax
         from jax.extend import backend as xb
 
         from jitserve.compiler.ifrt_protos import message
 
         self._jax = jax
-        try:  # jaxlib's transfer, which jax.device_put ends in (``_device_put``)
-            from jax._src.lib import xla_client
-
-            self._transfer: Callable[..., Any] | None = xla_client.batched_device_put
-            self._during_call = xla_client.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
-        except (ImportError, AttributeError):
-            self._transfer = None
-        self._avals: dict[tuple[Any, ...], Any] = {}  # by shape and dtype
-        self._singles: dict[int, Any] = {}  # SingleDeviceSharding by device id
+        self._copy_to_device = copy_to_device
         self._message = message
         self.compiler = compiler
         self.backend = xb.get_backend()
@@ -474,35 +468,18 @@ class Sessions:
 
     def _device_put(self, host: np.ndarray, device: Any) -> Any:
         # The API process reuses its shared-memory segments: an array must not keep a
-        # view of one. On the CPU, jaxlib's own transfer copies during the call: a
-        # numpy copy into fresh pages and jax.device_put's Python layers cost 50-250 us
-        # for a batch of images, this 4-50. Elsewhere the transfer is the copy, waited
-        # for here, so the segment is free again when this returns.
+        # view of one. On the CPU, jaxlib's own transfer copies during the call (the
+        # runtime's ``_to_device``): 4-50 us for a batch of images, where a numpy copy
+        # into fresh pages and jax.device_put's Python layers cost 50-250. Elsewhere the
+        # transfer is the copy, waited for here, so the segment is free again when this
+        # returns.
         if device.platform == "cpu":
-            if self._transfer is not None and host.flags.c_contiguous:
-                return self._transfer(self._aval(host), self._single(device), [host], [device],
-                                 True, True, self._during_call, enable_x64=True)
+            if host.flags.c_contiguous:
+                return self._copy_to_device(host, device)
             return self._jax.device_put(np.array(host, copy=True), device)
         array = self._jax.device_put(host, device)
         array.block_until_ready()
         return array
-
-    def _aval(self, host: np.ndarray) -> Any:
-        key = (host.shape, host.dtype)
-        aval = self._avals.get(key)
-        if aval is None:
-            from jax._src import core
-
-            if len(self._avals) >= 256:
-                self._avals.clear()
-            aval = self._avals[key] = core.ShapedArray(host.shape, host.dtype)
-        return aval
-
-    def _single(self, device: Any) -> Any:
-        sharding = self._singles.get(device.id)
-        if sharding is None:
-            sharding = self._singles[device.id] = self._jax.sharding.SingleDeviceSharding(device)
-        return sharding
 
     def _global(self, shape: tuple[int, ...], sharding: Any, shards: list[Any]) -> Any:
         """One array of ``shape`` from its ``shards``, each on its own device (``Shards``
