@@ -133,11 +133,23 @@ def _pass_strided_inputs_whole() -> None:
     if getattr(original, "_jitserve", False):
         return
 
+    def whole(x: Any) -> Any:
+        strides = getattr(x, "strides", None)
+        if not strides or all(s > 0 for s in strides) or x.size <= 1:
+            return x
+        if isinstance(x, np.ndarray):
+            return np.ascontiguousarray(x)
+        # jax 0.8's host literal (``jax._src.literals.TypedNdArray``): a numpy array
+        # ``val`` and its ``weak_type``, which the copy keeps.
+        val = getattr(x, "val", None)
+        if isinstance(val, np.ndarray) and hasattr(x, "weak_type"):
+            return type(x)(np.ascontiguousarray(val), x.weak_type)
+        return x
+
     def batched_device_put(aval: Any, sharding: Any, xs: Any, devices: Any, *args: Any,
                            **kwargs: Any) -> Any:
         if devices and getattr(devices[0], "client", None) is _client:
-            xs = [np.ascontiguousarray(x) if isinstance(x, np.ndarray) and x.ndim
-                  and any(s <= 0 for s in x.strides) and x.size > 1 else x for x in xs]
+            xs = [whole(x) for x in xs]
         return original(aval, sharding, xs, devices, *args, **kwargs)
 
     batched_device_put._jitserve = True  # type: ignore[attr-defined]
