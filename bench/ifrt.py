@@ -3,7 +3,8 @@
   I1  a small jitted call with ``block_until_ready``: median seconds through the proxy,
       against local ``jax.jit`` and against ``Client.jit`` on the same server.
   I2  the docs' CNN training loop (flax, optax), unmodified: steps per second through
-      the proxy against local ``jax.jit``, at batch 64 and 256 (target: 0.8x local at 256).
+      the proxy against local ``jax.jit``, at batch 64 and 256 (target: 0.8x local at 256);
+      the ratio of the medians, and each round's proxy run over the local run beside it.
   I3  ``jax.device_put`` and ``np.asarray`` of 256 MiB: GB/s each way (target: 1 GB/s).
 
 Each measurement runs in a fresh process (``bench/_ifrt_worker.py``): with
@@ -13,7 +14,8 @@ also reports the CPU its own process, the server's API process and its runtimes 
 (``/proc``): per step in I2, with the fastest step those sums allow on this machine's
 cores; per transfer in I3. Results go to bench/results/ifrt.json.
 
-Run: ``.venv/bin/python bench/ifrt.py [--only I1 I2 I3] [--rounds N] [--mib 256]``
+Run: ``.venv/bin/python bench/ifrt.py [--only I1 I2 I3] [--rounds N] [--steps 30]
+[--mib 256]``
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["I1", "I2", "I3"])
     parser.add_argument("--rounds", type=int, default=2, help="turns of proxy and local each")
     parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30,
+                        help="timed steps of each I2 run (after two warm-up steps)")
     args = parser.parse_args()
     port = free_port()
     results: dict[str, Any] = {"rounds": args.rounds}
@@ -93,12 +97,18 @@ def main() -> None:
             for batch in (64, 256):
                 measure("cnn", batch, 2, target=target)  # compile the step once
                 proxy, local, cpu = [], [], []
-                for _ in range(args.rounds):
-                    run = measure("cnn", batch, target=target, server=proc.pid)
+                for r in range(args.rounds):  # every other round local first: drift hits both
+                    if r % 2:
+                        local.append(measure("cnn", batch, args.steps, target=None)["steps_per_s"])
+                    run = measure("cnn", batch, args.steps, target=target, server=proc.pid)
                     proxy.append(run["steps_per_s"])
                     cpu.append(run["cpu_ms_per_step"])
-                    local.append(measure("cnn", batch, target=None)["steps_per_s"])
+                    if not r % 2:
+                        local.append(measure("cnn", batch, args.steps, target=None)["steps_per_s"])
                 p, lo = statistics.median(proxy), statistics.median(local)
+                # Each round's proxy run over the local run beside it: this machine's speed
+                # drifts within minutes, so pairs close in time say more than the medians.
+                paired = sorted(a / b for a, b in zip(proxy, local))
                 # CPU ms per step of the client, the API process and the runtimes (mean of
                 # the rounds): sharing the machine's cores, a step cannot take less than
                 # their sum over the cores, whatever overlaps.
@@ -106,12 +116,15 @@ def main() -> None:
                 bound = sum(per.values()) / len(os.sched_getaffinity(0))
                 results[f"I2_cnn_batch_{batch}"] = {
                     "proxy_steps_per_s": p, "local_steps_per_s": lo, "ratio": p / lo,
+                    "steps": args.steps, "paired_ratios": paired,
                     "proxy_cpu_ms_per_step": per, "cpu_bound_ms_per_step": round(bound, 2),
                     "bound_ratio": 1e3 / lo / bound}
                 print(f"I2 CNN batch {batch}: proxy {p:.1f} steps/s, local {lo:.1f} steps/s "
                       f"({p / lo:.2f}x local); CPU ms/step client {per['client']:.1f}, API "
                       f"{per['api']:.1f}, runtimes {per['runtimes']:.1f}: at best {bound:.1f} "
                       f"ms/step ({1e3 / lo / bound:.2f}x)")
+                print(f"   round by round: {statistics.median(paired):.2f}x local (median of "
+                      f"{len(paired)}, {paired[0]:.2f}-{paired[-1]:.2f})")
         if "I3" in args.only:
             runs = [measure("transfer", args.mib, target=target, server=proc.pid)
                     for _ in range(args.rounds)]
