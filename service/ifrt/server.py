@@ -247,7 +247,7 @@ class IfrtService:
                     for response in self._refusals(batch, queue, e):
                         yield response
                     await context.abort(e.code, str(e))
-                for response in responses:
+                for response in _awaited_first(responses):
                     yield response
         finally:
             await self._close(session, "closed", "")
@@ -664,6 +664,18 @@ class IfrtService:
             return message(_P + name).FromString(data)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a {name}")
+
+
+def _awaited_first(responses: list[bytes]) -> list[bytes]:
+    """A batch's responses to write, the last request's first. A client thread that waits
+    for an answer sends nothing more until it has it, so a batch's last request is the
+    one a waiting client most likely waits for (reading a loss: its
+    ``copy_to_host_buffer``, behind the step's arrays and execute, whose answers the
+    client takes as they come). Each answer written costs grpc's Python server a turn,
+    a fifth of a millisecond here: this one first, the client goes on a millisecond
+    sooner. jaxlib's client matches answers by ``op_id``, as the reference server's,
+    which answers each request when its work is done, needs."""
+    return [responses[-1], *responses[:-1]] if len(responses) > 1 else responses
 
 
 def _varint(value: int) -> bytes:

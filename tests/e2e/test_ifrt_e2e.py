@@ -49,7 +49,8 @@ class Session:
         opening.version.ifrt_serdes_version_number = 3
         if key is not None:
             opening.initialization_data.attributes["jitserve_api_key"].string_value = key.encode()
-        self._out: list[bytes | None] = []
+        self._early: dict[int, Any] = {}  # answers read while looking for another's
+        self.order: list[int] = []  # the op ids of the answers, as they came
         import queue
         import threading
 
@@ -59,27 +60,41 @@ class Session:
         self._responses = call(iter(self._queue.get, None), metadata=[
             ("ifrt-proxy-grpc-ifrt-session-metadata-bin", opening.SerializeToString())])
         self.op = 0
+        self._answered: set[int] = set()
         init = self.request(init_request={})
         self.session_id = init.init_response.session_id
 
     def send(self, data: bytes) -> Any:
+        """Send raw bytes as a request; the next answer (garbage has no op id)."""
         self._queue.put(data)
-        return self.answer()
+        return self._next()
 
-    def answer(self) -> Any:
-        """The next response, in the order of the requests."""
-        return message(P + "IfrtResponse").FromString(next(self._responses))
+    def answer(self, op: int | None = None) -> Any:
+        """The answer to request ``op`` (the oldest unanswered one sent by ``put``, by
+        default): answers come in any order, matched by ``op_id``, as jaxlib's client
+        matches them."""
+        op = min(set(range(1, self.op + 1)) - self._answered) if op is None else op
+        while op not in self._early:
+            response = self._next()
+            self._early[response.response_metadata.op_id] = response
+        self._answered.add(op)
+        return self._early.pop(op)
+
+    def _next(self) -> Any:
+        response = message(P + "IfrtResponse").FromString(next(self._responses))
+        self.order.append(response.response_metadata.op_id)
+        return response
 
     def request(self, **fields: Any) -> Any:
-        self.put(**fields)
-        return self.answer()
+        return self.answer(self.put(**fields))
 
-    def put(self, **fields: Any) -> None:
-        """Send a request without waiting for its answer (``answer`` reads it)."""
+    def put(self, **fields: Any) -> int:
+        """Send a request without waiting for its answer (``answer`` reads it); its op id."""
         self.op += 1
         request = message(P + "IfrtRequest")(**fields)
         request.request_metadata.op_id = self.op
         self._queue.put(request.SerializeToString())
+        return self.op
 
     def store(self, handle: int, data: bytes) -> None:
         meta = message(P + "GrpcHostBufferStoreMetadata")(session_id=self.session_id, handle=handle,
@@ -88,7 +103,8 @@ class Session:
         store(iter([message(P + "GrpcHostBufferStoreRequest")(data=data).SerializeToString()]),
               metadata=[("ifrt-proxy-grpc-host-buffer-store-metadata-bin", meta.SerializeToString())])
 
-    def make_array(self, handle: int, buffer: int, values: np.ndarray, wait: bool = True) -> Any:
+    def make_array(self, handle: int, buffer: int, values: np.ndarray,
+                   wait: bool = True) -> Any:
         single = message("xla.ifrt.SingleDeviceShardingProto")(device_id=0)
         request = {"make_array_from_host_buffer_request": {
             "dtype": {"kind": message("xla.ifrt.DTypeProto").Kind.Value("KIND_F32")},
@@ -149,17 +165,19 @@ def test_requests_behind_a_host_buffer_on_its_way_go_to_the_runtime_with_it(
         for buffer, stored in ((71, True), (72, False)):  # it comes; it never does (2 s)
             batches = metric_total(url, "jitserve_ifrt_batch_requests_count")
             requests = metric_total(url, "jitserve_ifrt_batch_requests_sum")
-            session.make_array(buffer - 10, buffer, values, wait=False)
+            made = session.make_array(buffer - 10, buffer, values, wait=False)
             _wait_for_sessions(url, lambda s, b=buffer: s["waiting_for_host_buffers"] == [b])
-            session.put(check_value_ready_request={"value_handles": [buffer - 10]})
+            ready = session.put(check_value_ready_request={"value_handles": [buffer - 10]})
             if stored:
                 session.store(buffer, values.tobytes())
-                assert _status(session.answer()) == (0, "")
-                assert _status(session.answer()) == (0, "")
+                assert _status(session.answer(made)) == (0, "")
+                assert _status(session.answer(ready)) == (0, "")
             else:
-                code, text = _status(session.answer())
+                code, text = _status(session.answer(made))
                 assert code == grpc.StatusCode.NOT_FOUND.value[0] and "never arrived" in text
-                assert "failed earlier" in _status(session.answer())[1]
+                assert "failed earlier" in _status(session.answer(ready))[1]
+            # The batch's last request, which a client waits on, is answered first.
+            assert session.order[-2:] == [ready, made]
             assert metric_total(url, "jitserve_ifrt_batch_requests_count") == batches + 1
             assert metric_total(url, "jitserve_ifrt_batch_requests_sum") == requests + 2
     finally:
