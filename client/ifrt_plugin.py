@@ -135,7 +135,7 @@ def _pass_strided_inputs_whole() -> None:
 
     def whole(x: Any) -> Any:
         strides = getattr(x, "strides", None)
-        if not strides or all(s > 0 for s in strides) or x.size <= 1:
+        if not strides or all(s > 0 for s in strides) or getattr(x, "size", 0) <= 1:
             return x
         if isinstance(x, np.ndarray):
             return np.ascontiguousarray(x)
