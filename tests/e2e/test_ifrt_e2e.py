@@ -9,7 +9,6 @@ unmodified programs through jaxlib's client as that module does.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from e2e.conftest import _free_port, _serve, metric_total
-from e2e.test_ifrt_programs import KEYS, run_program, serve_ifrt
+from e2e.test_ifrt_programs import KEYS, program_env, run_program, serve_ifrt
 
 from jitserve.compiler.ifrt_protos import message
 
@@ -382,13 +381,9 @@ def test_a_keys_futures_and_session_arrays_share_its_quotas(
                 print("HELD", flush=True)
                 sys.stdin.readline()
             """))
-            environ = {k: v for k, v in os.environ.items()
-                       if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
-            environ.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=server["target"],
-                           JITSERVE_API_KEY=KEYS[0])
             holder = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=environ)
+                                      env=program_env(server, KEYS[0]))
             try:
                 assert holder.stdout is not None and holder.stdin is not None
                 assert holder.stdout.readline().strip() == "HELD", holder.stderr

@@ -53,16 +53,23 @@ def run_program(ifrt: dict[str, str], source: str, tmp_path: Path, *, key: str |
     or locally on the CPU (``remote=False``) as the baseline."""
     path = tmp_path / f"program_{abs(hash(source))}.py"
     path.write_text(textwrap.dedent(source))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
-    if remote:
-        environ.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=ifrt["target"])
-        if key is not None:
-            environ["JITSERVE_API_KEY"] = key
-    else:
-        environ["JAX_PLATFORMS"] = "cpu"
+    environ = program_env(ifrt, key) if remote else program_env(None)
     environ.update(env or {})
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=environ,
                           timeout=timeout, input=stdin)
+
+
+def program_env(ifrt: dict[str, str] | None, key: str | None = None) -> dict[str, str]:
+    """The environment of a program on the server at ``ifrt`` (with ``key``), or of one on
+    the local CPU (``None``): this one's, without its jitserve, jax and XLA settings."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
+    if ifrt is None:
+        environ["JAX_PLATFORMS"] = "cpu"
+        return environ
+    environ.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=ifrt["target"])
+    if key is not None:
+        environ["JITSERVE_API_KEY"] = key
+    return environ
 
 
 NUMERICS = """
@@ -125,8 +132,7 @@ def test_this_jaxlib_s_client_opens_a_session_in_a_protocol_the_server_serves(
     path = tmp_path / "holds.py"
     path.write_text("import sys, jax, jaxlib\nprint(jaxlib.__version__, jax.devices()[0].platform, "
                     "flush=True)\nsys.stdin.readline()\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
-    env.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=ifrt["target"], JITSERVE_API_KEY=KEYS[1])
+    env = program_env(ifrt, KEYS[1])
     proc = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -294,8 +300,7 @@ def test_a_runtime_killed_under_a_session_fails_its_program_and_a_new_session_wo
         except Exception as e:
             print("RAISED", e, flush=True)
     """))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITSERVE_", "JAX_", "XLA_"))}
-    env.update(JAX_PLATFORMS="jitserve", JITSERVE_IFRT_TARGET=ifrt["target"], JITSERVE_API_KEY=KEYS[0])
+    env = program_env(ifrt, KEYS[0])
     proc = subprocess.Popen([sys.executable, str(path)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
