@@ -47,11 +47,16 @@ Names (the Grafana dashboard and the acceptance tests read these)::
     jitserve_device_memory_bytes{device,kind} each device's memory: in_use (on the CPU,
                                               the runtimes' live arrays there), and limit
                                               and peak where XLA reports them (GPU)
+    jitserve_gc_frozen_objects                objects this process's garbage collector
+                                              leaves out: what the server made to start
+    python_gc_collections_total{generation}   prometheus_client's: collections, and the
+    python_gc_objects_collected_total{...}    objects they freed, by generation
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -64,6 +69,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.gc_collector import GCCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jitserve.wire import FutureStatus, TierName
@@ -145,6 +151,13 @@ class Metrics:
                                              "IFRT proxy requests per batch sent to a runtime",
                                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                                              registry=r)
+        # This process's garbage collector: collections and what they found, by
+        # generation (python_gc_*), and the objects left out of them
+        # (``cli.serve.freeze_startup_objects``: what the server made to start).
+        GCCollector(registry=r)
+        self.gc_frozen = Gauge("jitserve_gc_frozen_objects", "objects the garbage collector "
+                               "leaves out: those the server made to start", registry=r)
+        self.gc_frozen.set_function(gc.get_freeze_count)
         self.runtimes_up = Gauge("jitserve_runtimes_up", "runtime processes up", registry=r)
         self.runtimes_count = Gauge("jitserve_runtimes", "runtime processes", registry=r)
         self.runtime_restarts = Counter("jitserve_runtime_restarts",

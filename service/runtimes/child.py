@@ -32,6 +32,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -206,6 +207,10 @@ class RuntimeServer:
         ready: Ready = {"id": 0, "kind": Kind.READY, "pid": os.getpid(),
                         "backend": self.compiler.backend_info(), "device": devices[0],
                         "devices": devices}
+        # What it took to start (jax, its backend, the compiler) lives as long as the
+        # process: out of the collector's full collections (cli.serve's reason).
+        gc.collect()
+        gc.freeze()
         self._send(ready)
         threading.Thread(target=self.compiler.warm, daemon=True).start()
         if self._quick_run_s > 0:
