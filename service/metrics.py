@@ -56,7 +56,6 @@ Names (the Grafana dashboard and the acceptance tests read these)::
 from __future__ import annotations
 
 import collections
-import gc
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -155,9 +154,9 @@ class Metrics:
         # generation (python_gc_*), and the objects left out of them
         # (``cli.serve.freeze_startup_objects``: what the server made to start).
         GCCollector(registry=r)
+        # Set once, when frozen: counting them walks them all (13 ms for 120,000).
         self.gc_frozen = Gauge("jitserve_gc_frozen_objects", "objects the garbage collector "
                                "leaves out: those the server made to start", registry=r)
-        self.gc_frozen.set_function(gc.get_freeze_count)
         self.runtimes_up = Gauge("jitserve_runtimes_up", "runtime processes up", registry=r)
         self.runtimes_count = Gauge("jitserve_runtimes", "runtime processes", registry=r)
         self.runtime_restarts = Counter("jitserve_runtime_restarts",
