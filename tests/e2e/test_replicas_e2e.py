@@ -440,9 +440,14 @@ def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any])
             assert got.status_code == 200, got.text
             np.testing.assert_allclose(wire.unpackb(got.content)["outputs"][0], want,
                                        rtol=1e-5, atol=1e-6)
-            httpx.request("DELETE", f"{a.url}/v1/futures/{fid}", timeout=30, headers=AUTH)
+            deleted = httpx.request("DELETE", f"{a.url}/v1/futures/{fid}", timeout=30,
+                                    headers=AUTH)
+            assert deleted.status_code == 200, deleted.text
         # Everything fetched and deleted: it leaves well before its 60 s drain timeout.
-        assert extra.proc.wait(30) is not None
+        try:
+            extra.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the drained replica did not leave:\n{extra.log.read_text()[-4000:]}")
     finally:
         extra.stop()
 
