@@ -103,3 +103,32 @@ def test_multi_platform_export_runs_here(compiler: Compiler, platforms: list[str
     outs = compiler.lookup(program).executable.run(
         [jax.device_put(a, compiler.device) for a in flat_args(case)])
     assert_outputs_match(case, outs, expected(case))
+
+
+def test_a_run_s_outputs_are_its_device_s_arrays_that_the_next_run_takes(
+        compiler: Compiler) -> None:
+    """A single-device run's outputs come out of jaxlib's result handlers in one call
+    (``Executable.run``): committed arrays on the executable's device, of its output
+    avals whatever their dtype, which a next run takes and donates, run after run."""
+    import ml_dtypes
+
+    def step(x: jax.Array, n: jax.Array) -> tuple[jax.Array, ...]:
+        return x * 2 + 1, n + 1, x > 3, x.astype(ml_dtypes.bfloat16)
+
+    specs = (jax.ShapeDtypeStruct((5,), np.float32), jax.ShapeDtypeStruct((), np.int32))
+    program = compiler.decode(bytes(jax.export.export(jax.jit(step))(*specs).serialize()))
+    exe = compiler.lookup(program, donate=(0, 1)).executable
+    assert exe._handlers() is not None  # this jax's handlers, not the taking apart
+    x, n = np.arange(5, dtype=np.float32), np.int32(0)
+    args = [jax.device_put(x, compiler.device), jax.device_put(n, compiler.device)]
+    for _ in range(3):
+        outs = exe.run(args)
+        assert [(tuple(o.shape), o.dtype.name) for o in outs] == [
+            (tuple(a.shape), a.dtype) for a in exe.out_avals]
+        assert all(o.committed and o.sharding.device_set == {compiler.device} for o in outs)
+        np.testing.assert_array_equal(np.asarray(outs[2]), x > 3)
+        np.testing.assert_array_equal(np.asarray(outs[3]), x.astype(ml_dtypes.bfloat16))
+        x, n = x * 2 + 1, n + 1
+        np.testing.assert_array_equal(np.asarray(outs[0]), x)
+        assert int(outs[1]) == n
+        args = outs[:2]
