@@ -306,7 +306,6 @@ class Executable:
                                                          sharding, pieces)
                 for aval, sharding, pieces in zip(self.out_avals, self.out_shardings, shards)]
 
-
     def _handlers(self) -> list[Any] | None:
         """jaxlib's result handlers of a single-device executable's outputs, made once, as
         jax's own dispatch makes them: a run's outputs then come out as arrays in one
