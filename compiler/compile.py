@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -252,8 +253,6 @@ class Executable:
         self.out_nbytes = sum(a.nbytes for a in self.out_avals) if static else None
         self.carried = (carried_outputs([a.nbytes for a in self.out_avals]) if static
                         else None)
-        self._out_handlers: list[Any] | None = None  # ``_handlers``, once made
-        self._handlers_made = False
 
     @property
     def loaded(self) -> Any:
@@ -296,7 +295,7 @@ class Executable:
         yet: of a sharded executable, global arrays over its devices. Its inputs must
         be placed as ``in_shardings`` says."""
         results = self._loaded.execute_sharded(list(args))
-        handlers = self._handlers()
+        handlers = self._handlers
         if handlers is not None:
             return cast(list[jax.Array], results.consume_with_handlers(handlers))
         shards = results.disassemble_into_single_device_arrays()
@@ -306,6 +305,7 @@ class Executable:
                                                          sharding, pieces)
                 for aval, sharding, pieces in zip(self.out_avals, self.out_shardings, shards)]
 
+    @functools.cached_property
     def _handlers(self) -> list[Any] | None:
         """jaxlib's result handlers of a single-device executable's outputs, made once, as
         jax's own dispatch makes them: a run's outputs then come out as arrays in one
@@ -314,9 +314,6 @@ class Executable:
         166-241 us against 477-543 us of execute and outputs). ``None`` where they do
         not apply (several devices, no outputs, a shape not static), or this jax
         lacks them: the outputs are taken apart then."""
-        if self._handlers_made:
-            return self._out_handlers
-        handlers = None
         if self.device_count == 1 and self.out_avals and all(a.is_static
                                                              for a in self.out_avals):
             try:
@@ -325,15 +322,13 @@ class Executable:
 
                 device = self.devices[0] if self.devices else self._loaded.local_devices()[0]
                 sharding = jax.sharding.SingleDeviceSharding(device)
-                handlers = [pxla.global_aval_to_result_handler(
+                return [pxla.global_aval_to_result_handler(
                     core.ShapedArray(cast(tuple[int, ...], a.shape), DTYPES[a.dtype],
                                      weak_type=a.weak_type), sharding, True)
                     for a in self.out_avals]
             except Exception as e:  # noqa: BLE001 - another jax: taken apart, as before
                 logger.debug("no result handlers for executable %s: %s", self.executable_id, e)
-                handlers = None
-        self._out_handlers, self._handlers_made = handlers, True
-        return handlers
+        return None
 
 
 def sharding_doc(executable: Executable, partitions: int, replicas: int) -> dict[str, Any]:

@@ -32,7 +32,6 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
-import gc
 import itertools
 import logging
 import math
@@ -207,10 +206,7 @@ class RuntimeServer:
         ready: Ready = {"id": 0, "kind": Kind.READY, "pid": os.getpid(),
                         "backend": self.compiler.backend_info(), "device": devices[0],
                         "devices": devices}
-        # What it took to start (jax, its backend, the compiler) lives as long as the
-        # process: out of the collector's full collections (cli.serve's reason).
-        gc.collect()
-        gc.freeze()
+        memory.freeze_startup_objects()  # jax, its backend, the compiler
         self._send(ready)
         threading.Thread(target=self.compiler.warm, daemon=True).start()
         if self._quick_run_s > 0:

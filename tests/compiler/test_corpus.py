@@ -118,7 +118,7 @@ def test_a_run_s_outputs_are_its_device_s_arrays_that_the_next_run_takes(
     specs = (jax.ShapeDtypeStruct((5,), np.float32), jax.ShapeDtypeStruct((), np.int32))
     program = compiler.decode(bytes(jax.export.export(jax.jit(step))(*specs).serialize()))
     exe = compiler.lookup(program, donate=(0, 1)).executable
-    assert exe._handlers() is not None  # this jax's handlers, not the taking apart
+    assert exe._handlers is not None  # this jax's handlers, not the taking apart
     x, n = np.arange(5, dtype=np.float32), np.int32(0)
     args = [jax.device_put(x, compiler.device), jax.device_put(n, compiler.device)]
     for _ in range(3):

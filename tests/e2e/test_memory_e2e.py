@@ -367,7 +367,7 @@ def test_a_keys_programs_are_held_once_in_each_process(start_server: StartServer
 
 def test_what_the_server_made_to_start_is_left_out_of_full_collections(
         http: httpx.Client) -> None:
-    """``cli.serve.freeze_startup_objects``: a serving process's collector skips the
+    """``memory.freeze_startup_objects``: a serving process's collector skips the
     objects its start made (about 160,000, which each full collection walked for about
     0.1 s of the event loop's time, finding nothing to free), and /metrics shows it."""
     samples = _metrics(http)
