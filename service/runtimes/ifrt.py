@@ -284,7 +284,9 @@ class Sessions:
 
     # -- handles ---------------------------------------------------------------------
 
-    def _array(self, session: Session, handle: int) -> Any:
+    def _array(self, session: Session, handle: int, deleted: bool = False) -> Any:
+        """The array under ``handle``; ``deleted``: also one whose buffers were deleted
+        (``delete_array``), which nothing else may read."""
         found = session.arrays.get(handle)
         if found is None:
             raise IfrtFailure(NOT_FOUND, f"unknown array handle {handle}")
@@ -292,6 +294,10 @@ class Sessions:
             raise IfrtFailure(found.code, f"array {handle} failed earlier: {found}")
         if isinstance(found, Donated):
             raise IfrtFailure(INVALID_ARGUMENT, f"array {handle} was donated: it is deleted")
+        if not deleted and found.is_deleted():
+            # In jax's words, which programs and jax's own tests look for.
+            raise IfrtFailure(INVALID_ARGUMENT, f"Array has been deleted: array {handle} "
+                              "(delete_array)")
         return found
 
     def _donate(self, session: Session, handles: Any, free: bool) -> None:
@@ -777,7 +783,7 @@ class Sessions:
             if isinstance(session.arrays.get(handle), Donated):
                 continue  # deleted already
             try:
-                self._array(session, handle).delete()
+                self._array(session, handle, deleted=True).delete()
             except IfrtFailure as e:
                 failure = failure or e
                 continue
@@ -789,7 +795,7 @@ class Sessions:
     def _is_array_deleted(self, session: Session, body: Any, response: Any) -> None:
         found = session.arrays.get(body.array_handle)
         deleted = found.is_deleted() if isinstance(found, Donated) else self._array(
-            session, body.array_handle).is_deleted()
+            session, body.array_handle, deleted=True).is_deleted()
         response.is_array_deleted_response.deleted = deleted
 
     def _destruct_array(self, session: Session, body: Any, response: Any) -> None:
@@ -1050,7 +1056,7 @@ def _classify(e: Exception) -> IfrtFailure:
     message starts with one (``INVALID_ARGUMENT: ...``), INTERNAL only for the rest."""
     from jitserve.compiler.errors import first_line
 
-    text = first_line(e)
+    text = first_line(e).removeprefix(_BAD_STATUS_OR)
     if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
         return IfrtFailure(RESOURCE_EXHAUSTED, f"out of memory: {text}")
     code = _STATUS_CODES.get(text.split(":", 1)[0].strip())
@@ -1061,6 +1067,9 @@ def _classify(e: Exception) -> IfrtFailure:
     return IfrtFailure(INTERNAL, f"{type(e).__name__}: {text}")
 
 
+# How jaxlib words a failed status that a function returned in place of its value
+# (``get_default_layout`` of a negative dimension, say): the status follows.
+_BAD_STATUS_OR = "Bad StatusOr access: "
 # absl status names as XLA's messages start with them, and their codes.
 _STATUS_CODES = {
     "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,

@@ -242,6 +242,18 @@ def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, 
             "program": {"type_name": "xla::ifrt::XlaProgram", "data": b"not mlir"},
             "compile_options": {"type_name": "xla::ifrt::XlaCompileOptions", "data": b""}}))
         assert code == invalid and "refused the program" in text
+        # An array read after its buffers were deleted: refused, naming why.
+        session.store(22, np.zeros(3, np.float32).tobytes())
+        assert _status(session.make_array(9, 22, np.zeros(3, np.float32)))[0] == 0
+        assert _status(session.request(delete_array_request={"array_handle": [9]}))[0] == 0
+        code, text = _status(session.request(copy_to_host_buffer_request={
+            "array_handle": 9, "host_buffer_handle": 23}))
+        assert code == invalid and "Array has been deleted: array 9" in text, text
+        # A layout of an impossible shape: XLA's own refusal, with its code.
+        code, text = _status(session.request(get_default_layout_request={
+            "dtype": {"kind": message("xla.ifrt.DTypeProto").Kind.Value("KIND_F32")},
+            "dims": [-1], "device_id": 0}))
+        assert code == invalid and "dimension size -1" in text, text
         assert _status(session.request(init_request={}))[0] == 0  # the session goes on
     finally:
         session.close()
