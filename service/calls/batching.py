@@ -348,10 +348,10 @@ class Batcher:
 
     def _settle(self, fut: Future, runtime: Runtime, outputs: list[Any],
                 values: list[np.ndarray] | None, run_s: float) -> None:
-        if not all(b.alive for b in outputs):  # the runtime died right after answering
-            self._futures.fail(fut, "runtime_crashed",
-                               f"runtime {runtime.index} {runtime.last_exit}: the outputs "
-                               "were lost")
+        dead = next((b for b in outputs if not b.alive), None)
+        if dead is not None:  # the runtime died (or is being stopped) right after answering
+            lost = runtime.lost(dead.generation)
+            self._futures.fail(fut, lost.code, str(lost))
             return
         if values is not None:
             fut.host = values

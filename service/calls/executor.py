@@ -632,10 +632,10 @@ class Executor:
         else:
             outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
                        for h, a in zip(reply["handles"], fut.out_avals)]
-        if not all(b is None or b.alive for b in outputs):  # the runtime died right after answering
-            self._futures.fail(fut, "runtime_crashed",
-                               f"runtime {runtime.index} {runtime.last_exit}: the outputs "
-                               "were lost")
+        dead = next((b for b in outputs if b is not None and not b.alive), None)
+        if dead is not None:  # the runtime died (or is being stopped) right after answering
+            lost = runtime.lost(dead.generation)
+            self._futures.fail(fut, lost.code, str(lost))
             return
         run_s = float(reply["run_s"])
         if "values" in reply:  # the small ones (``wire.carried_outputs``), ``None`` elsewhere

@@ -103,6 +103,8 @@ class NotStarted(RuntimeLost):
 # Why the supervisor killed a runtime, when it did so on purpose: the requests in
 # flight there were stopped with it (``runtime_stopped``), not crashed.
 _DELIBERATE = frozenset({"timeout", "request_timeout", "cancel"})
+# How many of a runtime's process exits ``Runtime.lost`` remembers.
+_EXITS_KEPT = 16
 # Counters of a runtime's ``stats`` that ``report`` sums over every process there has
 # been, so that they stay monotonic across restarts.
 _SUMMED = ("relaid", "runs_waited")
@@ -202,6 +204,8 @@ class Runtime:
         self.start_failures = 0
         self.last_exit: str | None = None
         self.last_exit_code = "runtime_crashed"  # or "runtime_stopped": killed on purpose
+        # How the last few processes ended, by generation: (why, code), for ``lost``.
+        self._exits: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
         self.runs = 0  # runs in flight here (queued or running): placement's load
         self.backoff_until = 0.0
         self._pool = pool
@@ -418,6 +422,18 @@ class Runtime:
             return sum(c.op == _RUN and c.started and c.tag is not tag and c.stop != "cancel"
                        for c in self._pending.values())
 
+    def lost(self, generation: int) -> RuntimeLost:
+        """Why outputs that this runtime's process ``generation`` held are gone: how it
+        ended, or how it is ending (killed, its exit not seen yet). Said in the moment
+        between the two as well, when ``last_exit`` still names an earlier exit, or none."""
+        with self._lock:
+            ended = self._exits.get(generation)
+            if ended is None and generation == self.generation and self._kill_reason is not None:
+                ended = (_exit_reason(None, self._kill_reason, self._late_op),
+                         _lost_code(self._kill_reason))
+        why, code = ended or ("exited", "runtime_crashed")
+        return RuntimeLost(code, f"runtime {self.index} {why}: the outputs were lost")
+
     def kill(self, reason: str) -> None:
         """SIGKILL the current process; the supervisor restarts it.
 
@@ -595,8 +611,12 @@ class Runtime:
             self._pending.clear()
             self.runs = 0
         why = _exit_reason(code, self._kill_reason, self._late_op)
-        lost = "runtime_stopped" if self._kill_reason in _DELIBERATE else "runtime_crashed"
+        lost = _lost_code(self._kill_reason)
         self.last_exit, self.last_exit_code = why, lost
+        with self._lock:
+            self._exits[self.generation] = (why, lost)
+            while len(self._exits) > _EXITS_KEPT:
+                self._exits.popitem(last=False)
         self.restarts += 1
         self._pool.ended(self, pid, self._kill_reason or _reason_label(code), why)
         for call in calls:
@@ -623,6 +643,12 @@ def _timeout_message(call: _Call) -> str:
     what = "execution" if call.op == _RUN else f"{call.op} request"
     return (f"{what} passed its deadline of {call.timeout_s:g} s and was stopped "
             "(its runtime was restarted)")
+
+
+def _lost_code(killed_for: str | None) -> str:
+    """What the requests and outputs of a process that ended are lost as: stopped on
+    purpose, or crashed."""
+    return "runtime_stopped" if killed_for in _DELIBERATE else "runtime_crashed"
 
 
 def _reason_label(code: int) -> str:
@@ -810,8 +836,7 @@ class RuntimePool:
         by_runtime: dict[Runtime, list[int]] = {}
         for i, buf in enumerate(buffers):
             if not buf.alive:
-                raise RuntimeLost("runtime_crashed", f"runtime {buf.runtime.index} "
-                                  f"{buf.runtime.last_exit or 'restarted'}: the outputs were lost")
+                raise buf.runtime.lost(buf.generation)
             by_runtime.setdefault(buf.runtime, []).append(i)
         for runtime, positions in by_runtime.items():
             arrays = await self._fetch_from(runtime, [buffers[i] for i in positions])

@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jitserve.service.runtimes import RuntimeLost, RuntimePool, frames, make_pool
+from jitserve.service.runtimes import (
+    Buffer,
+    Runtime,
+    RuntimeLost,
+    RuntimePool,
+    frames,
+    make_pool,
+)
 from jitserve.service.runtimes.pipes import LoopReader
 from jitserve.service.settings import Settings
 
@@ -86,6 +93,39 @@ async def test_a_killed_runtime_fails_what_it_had_and_comes_back(pool: RuntimePo
     await runtime.wait_up()
     want = np.ones(7, np.int32)
     np.testing.assert_array_equal(await _round_trip(pool, want), want)
+
+
+async def test_outputs_of_a_lost_runtime_say_how_its_process_ended(pool: RuntimePool) -> None:
+    """An output whose process is gone says how that process ended: stopped on purpose
+    (``runtime_stopped``) or crashed, from the moment of the kill, before its exit is
+    seen, and still after later exits of the same runtime."""
+    runtime = pool.runtimes[0]
+    put = await runtime.request("put", {"args": frames.pack_arrays([np.ones(3)], None)[0]},
+                                timeout_s=60)
+    stopped = Buffer(runtime, put["generation"], put["handles"][0], 24)
+    runtime.kill("cancel")  # as a DELETE of a running future does
+    why = "runtime 0 was stopped to cancel an execution: the outputs were lost"
+    with pytest.raises(RuntimeLost) as lost:
+        await pool.fetch([stopped])
+    assert (lost.value.code, str(lost.value)) == ("runtime_stopped", why)
+    await _restarted(runtime, stopped.generation)
+    crashed = runtime.generation
+    os.kill(runtime.pid, signal.SIGKILL)  # not ours: a crash
+    await _restarted(runtime, crashed)
+    assert runtime.lost(crashed).code == "runtime_crashed"
+    assert "crashed with SIGKILL" in str(runtime.lost(crashed))
+    with pytest.raises(RuntimeLost) as lost:  # the earlier stop, as it was
+        await pool.fetch([stopped])
+    assert (lost.value.code, str(lost.value)) == ("runtime_stopped", why)
+
+
+async def _restarted(runtime: Runtime, generation: int) -> None:
+    """Wait until ``runtime`` runs a process after ``generation``."""
+    for _ in range(6000):
+        if runtime.generation > generation and runtime.state == "up":
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"runtime {runtime.index} not back within 60 s ({runtime.state})")
 
 
 def _state(task: Path) -> str:

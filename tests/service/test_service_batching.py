@@ -42,7 +42,6 @@ class _Buffer:
 
 class _Runtime:
     index = 0
-    last_exit = None
 
 
 class _Pool:
