@@ -1,0 +1,315 @@
+"""A random walk through ``/v1``: nothing accepted is lost, and what is done is right.
+
+One real ``jitserve serve`` (two runtimes, a 2 s run deadline) gets a long random
+sequence of what clients do, in any order: arrays put, executes and batches of
+calls (``POST /v1/calls``) on arrays, on outputs of earlier futures (some of them
+released, donated, deleted or failed) and on outputs of earlier calls of the
+batch, with donations and deadlines; results fetched, outputs released, futures
+deleted. One program in fifty loops for minutes, so its deadline stops its runtime
+under the calls placed there. A model on this side knows each output's value
+wherever its inputs' values are known. The checks:
+
+- no answer is a 5xx, and every 4xx says its ``code`` and ``message``;
+- a call the model knows to be invalid (an unknown or released input, a wrong
+  dtype or count) is refused, never accepted;
+- a value the server gives back equals the model's, whether fetched at once, with
+  the execute's own answer, or at the end;
+- every future the client still holds ends, done or failed, within a bound; a
+  failure's code says why (its runtime was stopped, its deadline, a dependency that
+  failed or was cancelled); never ``runtime_crashed``, since no runtime crashes here,
+  even when a future's outputs are found gone in the moment its runtime is being
+  stopped.
+
+Three fixed seeds of 600 steps each; the module takes about 20 s here.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from e2e.conftest import _serve
+from jax import export
+
+from jitserve import wire
+
+pytestmark = pytest.mark.timeout(300)
+
+_F32 = jax.ShapeDtypeStruct((4,), jnp.float32)
+# What a failed future may say: its runtime was stopped (for another run's deadline), its
+# own deadline, or an input's fate. Never runtime_crashed: nothing here crashes a runtime.
+_FAILURES = {"execution_timeout", "runtime_stopped", "dependency_failed", "future_failed",
+             "future_cancelled"}
+_STEPS = 600
+
+
+def _exported(f: Callable[..., Any], n: int) -> bytes:
+    return bytes(export.export(jax.jit(f))(*[_F32] * n).serialize())
+
+
+# name -> (program bytes, inputs, outputs, the outputs' values from the inputs' or None)
+_PROGRAMS: dict[str, tuple[bytes, int, int, Callable[..., list[np.ndarray]] | None]] = {}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, dict[str, str]]]:
+    if not _PROGRAMS:
+        _PROGRAMS.update({
+            "pair": (_exported(lambda x, y: (x + y, x * y), 2), 2, 2, lambda x, y: [x + y, x * y]),
+            "double": (_exported(lambda x: x * 2.0, 1), 1, 1, lambda x: [x * 2.0]),
+            "slow": (_exported(lambda x: jax.lax.fori_loop(
+                0, 1 << 30, lambda i, v: v * 1.0000001 + 1e-9, x), 1), 1, 1, None),
+        })
+    env = {"JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "2",
+           "JITSERVE_MAX_BODY_BYTES": str(1 << 20)}
+    for url in _serve(tmp_path_factory.mktemp("calls-fuzz"), env):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            ids = {}
+            for name, (data, *_) in _PROGRAMS.items():
+                r = http.post("/v1/programs", content=data,
+                              headers={"content-type": "application/octet-stream"})
+                assert r.status_code in (200, 201), r.text
+                ids[name] = r.json()["program_id"]
+            yield http, ids
+
+
+class _Walk:
+    """The client's side of the walk: the futures it holds and what it knows of them."""
+
+    def __init__(self, http: httpx.Client, ids: dict[str, str], seed: int) -> None:
+        self.http, self.ids = http, ids
+        self.rng = random.Random(seed)
+        self.values = np.random.default_rng(seed)
+        # future id -> {"outs": [value or None], "released": set, "deleted": bool}
+        self.futures: dict[str, dict[str, Any]] = {}
+
+    # -- requests ---------------------------------------------------------------
+
+    def post(self, path: str, body: Any, **params: Any) -> tuple[httpx.Response, Any]:
+        r = self.http.post(path, content=wire.packb(body), params=params,
+                           headers={"content-type": wire.MSGPACK, "accept": wire.MSGPACK})
+        return self.checked(r), _body(r)
+
+    def checked(self, r: httpx.Response) -> httpx.Response:
+        assert r.status_code < 500, f"{r.request.method} {r.request.url.path}: {r.status_code} {r.text[:300]}"
+        if r.status_code >= 400:
+            error = (_body(r) or {}).get("error") or {}
+            assert error.get("code") and error.get("message"), r.text[:300]
+        return r
+
+    # -- what the walk sends ------------------------------------------------------
+
+    def array(self) -> np.ndarray:
+        return self.values.standard_normal(4).astype(np.float32)
+
+    def ref(self) -> tuple[dict[str, Any], np.ndarray | None, bool]:
+        """A reference to an output the client may or may not still hold: the
+        reference, the output's value (if known), and whether it is valid."""
+        if not self.futures or self.rng.random() < 0.1:
+            return {"future": self.rng.choice(["nope", "x" * 200]), "output": 0}, None, False
+        fid = self.rng.choice(list(self.futures))
+        f = self.futures[fid]
+        k = self.rng.randrange(len(f["outs"]) + (self.rng.random() < 0.05))
+        valid = not f["deleted"] and k < len(f["outs"]) and k not in f["released"]
+        return {"future": fid, "output": k}, f["outs"][k] if valid else None, valid
+
+    def call(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        """One call: an execute's body, and what the model expects of it."""
+        names = ["pair", "pair", "double", "double"] + ["slow"] * (self.rng.random() < 0.02)
+        name = self.rng.choice(names)
+        _, n_in, n_out, fn = _PROGRAMS[name]
+        args: list[Any] = []
+        values: list[np.ndarray | None] = []
+        refs: list[Any] = []
+        valid = True
+        for _ in range(n_in + (self.rng.random() < 0.03)):
+            roll = self.rng.random()
+            if batch and roll < 0.3:  # an output of an earlier call of the batch
+                j = self.rng.randrange(len(batch))
+                k = self.rng.randrange(batch[j]["n_out"] + (self.rng.random() < 0.05))
+                args.append({"call": j, "output": k})
+                refs.append(("call", j, k))
+                expected = batch[j]["expect"]
+                values.append(expected[k] if expected is not None and k < batch[j]["n_out"] else None)
+                valid = valid and k < batch[j]["n_out"] and batch[j]["valid"]
+            elif roll < 0.6:
+                a, value, ok = self.ref()
+                args.append(a)
+                refs.append(("future", a))
+                values.append(value)
+                valid = valid and ok
+            else:
+                x = self.array() if self.rng.random() > 0.03 else np.zeros(3, np.int32)
+                args.append(x)
+                refs.append(None)
+                values.append(x)
+                valid = valid and x.dtype == np.float32 and x.shape == (4,)
+        valid = valid and len(args) == n_in
+        donate = (sorted(self.rng.sample(range(len(args)), self.rng.randint(1, len(args))))
+                  if self.rng.random() < 0.4 else [])
+        body: dict[str, Any] = {"program_id": self.ids[name], "args": args}
+        if donate:
+            body["donate"] = donate
+        if self.rng.random() < 0.2:
+            body["timeout_s"] = self.rng.choice([0.5, 5.0])
+        known = valid and fn is not None and all(v is not None for v in values)
+        return {"body": body, "refs": refs, "donate": donate, "n_out": n_out, "valid": valid,
+                "expect": fn(*values) if known else None}
+
+    def accepted(self, fid: str, call: dict[str, Any], batch: list[str | None]) -> None:
+        """Call ``call`` became future ``fid``; what it donated is released (``batch``:
+        the futures of the calls of its batch before it, ``None`` where refused)."""
+        self.futures[fid] = {"outs": call["expect"] or [None] * call["n_out"],
+                             "released": set(), "deleted": False}
+        for i in call["donate"]:
+            ref = call["refs"][i]
+            if ref is not None and ref[0] == "future" and ref[1]["future"] in self.futures:
+                self.futures[ref[1]["future"]]["released"].add(ref[1]["output"])
+            elif ref is not None and ref[0] == "call" and batch[ref[1]] is not None:
+                self.futures[batch[ref[1]]]["released"].add(ref[2])
+
+    def compare(self, fid: str, outputs: list[Any], which: list[int]) -> None:
+        f = self.futures[fid]
+        for k, got in zip(which, outputs):
+            want = f["outs"][k]
+            if want is not None and k not in f["released"]:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"future {fid} output {k}")
+
+    # -- the steps ------------------------------------------------------------------
+
+    def step(self) -> None:
+        op = self.rng.choices(["put", "execute", "calls", "result", "release", "delete"],
+                              [1, 4, 3, 3, 1, 1])[0]
+        getattr(self, f"_{op}")()
+
+    def _put(self) -> None:
+        xs = [self.array() for _ in range(self.rng.randint(1, 2))]
+        r, body = self.post("/v1/arrays", {"arrays": xs})
+        assert r.status_code == 201, r.text
+        self.futures[body["future_id"]] = {"outs": xs, "released": set(), "deleted": False}
+
+    def _execute(self) -> None:
+        call = self.call([])
+        params: dict[str, Any] = {}
+        if self.rng.random() < 0.5:
+            params["wait"] = self.rng.choice([0, 50, 2000])
+        body = {k: v for k, v in call["body"].items() if k != "program_id"}
+        r, answer = self.post(f"/v1/programs/{call['body']['program_id']}/execute", body, **params)
+        if r.status_code >= 400:
+            return
+        assert call["valid"], f"an invalid call was accepted: {call['refs']}"
+        self.accepted(answer["future_id"], call, [])
+        if r.status_code == 200:
+            self.compare(answer["future_id"], answer["outputs"], list(range(call["n_out"])))
+
+    def _calls(self) -> None:
+        batch: list[dict[str, Any]] = []
+        for _ in range(self.rng.randint(1, 4)):
+            batch.append(self.call(batch))
+        body: dict[str, Any] = {"calls": [c["body"] for c in batch]}
+        release = None
+        if self.futures and self.rng.random() < 0.3:
+            release = {"future": self.rng.choice(list(self.futures)), "output": 0}
+            body["release"] = [release]
+        r, answer = self.post("/v1/calls", body)
+        assert r.status_code == 200, r.text
+        made: list[str | None] = []
+        for j, (call, entry) in enumerate(zip(batch, answer["calls"])):
+            on_refused = any(ref is not None and ref[0] == "call" and made[ref[1]] is None
+                             for ref in call["refs"])
+            if "future_id" in entry:
+                assert call["valid"] and not on_refused, f"call {j} accepted: {call['refs']}"
+                self.accepted(entry["future_id"], call, made)
+                made.append(entry["future_id"])
+            else:
+                assert entry["error"]["code"] and entry["error"]["message"], entry
+                made.append(None)
+        if release is not None and release["future"] in self.futures:
+            self.futures[release["future"]]["released"].add(0)
+
+    def _result(self) -> None:
+        if not self.futures:
+            return
+        fid = self.rng.choice(list(self.futures))
+        r = self.checked(self.http.get(f"/v1/futures/{fid}/result", headers={"accept": wire.MSGPACK},
+                                       params={"wait": self.rng.choice([0, 100, 3000])}))
+        if r.status_code == 200:
+            assert not self.futures[fid]["deleted"], f"deleted future {fid} answered"
+            self.compare(fid, _body(r)["outputs"], list(range(len(self.futures[fid]["outs"]))))
+
+    def _release(self) -> None:
+        if not self.futures:
+            return
+        fid = self.rng.choice(list(self.futures))
+        k = self.rng.randrange(2)
+        r, _ = self.post("/v1/futures/release", {"outputs": [{"future": fid, "output": k}]})
+        assert r.status_code == 200, r.text
+        if k < len(self.futures[fid]["outs"]):
+            self.futures[fid]["released"].add(k)
+
+    def _delete(self) -> None:
+        if not self.futures:
+            return
+        fid = self.rng.choice(list(self.futures))
+        self.checked(self.http.delete(f"/v1/futures/{fid}"))
+        self.futures[fid]["deleted"] = True
+
+    # -- the end ------------------------------------------------------------------------
+
+    def settle(self) -> collections.Counter[str]:
+        """Wait for each future the client still holds to end; check how it ended."""
+        ended: collections.Counter[str] = collections.Counter()
+        for fid, f in self.futures.items():
+            held = [k for k in range(len(f["outs"])) if k not in f["released"]]
+            if f["deleted"] or not held:
+                continue
+            deadline = time.monotonic() + 120
+            while True:
+                r = self.checked(self.http.get(f"/v1/futures/{fid}", params={"wait": 5000}))
+                doc = r.json()
+                if doc["status"] in ("done", "failed", "cancelled") or time.monotonic() > deadline:
+                    break
+            assert doc["status"] in ("done", "failed", "cancelled"), f"{fid} still {doc['status']}"
+            if doc["status"] == "failed":
+                assert doc["error"]["code"] in _FAILURES, doc["error"]
+                ended[doc["error"]["code"]] += 1
+                continue
+            ended[doc["status"]] += 1
+            if doc["status"] == "done":
+                r = self.checked(self.http.get(
+                    f"/v1/futures/{fid}/result", headers={"accept": wire.MSGPACK},
+                    params={"outputs": ",".join(map(str, held))}))
+                if r.status_code == 200:
+                    self.compare(fid, _body(r)["outputs"], held)
+                else:  # done, then its runtime went: the answer says so
+                    assert r.json()["error"]["cause"]["code"] in _FAILURES, r.text
+        return ended
+
+
+def _body(r: httpx.Response) -> Any:
+    if not r.content:
+        return None
+    if r.headers.get("content-type", "").startswith(wire.MSGPACK):
+        return wire.unpackb(r.content)
+    return r.json()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_random_walk_loses_nothing_and_gets_the_values_right(
+        server: tuple[httpx.Client, dict[str, str]], seed: int) -> None:
+    http, ids = server
+    walk = _Walk(http, ids, seed)
+    for _ in range(_STEPS):
+        walk.step()
+    ended = walk.settle()
+    assert ended["done"] > 0, ended  # the walk did reach results
+    assert http.get("/healthz").status_code == 200
