@@ -248,9 +248,7 @@ class _Batches:
             try:
                 args = [self._arg(a, position) for a in queued.args]
             except JitserveError as e:  # an input's call was refused: so is this one
-                queued.state.sent(None, FutureFailed(
-                    f"an input of this call of {queued.state.name or 'a program'} comes from "
-                    f"a call that was refused: {e}", status_code=422, code="future_failed"))
+                queued.state.sent(None, _refused_input(e, queued.state.name))
                 calls.append(None)
                 continue
             body: dict[str, Any] = {"program_id": queued.program_id, "args": args}
@@ -537,6 +535,18 @@ def _code(entry: Any) -> str | None:
     error = entry.get("error") if isinstance(entry, dict) else None
     return str(error.get("code")) if isinstance(error, dict) else None
 
+
+
+def _refused_input(e: JitserveError, name: str | None) -> FutureFailed:
+    """The error of a call an input of which comes from a refused call (``e``, its
+    error). It names the refusal that began the chain, as jax names the first error
+    in a chain of asynchronous ones: nesting each link's message in the next made a
+    loop that went on after a refusal build messages growing with every call."""
+    root: JitserveError = getattr(e, "_jitserve_root", e)
+    error = FutureFailed(f"an input of this call of {name or 'a program'} comes from a call "
+                         f"that was refused: {root}", status_code=422, code="future_failed")
+    setattr(error, "_jitserve_root", root)  # noqa: B010 - private, on an error the SDK made
+    return error
 
 
 def _named(e: JitserveError, name: str) -> JitserveError:

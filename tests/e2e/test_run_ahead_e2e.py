@@ -146,6 +146,30 @@ def test_a_refused_call_raises_on_the_first_use_of_its_outputs(server_url: str) 
         np.testing.assert_array_equal(np.asarray(kept), a * 2 + 1)  # the other call stands
 
 
+def test_a_long_chain_on_a_refused_call_names_the_refusal_once(server_url: str) -> None:
+    """A loop that goes on after a refusal, as a training loop that reads nothing for
+    a while does: every later call raises the refusal that began the chain, in a
+    message that does not grow with the chain (it nested each link's before)."""
+    with Client(server_url, run_ahead=16) as c:
+        f = c.jit(lambda v: v * 2.0 + 1.0)
+        first = f(np.arange(4, dtype=np.float32))
+        first.block_until_ready()
+        assert httpx.delete(f"{server_url}/v1/futures/{first.future_id}",
+                            timeout=30).status_code == 200
+        y = f(first)  # refused by the server: its input is gone
+        chain = []
+        for _ in range(300):
+            y = f(y)
+            chain.append(y)
+        errors = []
+        for out in (chain[0], chain[1], chain[-1]):
+            with pytest.raises(FutureFailed) as raised:
+                out.block_until_ready()
+            errors.append(str(raised.value))
+        assert "call of <lambda>" in errors[-1] and first.future_id in errors[-1], errors[-1]
+        assert len(errors[-1]) == len(errors[1]) < 2 * len(errors[0]), errors
+
+
 def test_calls_whose_program_the_server_lost_go_again_after_an_upload(server_url: str) -> None:
     """A restart loses programs the client still knows: the calls on their way are
     refused ``not_found``; the client uploads the program again and sends them again,
