@@ -157,6 +157,8 @@ def test_a_long_chain_on_a_refused_call_names_the_refusal_once(server_url: str) 
         assert httpx.delete(f"{server_url}/v1/futures/{first.future_id}",
                             timeout=30).status_code == 200
         y = f(first)  # refused by the server: its input is gone
+        with pytest.raises(NotFound):  # known here before the chain goes, so the SDK
+            y.block_until_ready()  # refuses every call of it (not the server, in a batch)
         chain = []
         for _ in range(300):
             y = f(y)
