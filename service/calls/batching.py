@@ -339,18 +339,18 @@ class Batcher:
         self._metrics.batch_calls.observe(len(members))
         self._metrics.batch_rows.observe(sum(rows))
         for m, piece in zip(members, pieces):
-            self._settle(m.future, runtime, piece.buffers, piece.values, run_s)
+            self._settle(m.future, piece.buffers, piece.values, run_s)
 
     def _started(self, members: list[_Member]) -> None:
         now = time.time()
         for m in members:
             self._futures.mark_running(m.future, max(now - m.future.created, 0.0))
 
-    def _settle(self, fut: Future, runtime: Runtime, outputs: list[Any],
-                values: list[np.ndarray] | None, run_s: float) -> None:
+    def _settle(self, fut: Future, outputs: list[Any], values: list[np.ndarray] | None,
+                run_s: float) -> None:
         dead = next((b for b in outputs if not b.alive), None)
         if dead is not None:  # the runtime died (or is being stopped) right after answering
-            lost = runtime.lost(dead.generation)
+            lost = dead.lost()
             self._futures.fail(fut, lost.code, str(lost))
             return
         if values is not None:

@@ -634,7 +634,7 @@ class Executor:
                        for h, a in zip(reply["handles"], fut.out_avals)]
         dead = next((b for b in outputs if b is not None and not b.alive), None)
         if dead is not None:  # the runtime died (or is being stopped) right after answering
-            lost = runtime.lost(dead.generation)
+            lost = dead.lost()
             self._futures.fail(fut, lost.code, str(lost))
             return
         run_s = float(reply["run_s"])

@@ -128,6 +128,10 @@ class Buffer:
         """Whether the runtime that holds it is still the process that made it."""
         return self.runtime.generation == self.generation and self.runtime.state == "up"
 
+    def lost(self) -> RuntimeLost:
+        """Why it is gone, once not ``alive``: how the process that held it ended."""
+        return self.runtime.lost(self.generation)
+
 
 @dataclasses.dataclass(eq=False)
 class _Call:
@@ -836,7 +840,7 @@ class RuntimePool:
         by_runtime: dict[Runtime, list[int]] = {}
         for i, buf in enumerate(buffers):
             if not buf.alive:
-                raise buf.runtime.lost(buf.generation)
+                raise buf.lost()
             by_runtime.setdefault(buf.runtime, []).append(i)
         for runtime, positions in by_runtime.items():
             arrays = await self._fetch_from(runtime, [buffers[i] for i in positions])
