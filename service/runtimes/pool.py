@@ -488,6 +488,8 @@ class Runtime:
             try:
                 self._spawn()
             except _StartFailed as e:
+                if self._pool.closing:  # the close killed it: no failure to report
+                    break
                 self._backoff(str(e))
                 continue
             self.start_failures = 0
@@ -522,6 +524,8 @@ class Runtime:
         os.close(from_child_w)
         pipe = frames.Pipe(from_child_r, to_child_w)
         self._process, self.pid, self._kill_reason, self._kill_at = process, process.pid, None, None
+        if self._pool.closing:  # a close that began as it spawned may have missed it
+            self.kill("close")
         self._late_op = Op.RUN
         try:
             pipe.send_bytes(frames.pack(self._pool.child_config(self.index)))
