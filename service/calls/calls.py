@@ -451,8 +451,8 @@ class Calls:
         if dep.status is FutureStatus.DONE and dep.outputs is not None:
             return dep.outputs[k], aval  # a buffer on its runtime: no transfer if we go there
         if dep.status is FutureStatus.FAILED:
-            msg = (dep.error or {}).get("message", "")
-            raise FutureFailed(f"args[{i}] refers to future {dep.future_id}, which failed: {msg}")
+            msg, root = dep.failed_input(f"args[{i}] refers to future {dep.future_id}")
+            raise FutureFailed(msg, root=root)
         if dep.status is FutureStatus.CANCELLED:
             raise FutureCancelled(f"args[{i}] refers to future {dep.future_id}, which was cancelled")
         return FutureRef(dep, k), aval

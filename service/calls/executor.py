@@ -46,7 +46,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,9 +111,10 @@ class _Cancelled(Exception):
 
 
 class _DependencyFailed(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, root: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.root = root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +406,7 @@ class Executor:
         except (asyncio.CancelledError, _Cancelled):
             return  # the store already marked it cancelled
         except _DependencyFailed as e:
-            self._futures.fail(fut, e.code, str(e))
+            self._futures.fail(fut, e.code, str(e), **_rooted(e.root))
         except RemoteError as e:
             answered = True
             self._failed(fut, e)
@@ -592,7 +593,11 @@ class Executor:
         """Fail ``fut`` for its runtime's failure of its run."""
         if not fut.status.is_final:  # a cancel that stopped it already said so
             code, message = run_error(e)
-            self._futures.fail(fut, code, message)
+            root = None
+            if e.root is not None:  # in the words its own future failed with
+                root = dict(zip(("code", "message"),
+                                run_error(RemoteError(e.root["code"], e.root["message"]))))
+            self._futures.fail(fut, code, message, **_rooted(root))
 
     def _broken(self, fut: Future, e: Exception) -> None:
         """Fail ``fut`` for an error of the executor's own (logged: it is a bug)."""
@@ -802,6 +807,11 @@ def _resendable(message: RunRequest, e: NotStarted, resends: int) -> bool:
     return resends <= (_RESENDS if e.code == "runtime_stopped" else 1)
 
 
+def _rooted(root: Mapping[str, str] | None) -> dict[str, Any]:
+    """A failed future's ``root`` field (``Future.failed_input``), where it has one."""
+    return {} if root is None else {"root": dict(root)}
+
+
 def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:
     """Argument ``position`` of ``job`` as a buffer already on its runtime. A donated
     buffer that only this run holds is given up to it (the run consumes it); one
@@ -831,8 +841,7 @@ def _output_of(ref: FutureRef, position: int) -> Any:
         if buf is not None:
             return buf
     if dep.status is FutureStatus.FAILED:
-        msg = (dep.error or {}).get("message", "")
-        raise _DependencyFailed("future_failed", f"{where}, which failed: {msg}")
+        raise _DependencyFailed("future_failed", *dep.failed_input(where))
     if dep.status is FutureStatus.CANCELLED:
         raise _DependencyFailed("future_cancelled", f"{where}, which was cancelled")
     raise _DependencyFailed("future_expired", f"{where}, which was {dep.removed or 'removed'}")

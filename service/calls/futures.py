@@ -119,6 +119,21 @@ class Future:
     # waiter (most futures end with nobody waiting), dropped by the change.
     _waiters: list[asyncio.Future[None]] | None = dataclasses.field(default=None, repr=False)
 
+    def failed_input(self, where: str) -> tuple[str, dict[str, str]]:
+        """The message and ``root`` of a call whose input (``where``: which) is an
+        output of this failed future. The root is the failure that began the chain;
+        every later link names it in its message too, instead of nesting the link's
+        own: a loop that went on after a failure made messages that grew with it."""
+        error = self.error or {}
+        root = error.get("root")
+        if not isinstance(root, dict):  # this future is the first failure
+            root = {"future_id": self.future_id, "code": str(error.get("code", "future_failed")),
+                    "message": str(error.get("message", ""))}
+            return f"{where}, which failed: {root['message']}", root
+        first = f"future {root['future_id']}" if "future_id" in root else "a call before it"
+        return (f"{where}, which failed: {first} failed first: {root['code']}: "
+                f"{root['message']}", root)
+
     def _notify(self) -> None:
         # Wake everyone waiting; later waiters wait for the change after this one.
         waiters, self._waiters = self._waiters, None

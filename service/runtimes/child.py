@@ -80,6 +80,7 @@ from .protocol import (
     PutRequest,
     Ready,
     Reply,
+    Root,
     RunAnswer,
     RunRequest,
     SplitAnswer,
@@ -102,11 +103,13 @@ _CANCEL = Op.CANCEL
 
 
 class RemoteFailure(Exception):
-    """A request this runtime refuses or fails, with the code the API process reports."""
+    """A request this runtime refuses or fails, with the code the API process reports;
+    ``root``: for a run whose input's run failed, the failure that began the chain."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, root: Root | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.root = root
 
 
 def _limit_memory(max_bytes: int | None) -> None:
@@ -163,10 +166,10 @@ class RuntimeServer:
         # Runs sent ahead (``protocol``), under ``_runs_lock``: by handle, the runs
         # waiting for a run not ended yet to make it (one list per promising run);
         # promised handles freed before they were made; handles whose run failed,
-        # with why, until they are freed.
+        # with the first failure of the chain that failed it, until they are freed.
         self._promised: dict[int, list[dict[str, Any]]] = {}
         self._unwanted: set[int] = set()
-        self._failed: dict[int, str] = {}
+        self._failed: dict[int, Root] = {}
         # A run known to take less than this (all of it: inputs, run, answer) is done
         # by the thread holding the pipe, which reads the next request after it.
         self._quick_run_s = settings.runtime_quick_run_ms / 1000
@@ -314,9 +317,10 @@ class RuntimeServer:
         with self._runs_lock:
             self._ended(out, self.buffers, outputs)
 
-    def _broken(self, out: list[int], why: str) -> None:
-        """The run that promised ``out`` failed (``why``): the runs waiting for them
-        go, and fail. Under ``_runs_lock``."""
+    def _broken(self, out: list[int], why: Root) -> None:
+        """The run that promised ``out`` failed: the runs waiting for them go, and fail
+        with ``why``, the first failure of the chain (its own, or its input's: a chain's
+        messages nested each link's before, and grew with it). Under ``_runs_lock``."""
         self._ended(out, self._failed, [why] * len(out))
 
     def _ended(self, out: list[int], into: dict[int, Any], values: list[Any]) -> None:
@@ -393,7 +397,8 @@ class RuntimeServer:
             if isinstance(out, list) and out:
                 with self._runs_lock:
                     if out[0] in self._promised:  # not kept: the run failed before it made them
-                        self._broken(out, f"{reply['code']}: {reply['message']}")
+                        self._broken(out, reply.get("root") or  # type: ignore[arg-type]
+                                     {"code": reply["code"], "message": reply["message"]})
         if len(self._run_times) >= _RUN_TIMES_KEPT:
             self._run_times.clear()
         self._run_times[m.get("executable_id", "")] = time.perf_counter() - t0
@@ -424,7 +429,7 @@ class RuntimeServer:
         try:
             return {"id": rid, "kind": _OK, **handler(self, message, *args)}
         except RemoteFailure as e:
-            return _failure(rid, e.code, str(e))
+            return _failure(rid, e.code, str(e), e.root)
         except CompilerError as e:
             return _failure(rid, str(e.code), str(e))
         except Exception as e:  # noqa: BLE001 - everything a program does is reported
@@ -625,8 +630,9 @@ class RuntimeServer:
                 if buf is None:
                     why = self._failed.get(a["handle"])
                     if why is not None:
-                        raise RemoteFailure("dependency_failed",
-                                            f"args[{i}]: the call that makes it failed: {why}")
+                        raise RemoteFailure("dependency_failed", f"args[{i}]: the call that "
+                                            f"makes it failed: {why['code']}: {why['message']}",
+                                            why)
                     raise RemoteFailure("future_expired", f"args[{i}]: its buffer was freed")
                 placed = self._placed(buf, exe.in_shardings[i] if sharded else self._singles[slot])
                 args.append(placed.copy() if i in donated and not a.get("give")
@@ -891,7 +897,7 @@ class RuntimeServer:
             if run is None:
                 return
             if run.get("out"):
-                self._broken(run["out"], f"future_cancelled: {message}")
+                self._broken(run["out"], {"code": "future_cancelled", "message": message})
         self._consume_given(run)
         self._send(_failure(int(rid), "future_cancelled", message))
 
@@ -988,8 +994,11 @@ def _each_ready(arrays: list[Any]) -> None:
         a.block_until_ready()
 
 
-def _failure(rid: int, code: str, message: str) -> Failure:
-    return {"id": rid, "kind": _ERROR, "code": code, "message": message}
+def _failure(rid: int, code: str, message: str, root: Root | None = None) -> Failure:
+    failure: Failure = {"id": rid, "kind": _ERROR, "code": code, "message": message}
+    if root is not None:
+        failure["root"] = root
+    return failure
 
 
 def _write_shards(buf: Any, mapping: Any, offset: int, name: str) -> dict[str, Any]:

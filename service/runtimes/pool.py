@@ -53,7 +53,7 @@ import numpy as np
 from . import frames
 from .devices import Group
 from .pipes import LoopReader, PipeWriter
-from .protocol import Config, DecodeAnswer, FetchRequest, Kind, Op
+from .protocol import Config, DecodeAnswer, FetchRequest, Kind, Op, Root
 
 __all__ = ["Buffer", "NotStarted", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
 
@@ -84,11 +84,13 @@ def _widen(fd: int) -> None:
 
 
 class RemoteError(Exception):
-    """A runtime refused or failed a request; ``code`` is the error code it gave."""
+    """A runtime refused or failed a request; ``code`` is the error code it gave, and
+    ``root`` the failure that began a chain of runs (``protocol.Failure``)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, root: Root | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.root = root
 
 
 class RuntimeLost(RemoteError):
@@ -599,8 +601,11 @@ class Runtime:
         elif kind == _OK:
             _post(call.loop, call.settle, message, None, here=here)
         else:
+            root = message.get("root")
             error = RemoteError(str(message.get("code", "internal")),
-                                str(message.get("message", "failed")))
+                                str(message.get("message", "failed")),
+                                {"code": str(root.get("code")), "message": str(root.get("message"))}
+                                if isinstance(root, dict) else None)
             _post(call.loop, call.settle, None, error, here=here)
 
     def _ended(self) -> None:

@@ -50,7 +50,8 @@ the moment the runtime reads it, those handles are *promised*: a later run may
 take them as arguments, and waits, holding no run slot, until the run that makes
 them has ended; a free of one drops the output as soon as it is made. If that run
 fails (or is cancelled), the runs waiting on its outputs fail with
-``dependency_failed``, naming the argument and the first failure. The API process
+``dependency_failed``, naming the argument and the first failure (``root``), whose
+words a chain passes on instead of nesting each link's. The API process
 sends a call whose inputs are still being computed at once this way, without
 waiting for their run's answer, so the runtime goes from one run to the next
 without a round trip to the API process between them.
@@ -84,7 +85,7 @@ __all__ = [
     "IfrtReadAnswer", "IfrtReadRequest", "IfrtRequest", "Kind", "LookupAnswer", "LookupRequest",
     "Op", "ProgramAnswer",
     "ProgramDoc", "ProgramRequest", "PutAnswer", "PutRequest", "Ready", "Reply", "RunAnswer",
-    "RunRequest", "SplitAnswer", "StatsAnswer", "StatsRequest",
+    "Root", "RunRequest", "SplitAnswer", "StatsAnswer", "StatsRequest",
 ]
 
 
@@ -198,11 +199,21 @@ class Ready(Reply):
     devices: list[DeviceDoc]  # all of them: a sharded program runs on the first N
 
 
-class Failure(Reply):
-    """Request ``id`` failed (``kind`` ``error``)."""
+class Root(TypedDict):
+    """The first failure of a chain of runs, each of which reads an output of the one
+    before (``dependency_failed``): its ``code`` and ``message``."""
 
     code: str
     message: str
+
+
+class Failure(Reply):
+    """Request ``id`` failed (``kind`` ``error``); a run whose input's run failed also
+    says which failure began the chain (``root``)."""
+
+    code: str
+    message: str
+    root: NotRequired[Root]
 
 
 # -- requests and their answers -----------------------------------------------------

@@ -91,31 +91,78 @@ async def test_a_call_on_a_running_call_s_output_is_sent_at_once_and_waits_there
 
 
 async def test_calls_sent_ahead_on_a_cancelled_call_fail_naming_it(make_api) -> None:
-    """One run at a time: ``a`` waits in the runtime's queue behind a long run, ``b``
-    waits for ``a``'s output and ``c`` for ``b``'s. Deleting ``a`` takes it out of
-    the queue; ``b`` and ``c`` fail, saying why, and the long run is untouched."""
+    """One run at a time: ``a`` waits in the runtime's queue behind a long run, and a
+    chain of calls there each for the one before's output. Deleting ``a`` takes it
+    out of the queue; every call of the chain fails naming that first failure, in a
+    message that does not grow with the chain (each link nested the one before's),
+    and the long run is untouched."""
     async with make_api(own_runtimes=True, executor_threads=1) as api:
         pid, held, blocker = await _behind_a_long_run(api)
         a = await _start(api, pid, [Y, np.int32(1)])
-        b = await _start(api, pid, [{"future": a, "output": 0}, np.int32(1)])
-        c = await _start(api, pid, [{"future": b, "output": 0}, np.int32(1)])
+        chain = [a]
+        for _ in range(5):
+            chain.append(await _start(api, pid, [{"future": chain[-1], "output": 0},
+                                                 np.int32(1)]))
         r = await api.http.delete(f"/v1/futures/{a}")
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "cancelled"
         assert _status(api, blocker) is FutureStatus.RUNNING, "too slow a machine?"
-        for fid, said in ((b, "future_cancelled: deleted while it waited to run"),
-                          (c, "args[0]: the call that makes it failed: ")):
+        said = ("args[0]: the call that makes it failed: future_cancelled: "
+                "deleted while it waited to run")
+        root = {"code": "future_cancelled", "message": "deleted while it waited to run"}
+        for fid in chain[1:]:
             r = await api.result(fid, wait=120_000)
             assert r.status_code == 422, r.text
             error = r.json()["error"]
-            assert error["code"] == "future_failed"
-            assert error["message"].startswith("args[0]: the call that makes it failed: ")
-            assert said in error["message"]
+            assert (error["code"], error["message"]) == ("future_failed", said)
+            assert error["cause"]["root"] == root, error
+        # A call on the chain's end, once it failed, is refused naming the root once.
+        r = await api.execute(pid, [{"future": chain[-1], "output": 0}, np.int32(1)])
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["message"] == (f"args[0] refers to future {chain[-1]}, which failed: "
+                                    "a call before it failed first: future_cancelled: "
+                                    "deleted while it waited to run"), error
+        assert error["root"] == root
         assert (await api.result(blocker, wait=120_000)).status_code == 200
-        stats = await _stats(api)  # the frees of a's, b's and c's outputs ride on it
+        stats = await _stats(api)  # the frees of the chain's outputs ride on it
     assert (stats["promised"], stats["failed_handles"]) == (0, 0)
     assert stats["buffers"] == held + 1  # the blocker's output, and nothing else
-    assert stats["runs_waited"] == 2  # b and c
+    assert stats["runs_waited"] == 5  # the chain but a
+
+
+async def test_a_chain_on_a_call_past_its_deadline_names_that_failure_once(make_api) -> None:
+    """A long run past its deadline, and a chain of calls sent ahead behind it, each on
+    the one before's output. The deadline stops the runtime; the chain goes back to
+    waiting in the API process, and each of its calls fails there naming the run
+    that began it (its future and its code), the same words down the chain."""
+    async with make_api(own_runtimes=True, executor_threads=1) as api:
+        pid = await api.upload("spin")
+        await api.outputs(pid, [Y, WARM])
+        first = await _start(api, pid, [Y, np.int32(10**8)], timeout_s=1)
+        await _running(api, first)
+        chain = [first]
+        for _ in range(5):
+            chain.append(await _start(api, pid, [{"future": chain[-1], "output": 0},
+                                                 np.int32(1)]))
+        r = await api.result(first, wait=120_000)
+        assert r.status_code == 422, r.status_code
+        timed_out = r.json()["error"]["cause"]
+        assert timed_out["code"] == "execution_timeout", timed_out
+        messages = []
+        for fid in chain[1:]:
+            r = await api.result(fid, wait=120_000)
+            assert r.status_code == 422, r.text
+            error = r.json()["error"]["cause"]
+            assert error["code"] == "future_failed", error
+            assert error["root"] == {"future_id": first, **timed_out}, error
+            messages.append(error["message"])
+        assert messages[0] == f"args[0] refers to future {first}, which failed: " + \
+            timed_out["message"]
+        for fid, message in zip(chain[1:-1], messages[1:]):
+            assert message == (f"args[0] refers to future {fid}, which failed: future "
+                               f"{first} failed first: execution_timeout: "
+                               f"{timed_out['message']}")
 
 
 async def test_an_output_released_before_its_run_made_it_is_dropped_when_made(make_api) -> None:
