@@ -47,11 +47,14 @@ _DTYPES: dict[str, Any] = {}  # DTypeProto.Kind name -> numpy dtype (_dtype_tabl
 
 
 class IfrtFailure(Exception):
-    """A request's refusal, answered as a status ``code`` with ``message``."""
+    """A request's refusal, answered as a status ``code`` with ``message``; ``root``:
+    for a request that read an array holding a failure, the failure that began the
+    chain (which each later link names, instead of nesting the link before's)."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, root: IfrtFailure | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.root = root
 
 
 def _dtype_table() -> dict[str, Any]:
@@ -291,7 +294,8 @@ class Sessions:
         if found is None:
             raise IfrtFailure(NOT_FOUND, f"unknown array handle {handle}")
         if isinstance(found, IfrtFailure):
-            raise IfrtFailure(found.code, f"array {handle} failed earlier: {found}")
+            root = found.root or found
+            raise IfrtFailure(found.code, f"array {handle} failed earlier: {root}", root)
         if isinstance(found, Donated):
             raise IfrtFailure(INVALID_ARGUMENT, f"array {handle} was donated: it is deleted")
         if not deleted and found.is_deleted():

@@ -233,6 +233,14 @@ def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, 
         assert code == grpc.StatusCode.NOT_FOUND.value[0] and "never arrived" in text
         code, text = _status(session.request(check_value_ready_request={"value_handles": [7]}))
         assert "failed earlier" in text
+        # A chain of arrays, each made from the one before, from that failed one: every
+        # link names the first failure once (each nested the one before's).
+        texts = [_status(session.request(fully_replicated_shard_request={
+            "array_handle": 7 if link == 0 else 100 + link - 1, "result_handle": 100 + link}))[1]
+            for link in range(30)]
+        assert texts[-1].startswith("array 128 failed earlier: ") and "never arrived" in texts[-1]
+        assert texts[-1].count("failed earlier") == 1, texts[-1]
+        assert len(texts[-1]) == len(texts[1]), texts
         # A host buffer of the wrong size for its array.
         session.store(21, b"\x00" * 5)
         code, text = _status(session.make_array(8, 21, np.zeros(3, np.float32)))
