@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -164,6 +164,21 @@ class Relay:
                 peer_response.release()
 
         return StreamingResponse(stream(), peer_response.status, headers=passed)
+
+    def donated_elsewhere(self, args: Sequence[Any], donate: Sequence[Any]
+                          ) -> dict[str, list[tuple[str, int]]]:
+        """The other replicas' outputs among ``args`` that a call donates, by replica:
+        it reads copies pulled here, and they are released on their replicas once it
+        is accepted (``release``), as a donated input held here is (taken before the
+        pull replaces the references; a ``donate`` out of range is the call's to refuse)."""
+        given: dict[str, list[tuple[str, int]]] = {}
+        for i in {i for i in donate if type(i) is int and 0 <= i < len(args)}:
+            arg = args[i]
+            if wire.is_future_ref(arg) and self._membership.elsewhere(str(arg["future"])):
+                rid = replica_of(str(arg["future"]))
+                assert rid is not None
+                given.setdefault(rid, []).append((str(arg["future"]), int(arg["output"])))
+        return given
 
     async def release(self, refs: dict[str, list[tuple[str, int]]],
                       owner: str | None) -> tuple[int, int]:

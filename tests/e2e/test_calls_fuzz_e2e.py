@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -59,8 +59,9 @@ def _exported(f: Callable[..., Any], n: int) -> bytes:
 _PROGRAMS: dict[str, tuple[bytes, int, int, Callable[..., list[np.ndarray]] | None]] = {}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, dict[str, str]]]:
+def upload_programs(http: httpx.Client, slow: bool = True) -> dict[str, str]:
+    """The walk's programs uploaded through ``http``: their ids by name (``slow``: with
+    the one that loops for minutes, for a server with a short run deadline)."""
     if not _PROGRAMS:
         _PROGRAMS.update({
             "pair": (_exported(lambda x, y: (x + y, x * y), 2), 2, 2, lambda x, y: [x + y, x * y]),
@@ -68,26 +69,42 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Cli
             "slow": (_exported(lambda x: jax.lax.fori_loop(
                 0, 1 << 30, lambda i, v: v * 1.0000001 + 1e-9, x), 1), 1, 1, None),
         })
+    ids = {}
+    for name, (data, *_) in _PROGRAMS.items():
+        if name == "slow" and not slow:
+            continue
+        r = http.post("/v1/programs", content=data,
+                      headers={"content-type": "application/octet-stream"})
+        assert r.status_code in (200, 201), r.text
+        ids[name] = r.json()["program_id"]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, dict[str, str]]]:
     env = {"JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "2",
            "JITSERVE_MAX_BODY_BYTES": str(1 << 20)}
     for url in _serve(tmp_path_factory.mktemp("calls-fuzz"), env):
         with httpx.Client(base_url=url, timeout=60) as http:
-            ids = {}
-            for name, (data, *_) in _PROGRAMS.items():
-                r = http.post("/v1/programs", content=data,
-                              headers={"content-type": "application/octet-stream"})
-                assert r.status_code in (200, 201), r.text
-                ids[name] = r.json()["program_id"]
-            yield http, ids
+            yield http, upload_programs(http)
 
 
-class _Walk:
-    """The client's side of the walk: the futures it holds and what it knows of them."""
+class Walk:
+    """The client's side of the walk: the futures it holds and what it knows of them.
 
-    def __init__(self, http: httpx.Client, ids: dict[str, str], seed: int) -> None:
+    ``others``: the walks of other API keys on the same servers (this one may be among
+    them), whose futures this
+    one names now and then, as a client guessing or leaking ids would: every such
+    request is refused or touches nothing (``_foreign``), and the other walk's own
+    checks find its futures as they were.
+    """
+
+    def __init__(self, http: httpx.Client, ids: dict[str, str], seed: int,
+                 others: Sequence[Walk] = ()) -> None:
         self.http, self.ids = http, ids
         self.rng = random.Random(seed)
         self.values = np.random.default_rng(seed)
+        self.others = others
         # future id -> {"outs": [value or None], "released": set, "deleted": bool}
         self.futures: dict[str, dict[str, Any]] = {}
 
@@ -115,6 +132,9 @@ class _Walk:
         reference, the output's value (if known), and whether it is valid."""
         if not self.futures or self.rng.random() < 0.1:
             return {"future": self.rng.choice(["nope", "x" * 200]), "output": 0}, None, False
+        foreign = self._foreign()
+        if foreign is not None and self.rng.random() < 0.1:
+            return {"future": foreign, "output": 0}, None, False
         fid = self.rng.choice(list(self.futures))
         f = self.futures[fid]
         k = self.rng.randrange(len(f["outs"]) + (self.rng.random() < 0.05))
@@ -123,7 +143,8 @@ class _Walk:
 
     def call(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         """One call: an execute's body, and what the model expects of it."""
-        names = ["pair", "pair", "double", "double"] + ["slow"] * (self.rng.random() < 0.02)
+        names = ["pair", "pair", "double", "double"] + ["slow"] * (
+            "slow" in self.ids and self.rng.random() < 0.02)
         name = self.rng.choice(names)
         _, n_in, n_out, fn = _PROGRAMS[name]
         args: list[Any] = []
@@ -176,6 +197,16 @@ class _Walk:
             elif ref is not None and ref[0] == "call" and batch[ref[1]] is not None:
                 self.futures[batch[ref[1]]]["released"].add(ref[2])
 
+    def known(self, fid: str) -> bool:
+        """Whether the server still knows ``fid``: not deleted, nor all its outputs let go."""
+        f = self.futures[fid]
+        return not f["deleted"] and len(f["released"]) < len(f["outs"])
+
+    def _foreign(self) -> str | None:
+        """A future id another key's walk holds, if there is one."""
+        held = [fid for other in self.others if other is not self for fid in other.futures]
+        return self.rng.choice(held) if held else None
+
     def compare(self, fid: str, outputs: list[Any], which: list[int]) -> None:
         f = self.futures[fid]
         for k, got in zip(which, outputs):
@@ -220,6 +251,8 @@ class _Walk:
         if self.futures and self.rng.random() < 0.3:
             release = {"future": self.rng.choice(list(self.futures)), "output": 0}
             body["release"] = [release]
+            read = any(isinstance(a, dict) and a == release for c in batch for a in c["body"]["args"])
+            known = self.known(release["future"])
         r, answer = self.post("/v1/calls", body)
         assert r.status_code == 200, r.text
         made: list[str | None] = []
@@ -233,15 +266,24 @@ class _Walk:
             else:
                 assert entry["error"]["code"] and entry["error"]["message"], entry
                 made.append(None)
-        if release is not None and release["future"] in self.futures:
+        if release is not None:  # released wherever the batch ran (the calls read it first)
+            assert read or answer["released"] == known, (release, answer)
             self.futures[release["future"]]["released"].add(0)
 
     def _result(self) -> None:
         if not self.futures:
             return
         fid = self.rng.choice(list(self.futures))
-        r = self.checked(self.http.get(f"/v1/futures/{fid}/result", headers={"accept": wire.MSGPACK},
+        foreign = self._foreign() if self.rng.random() < 0.1 else None
+        r = self.checked(self.http.get(f"/v1/futures/{foreign or fid}/result",
+                                       headers={"accept": wire.MSGPACK},
                                        params={"wait": self.rng.choice([0, 100, 3000])}))
+        if foreign is not None:
+            assert r.status_code == 404, f"another key's future {foreign}: {r.status_code}"
+            return
+        f = self.futures[fid]  # asked for all its outputs: none let go, none may be gone
+        assert r.status_code != 404 or f["deleted"] or f["released"], \
+            f"held future {fid}: {r.text[:300]}"
         if r.status_code == 200:
             assert not self.futures[fid]["deleted"], f"deleted future {fid} answered"
             self.compare(fid, _body(r)["outputs"], list(range(len(self.futures[fid]["outs"]))))
@@ -249,15 +291,27 @@ class _Walk:
     def _release(self) -> None:
         if not self.futures:
             return
+        foreign = self._foreign() if self.rng.random() < 0.1 else None
+        if foreign is not None:
+            r, answer = self.post("/v1/futures/release", {"outputs": [{"future": foreign, "output": 0}]})
+            assert r.status_code == 200 and answer["released"] == 0, (foreign, answer)
+            return
         fid = self.rng.choice(list(self.futures))
         k = self.rng.randrange(2)
-        r, _ = self.post("/v1/futures/release", {"outputs": [{"future": fid, "output": k}]})
+        known = self.known(fid)
+        r, answer = self.post("/v1/futures/release", {"outputs": [{"future": fid, "output": k}]})
         assert r.status_code == 200, r.text
+        assert answer["released"] == (known and k < len(self.futures[fid]["outs"])), (fid, k, answer)
         if k < len(self.futures[fid]["outs"]):
             self.futures[fid]["released"].add(k)
 
     def _delete(self) -> None:
         if not self.futures:
+            return
+        foreign = self._foreign() if self.rng.random() < 0.1 else None
+        if foreign is not None:
+            r = self.checked(self.http.delete(f"/v1/futures/{foreign}"))
+            assert r.status_code == 404, f"another key's future {foreign}: {r.status_code}"
             return
         fid = self.rng.choice(list(self.futures))
         self.checked(self.http.delete(f"/v1/futures/{fid}"))
@@ -275,6 +329,7 @@ class _Walk:
             deadline = time.monotonic() + 120
             while True:
                 r = self.checked(self.http.get(f"/v1/futures/{fid}", params={"wait": 5000}))
+                assert r.status_code == 200, f"held future {fid}: {r.text[:300]}"
                 doc = r.json()
                 if doc["status"] in ("done", "failed", "cancelled") or time.monotonic() > deadline:
                     break
@@ -307,7 +362,7 @@ def _body(r: httpx.Response) -> Any:
 def test_a_random_walk_loses_nothing_and_gets_the_values_right(
         server: tuple[httpx.Client, dict[str, str]], seed: int) -> None:
     http, ids = server
-    walk = _Walk(http, ids, seed)
+    walk = Walk(http, ids, seed)
     for _ in range(_STEPS):
         walk.step()
     ended = walk.settle()

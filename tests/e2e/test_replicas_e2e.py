@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, Case, assert_outputs_match, expected
+from e2e.test_calls_fuzz_e2e import Walk, upload_programs
 from redis_server import RedisServer, free_port
 
 from jitserve import wire
@@ -413,6 +414,69 @@ def test_inputs_on_two_replicas_meet_on_one(cluster: dict[str, Any]) -> None:
     assert r.status_code == 200, r.text
     np.testing.assert_array_equal(wire.unpackb(r.content)["outputs"][0],
                                   np.arange(4, dtype=np.float32) * 3 + 1)
+
+
+@pytest.mark.parametrize("route", ["execute", "calls"])
+def test_an_input_donated_from_another_replica_is_released_there(
+        cluster: dict[str, Any], route: str) -> None:
+    """A call that runs here on a future another replica holds reads a copy of it,
+    pulled here; donated, that future's output is released on its replica once the
+    call is accepted, as a donated input held here is (it stayed there until its TTL,
+    and later calls could still read it)."""
+    a, b, _ = cluster["replicas"]
+    spec = jax.ShapeDtypeStruct((4,), np.float32)
+    pid = _upload(a.url, _export(lambda x, y: x * y + 1, spec, spec))
+    _upload(b.url, _export(lambda x, y: x * y + 1, spec, spec))
+    futures = [httpx.post(f"{r.url}/v1/arrays", content=wire.packb(
+        {"arrays": [np.arange(4, dtype=np.float32) + i]}), headers=MP, timeout=30).json()["future_id"]
+        for i, r in enumerate((a, b))]
+    call = {"args": [{"future": f, "output": 0} for f in futures], "donate": [0, 1]}
+    if route == "execute":  # one input on each replica: it runs on b, where it is sent
+        r = httpx.post(f"{b.url}/v1/programs/{pid}/execute", params={"wait": 30_000},
+                       timeout=120, content=wire.packb(call), headers=MP)
+        assert r.status_code == 200, r.status_code
+        out = wire.unpackb(r.content)["outputs"][0]
+    else:
+        r = httpx.post(f"{b.url}/v1/calls", timeout=120, headers=MP,
+                       content=wire.packb({"calls": [{"program_id": pid, **call}]}))
+        assert r.status_code == 200, r.text
+        done = httpx.get(f"{b.url}/v1/futures/{r.json()['calls'][0]['future_id']}/result",
+                         params={"wait": 30_000}, headers=MP, timeout=120)
+        assert done.status_code == 200, done.status_code
+        out = wire.unpackb(done.content)["outputs"][0]
+    np.testing.assert_array_equal(out, np.arange(4) * (np.arange(4) + 1) + 1)
+    for f in futures:  # gone for the caller wherever it asks, as jax deletes a donated array
+        for r in (a, b):
+            got = httpx.get(f"{r.url}/v1/futures/{f}/result", headers=MP, timeout=30)
+            assert got.status_code == 404, (f, r.url, got.status_code)
+    again = _execute(a.url, pid, [{"future": futures[0], "output": 0}] * 2)
+    assert again.status_code in (400, 404), again.status_code
+
+
+def test_two_keys_walking_at_random_through_the_balancer_lose_nothing(
+        cluster: dict[str, Any]) -> None:
+    """``test_calls_fuzz_e2e``'s random walk through ``/v1``, by two API keys at once,
+    each request balanced to any replica: each key's values are right and its futures
+    end, and the ids of the other key's futures, which each names now and then, get
+    it nothing (its results and deletes are 404, its releases release nothing), so
+    that the other's walk finds its own as it left them."""
+    walks: list[Walk] = []
+    clients = [httpx.Client(base_url=cluster["url"], timeout=120,
+                            headers={"authorization": f"Bearer {key}"}) for key in KEYS]
+    try:
+        for seed, http in enumerate(clients):
+            walks.append(Walk(http, upload_programs(http, slow=False), seed, walks))
+        for _ in range(150):
+            for walk in walks:
+                walk.step()
+        for walk in walks:
+            ended = walk.settle()
+            assert ended["done"] > 0, ended
+    finally:
+        for http in clients:
+            http.close()
+    for r in cluster["replicas"]:
+        assert httpx.get(f"{r.url}/healthz", timeout=10).status_code == 200
 
 
 def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any]) -> None:

@@ -117,7 +117,7 @@ async def start_calls(
                         "executable_id": fut.executable_id, "tier": call.tier})
     batch.clear()  # the executor holds the inputs now
     # After the calls started: one that takes an output released here still reads it.
-    done = await release_refs(request, services, release, owner)
+    done = await release_refs(services, release, owner)
     answer = {"calls": entries, "released": done.released, "unknown": done.unknown}
     cluster = services.cluster
     if cluster is None:
@@ -171,6 +171,7 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
     refused)."""
     services = services_of(request)
     cluster = services.cluster
+    given = cluster.relay.donated_elsewhere(item.args, item.donate) if cluster is not None else {}
     args = []
     for n, arg in enumerate(item.args):
         if isinstance(arg, dict) and "call" in arg and "future" not in arg:
@@ -189,8 +190,12 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
             arg = await cluster.relay.pull(arg, owner, services.settings.max_wait_ms / 1000)
         args.append(arg)
     program = await services.programs.get(item.program_id, owner)
-    return await services.calls.execute(program, args, item.static_key, owner, item.timeout_s,
+    call = await services.calls.execute(program, args, item.static_key, owner, item.timeout_s,
                                         item.donate)
+    if given:
+        assert cluster is not None
+        await cluster.relay.release(given, owner)
+    return call
 
 
 ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is start_calls)

@@ -76,7 +76,9 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
     raw, message = await body.raw_message()
     req = parse(ExecuteRequest, _required(message), "execute request")
     wait_s = min(wait or 0, settings.max_wait_ms) / 1000
+    given: dict[str, list[tuple[str, int]]] = {}
     if cluster is not None:  # a call on other replicas' futures runs there, or fetches them
+        given = cluster.relay.donated_elsewhere(req.args, req.donate)
         relayed = await cluster.relay.run_elsewhere(
             request, req.args, owner, raw, wait_s=wait_s,
             pull_wait_s=settings.max_wait_ms / 1000, forwarded=forwarded)
@@ -85,6 +87,9 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
     del raw
     call = await services.calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
                                         req.donate)
+    if given:
+        assert cluster is not None
+        await cluster.relay.release(given, owner)
     del req  # the executor holds the input arrays now; do not pin them while we wait
     if cluster is None:
         return await _answer(request, services, call, wait_s, keep)

@@ -75,16 +75,19 @@ async def release_outputs(request: Request, services: ServicesDep, body: Body,
 async def _release(request: Request, services: Services, body: BodyReader,
                    owner: str | None) -> ReleaseResult:
     req = parse(ReleaseRequest, await body.message(), "release request")
-    return await release_refs(request, services, req.outputs, owner)
+    return await release_refs(services, req.outputs, owner)
 
 
-async def release_refs(request: Request, services: Services, refs: Sequence[FutureRef],
+async def release_refs(services: Services, refs: Sequence[FutureRef],
                        owner: str | None) -> ReleaseResult:
     """Let go of the outputs ``refs`` names, here and on the replicas holding them
-    (``POST /v1/futures/release``, and a batch's ``release``, most often empty)."""
+    (``POST /v1/futures/release``, and a batch's ``release``, most often empty). A
+    request another replica forwarded here releases them where they are too: a
+    batch goes to the replica holding its calls' inputs, with the releases it carries
+    (they went nowhere but here, and stayed until their futures' TTL)."""
     if not refs:
         return ReleaseResult(released=0, unknown=0)
-    cluster = request_cluster(request, services)
+    cluster = services.cluster
     here: list[tuple[str, int]] = []
     elsewhere: defaultdict[str, list[tuple[str, int]]] = defaultdict(list)
     for r in refs:
