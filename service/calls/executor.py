@@ -699,13 +699,22 @@ class Executor:
 
     async def put(self, future: Future, runtime: Runtime, arrays: list[np.ndarray]) -> None:
         """Keep ``arrays`` on ``runtime`` as the outputs of ``future`` (``POST /v1/arrays``);
-        a ``RemoteError`` when the runtime cannot."""
+        a ``RemoteError`` when the runtime cannot. A runtime lost before it answered
+        (another's program crashed it, or its deadline stopped it) kept nothing that
+        lives on: the put goes again, once, to the process that replaces it, as a run
+        that never began does, rather than fail a caller whose arrays had no part in it."""
         future.runtime = runtime
-        descs, segment = await self._pack(arrays)
-        try:
-            reply = await runtime.request(Op.PUT, PutRequest(args=descs), timeout_s=self.timeout_s)
-        finally:
-            self._segment_done(segment, True)
+        for again in (False, True):
+            descs, segment = await self._pack(arrays)
+            try:
+                reply = await runtime.request(Op.PUT, PutRequest(args=descs),
+                                              timeout_s=self.timeout_s)
+                break
+            except RuntimeLost:
+                if again:
+                    raise
+            finally:
+                self._segment_done(segment, True)  # read, or its reader is gone
         outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
                    for h, a in zip(reply["handles"], arrays)]
         if sum(a.nbytes for a in arrays) <= INLINE_OUTPUTS_BYTES:

@@ -6,6 +6,8 @@ Through the app in-process (httpx's ASGI transport) on the session's real runtim
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import numpy as np
@@ -301,3 +303,27 @@ async def test_a_donated_output_nobody_else_holds_is_dropped_with_its_run_no_fre
         assert (await runtime.request("stats", {}, timeout_s=60))["buffers"] == held
     finally:
         runtime.send_free = send_free
+
+
+async def test_a_put_whose_runtime_dies_under_it_goes_again(make_api) -> None:
+    """A runtime killed while it keeps a put's arrays (another's program crashed it)
+    kept nothing that lives on: the put goes again to the process that replaces it,
+    and answers as if nothing happened (it answered ``502 runtime_crashed``)."""
+    async with make_api(own_runtimes=True) as api:
+        runtime = api.app.services.runtimes.runtimes[0]
+        big = np.random.default_rng(1).standard_normal(16 << 20).astype(np.float32)  # 64 MiB
+        put = asyncio.ensure_future(api.http.post(
+            "/v1/arrays", content=wire.packb({"arrays": [big]}),
+            headers={"content-type": wire.MSGPACK}))
+        first = runtime.pid
+        for _ in range(200_000):  # until the runtime has it (the test shares the app's loop)
+            if runtime.in_flight():
+                break
+            await asyncio.sleep(0.0005)
+        assert runtime.in_flight() and not put.done(), "the put never reached the runtime"
+        os.kill(first, signal.SIGKILL)
+        r = await put
+        assert r.status_code == 201, r.text
+        assert runtime.pid != first
+        np.testing.assert_array_equal(
+            wire.unpackb((await api.result(r.json()["future_id"])).content)["outputs"][0], big)
