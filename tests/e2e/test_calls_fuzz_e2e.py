@@ -20,13 +20,18 @@ wherever its inputs' values are known. The checks:
   even when a future's outputs are found gone in the moment its runtime is being
   stopped.
 
-Three fixed seeds of 600 steps each; the module takes about 20 s here.
+Three fixed seeds of 600 steps each, and a fourth walk that also SIGKILLs a
+runtime now and then, whose futures may end ``runtime_crashed`` too. ``Walk`` also
+runs through replicas, by two API keys at once (``test_replicas_e2e``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import random
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -100,11 +105,14 @@ class Walk:
     """
 
     def __init__(self, http: httpx.Client, ids: dict[str, str], seed: int,
-                 others: Sequence[Walk] = ()) -> None:
+                 others: Sequence[Walk] = (), crash: bool = False) -> None:
         self.http, self.ids = http, ids
         self.rng = random.Random(seed)
         self.values = np.random.default_rng(seed)
         self.others = others
+        self.crash = crash
+        self.failures = _FAILURES | ({"runtime_crashed"} if crash else set())
+        self.crashes = 0
         # future id -> {"outs": [value or None], "released": set, "deleted": bool}
         self.futures: dict[str, dict[str, Any]] = {}
 
@@ -218,9 +226,17 @@ class Walk:
     # -- the steps ------------------------------------------------------------------
 
     def step(self) -> None:
-        op = self.rng.choices(["put", "execute", "calls", "result", "release", "delete"],
-                              [1, 4, 3, 3, 1, 1])[0]
+        op = self.rng.choices(["put", "execute", "calls", "result", "release", "delete", "crash"],
+                              [1, 4, 3, 3, 1, 1, 0.3 if self.crash else 0])[0]
         getattr(self, f"_{op}")()
+
+    def _crash(self) -> None:
+        """SIGKILL a runtime that is up, as the kernel's OOM killer would."""
+        up = [r for r in self.http.get("/readyz").json().get("runtimes", ()) if r.get("pid")]
+        if up:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.rng.choice(up)["pid"], signal.SIGKILL)
+            self.crashes += 1
 
     def _put(self) -> None:
         xs = [self.array() for _ in range(self.rng.randint(1, 2))]
@@ -335,7 +351,7 @@ class Walk:
                     break
             assert doc["status"] in ("done", "failed", "cancelled"), f"{fid} still {doc['status']}"
             if doc["status"] == "failed":
-                assert doc["error"]["code"] in _FAILURES, doc["error"]
+                assert doc["error"]["code"] in self.failures, doc["error"]
                 ended[doc["error"]["code"]] += 1
                 continue
             ended[doc["status"]] += 1
@@ -346,7 +362,7 @@ class Walk:
                 if r.status_code == 200:
                     self.compare(fid, _body(r)["outputs"], held)
                 else:  # done, then its runtime went: the answer says so
-                    assert r.json()["error"]["cause"]["code"] in _FAILURES, r.text
+                    assert r.json()["error"]["cause"]["code"] in self.failures, r.text
         return ended
 
 
@@ -367,4 +383,19 @@ def test_a_random_walk_loses_nothing_and_gets_the_values_right(
         walk.step()
     ended = walk.settle()
     assert ended["done"] > 0, ended  # the walk did reach results
+    assert http.get("/healthz").status_code == 200
+
+
+def test_a_random_walk_with_runtimes_killed_under_it_loses_nothing(
+        server: tuple[httpx.Client, dict[str, str]]) -> None:
+    """The walk, with a runtime SIGKILLed now and then (one step in about 45), as
+    the OOM killer or a crashing program would: nothing accepted is lost (every
+    future ends, those whose runtime crashed with ``runtime_crashed``), no answer is
+    a 5xx, and what comes back is right."""
+    http, ids = server
+    walk = Walk(http, ids, 3, crash=True)
+    for _ in range(_STEPS):
+        walk.step()
+    ended = walk.settle()
+    assert walk.crashes > 0 and ended["done"] > 0, (walk.crashes, ended)
     assert http.get("/healthz").status_code == 200
