@@ -56,6 +56,7 @@ from jitserve.client.errors import (
     JitserveTimeout,
     PayloadTooLarge,
     ProtocolError,
+    _raised_anew,
     error_class,
 )
 
@@ -226,12 +227,14 @@ class _Batches:
             self._queue.extendleft(reversed([q for q in batch if not q.state.is_known()]))
             self._batch_bytes = max(1, nbytes // 2)
         elif outcome is not None:  # no call may wait forever for its answer
-            for queued in batch:
-                if not queued.state.is_known():
-                    queued.state.sent(None, outcome if isinstance(outcome, Exception) else
-                                      RuntimeError(f"the run-ahead sender stopped: {outcome!r}"))
             if isinstance(outcome, Exception):
                 log.error("the run-ahead sender failed a batch", exc_info=outcome)
+            # Kept without its traceback, which holds this batch (``_raised_anew``).
+            error = (_raised_anew(outcome) if isinstance(outcome, Exception) else
+                     RuntimeError(f"the run-ahead sender stopped: {outcome!r}"))
+            for queued in batch:
+                if not queued.state.is_known():
+                    queued.state.sent(None, error)
         if again:  # in their order, before anything queued since
             self._queue.extendleft(reversed([q for q in batch if q in again]))
         with self._release_lock:
@@ -259,6 +262,7 @@ class _Batches:
         sent = [c for c in calls if c is not None]
         if not sent:
             self._give_back()
+            self._drop_donated([q for q, c in zip(batch, calls) if c is None])
             return set()
         wait = self._mark_inline(batch, calls)
         try:
@@ -271,10 +275,12 @@ class _Batches:
             for queued, call in zip(batch, calls):
                 if call is not None:
                     queued.state.sent(None, _named(e, queued.state.name))
+            self._drop_donated(batch)
             return set()
         answered = [(q, c, e) for (q, c), e in zip(
             [(q, c) for q, c in zip(batch, calls) if c is not None], entries)]
         again = yield from self._op_lost([(q, e) for q, _, e in answered])
+        refused = [q for q, c in zip(batch, calls) if c is None]
         for queued, call, entry in answered:
             if queued in again:
                 continue
@@ -289,7 +295,21 @@ class _Batches:
                 queued.state.sent(entry["future_id"])
             else:
                 queued.state.sent(None, _refusal(entry, queued.state.name))
+                refused.append(queued)
+        self._drop_donated(refused)
         return again
+
+    def _drop_donated(self, refused: list[_Queued]) -> None:
+        """The inputs refused calls donated go back to the server as garbage: the call
+        took them when it was queued (``Submit``), as jax's dispatch deletes a donated
+        array whatever becomes of its computation, and no run of it will release them
+        (they stayed there until their TTL). After the batch's answer, so that an input
+        from an accepted call of the same batch has its future by then."""
+        for queued in refused:
+            for n in queued.donate:
+                a = queued.args[n]
+                if isinstance(a, _RemoteBase) and a._future._id is not None:
+                    self._client._releases.put(a._future._id, a.index)
 
     def _carried(self, carried: Any, n_outputs: int) -> tuple[list[np.ndarray], list[int]]:
         """The values and indices of an answer's ``carried`` outputs, checked."""
@@ -442,6 +462,7 @@ class RunAhead(_Batches):
             with self._cv:
                 self._answered(batch, nbytes, outcome, again)
                 self._cv.notify_all()
+            del batch, again  # their inputs: the next wait may be long (``_Batches._sent``)
             if outcome is not None and not isinstance(outcome, Exception):
                 raise outcome
 
@@ -526,6 +547,7 @@ class AsyncRunAhead(_Batches):
             async with cv:
                 self._answered(batch, nbytes, outcome, again)
                 cv.notify_all()
+            del batch, again  # their inputs: the next wait may be long (``_Batches._sent``)
             if outcome is not None and not isinstance(outcome, Exception):
                 raise outcome
 
@@ -542,7 +564,8 @@ def _refused_input(e: JitserveError, name: str | None) -> FutureFailed:
     error). It names the refusal that began the chain, as jax names the first error
     in a chain of asynchronous ones: nesting each link's message in the next made a
     loop that went on after a refusal build messages growing with every call."""
-    root: JitserveError = getattr(e, "_jitserve_root", e)
+    # Kept without its traceback: it would keep the sender's frames, and the batch in them.
+    root: JitserveError = getattr(e, "_jitserve_root", None) or e.with_traceback(None)
     error = FutureFailed(f"an input of this call of {name or 'a program'} comes from a call "
                          f"that was refused: {root}", status_code=422, code="future_failed")
     setattr(error, "_jitserve_root", root)  # noqa: B010 - private, on an error the SDK made
@@ -559,8 +582,10 @@ def _named(e: JitserveError, name: str) -> JitserveError:
                     request=e.request) if isinstance(e, APIError)
             else type(e)(message, request=e.request))
     except TypeError:  # a class with another constructor: the error as it is
-        return e
-    named.__cause__ = e
+        return e.with_traceback(None)
+    # The batch's error without its traceback, which would keep the sender's frames and
+    # the batch in them (every call's input) for as long as a call's outputs live.
+    named.__cause__ = _raised_anew(e)
     return named
 
 

@@ -141,7 +141,8 @@ class AsyncClient(BaseClient):
                     step = drive_step(op, value, exc)
                 except StopIteration as stop:
                     return stop.value
-                value, exc = None, None
+                finally:  # also when it raises: see ``drive_step``
+                    value, exc = None, None
                 try:
                     if isinstance(step, _Call):
                         value = await self._send(step)

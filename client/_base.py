@@ -674,8 +674,19 @@ def platforms_of(doc: Any) -> tuple[str, ...] | None:
 
 def drive_step(op: Op[T], value: Any,
                exc: JitserveError | None) -> _Call | _Sleep | _Acquire | _Settle:
-    """Advance ``op`` with an answer or an exception; ``StopIteration`` carries its result."""
-    return op.throw(exc) if exc is not None else op.send(value)
+    """Advance ``op`` with an answer or an exception; ``StopIteration`` carries its result.
+
+    An exception ``op`` does not catch goes on to the caller with this frame in its
+    traceback: neither this frame nor the driver's may keep it in a variable, or the
+    two would hold each other (a cycle, freed only by the garbage collector), and
+    with them every frame it went through and the arrays in their locals: a program
+    that caught a failed read held its arrays past their last use."""
+    if exc is None:
+        return op.send(value)
+    try:
+        return op.throw(exc)
+    finally:
+        del exc
 
 
 _NO_BYTES = frozenset({str, int, float, bool, type(None)})

@@ -29,7 +29,7 @@ import numpy as np
 from jitserve import wire
 from jitserve.client._models import Aval
 from jitserve.client._release import ReleaseQueue
-from jitserve.client.errors import JitserveError, JitserveTimeout, ProtocolError
+from jitserve.client.errors import JitserveError, JitserveTimeout, ProtocolError, _raised_anew
 
 if TYPE_CHECKING:
     from jitserve.client._async import AsyncClient
@@ -116,7 +116,7 @@ class _FutureState:
             # refused, or failed by the request's timeout), and it settles each call.
             self._sent.wait()
             if self._refusal is not None:
-                raise self._refusal
+                raise _raised_anew(self._refusal)
         assert self._id is not None
         return self._id
 

@@ -153,7 +153,8 @@ class Client(BaseClient):
                     step = drive_step(op, value, exc)
                 except StopIteration as stop:
                     return stop.value
-                value, exc = None, None
+                finally:  # also when it raises: see ``drive_step``
+                    value, exc = None, None
                 try:
                     if isinstance(step, _Call):
                         value = self._send(step)

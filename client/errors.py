@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -78,6 +78,22 @@ class JitserveError(Exception):
         super().__init__(message)
         self.message = message
         self.request = request
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _raised_anew(e: _E) -> _E:
+    """A copy of ``e`` to raise, for an error kept to be raised on every use of what it
+    belongs to (a refused call's, on each use of its outputs): the same class, fields
+    and cause, without calling its constructor. Raising the kept error itself hung on
+    it the frames each raise went through, and the arrays in their locals, for as long
+    as the call's other outputs lived (a program that caught the error and went on
+    held its arrays past their last use)."""
+    fresh = type(e).__new__(type(e), *e.args)
+    fresh.__dict__.update(e.__dict__)
+    fresh.__cause__, fresh.__suppress_context__ = e.__cause__, e.__suppress_context__
+    return fresh
 
 
 class HostCallbackError(JitserveError, ValueError):

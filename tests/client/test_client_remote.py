@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from jitserve.client import (
     RemoteArray,
 )
 from jitserve.client._base import _Execution
+from jitserve.client._remote import _FutureState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,3 +226,65 @@ def test_a_fetch_brings_small_siblings_and_leaves_big_ones(server: FakeServer, c
     np.testing.assert_array_equal(np.asarray(model), big)  # a fetch of its own
     asked = [r.url.params.get("outputs") for r in server.requests if r.url.path.endswith("/result")]
     assert asked == ["0,1", "2"]
+
+
+def test_a_kept_refusal_is_raised_anew_and_keeps_no_frames() -> None:
+    """A refused call's error is raised on every use of its outputs: a copy each time
+    (same class, message, fields), so the kept one holds no traceback, and the
+    frames a raise went through, with the arrays in their locals, go when the caller
+    is done with them (they stayed as long as the call's other outputs lived)."""
+    class Big:
+        pass
+
+    state = _FutureState(None, None, 1, None)  # type: ignore[arg-type]
+    kept = FutureFailed("refused", status_code=422, code="future_failed", details={"root": 1})
+    state.sent(None, kept)
+
+    def use() -> weakref.ref[Big]:
+        big = Big()
+        for _ in range(2):
+            try:  # not pytest.raises: its ExceptionInfo and this frame would be a cycle
+                state.future_id  # noqa: B018 - raises
+            except FutureFailed as e:
+                assert e is not kept and str(e) == str(kept) and e.details == {"root": 1}
+            else:
+                pytest.fail("no error")
+        return weakref.ref(big)
+
+    gc.disable()
+    try:
+        big = use()
+        assert big() is None and kept.__traceback__ is None
+    finally:
+        gc.enable()
+
+
+def test_a_failed_read_leaves_no_cycle_to_the_reader_s_arrays(server: FakeServer,
+                                                                client: Client) -> None:
+    """The error of a failed read goes through the client's driver, which held it in
+    a variable of a frame in its own traceback: a cycle, freed only by the garbage
+    collector, that kept every frame the error went through, and the reader's
+    arrays in their locals, until it ran."""
+    class Big:
+        pass
+
+    a, _ = future(server, client, status="failed",
+                  error={"code": "internal", "message": "device lost"})
+
+    def read() -> weakref.ref[Big]:
+        big = Big()
+        try:  # not pytest.raises: its ExceptionInfo and this frame would be a cycle
+            a.result()
+        except FutureFailed:
+            pass
+        else:
+            pytest.fail("no error")
+        return weakref.ref(big)
+
+    gc.collect()
+    gc.disable()
+    try:
+        big = read()
+        assert big() is None, [type(r).__name__ for r in gc.get_referrers(big())]
+    finally:
+        gc.enable()

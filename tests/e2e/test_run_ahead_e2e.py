@@ -146,6 +146,38 @@ def test_a_refused_call_raises_on_the_first_use_of_its_outputs(server_url: str) 
         np.testing.assert_array_equal(np.asarray(kept), a * 2 + 1)  # the other call stands
 
 
+@pytest.mark.parametrize("where", ["server", "client"])
+def test_what_a_refused_call_donated_is_released_on_the_server(server_url: str,
+                                                               where: str) -> None:
+    """A call running ahead takes its donated inputs when it is queued, as jax's
+    dispatch deletes a donated array whatever becomes of its computation. Refused
+    (by the server, or here for an input of a refused call), it never runs, so no run
+    releases them: the client does (they stayed on the server until their TTL)."""
+    with Client(server_url, run_ahead=16) as c:
+        f = c.jit(lambda v, s: v * 2.0 + s, donate_argnums=(1,))
+        a = np.arange(4, dtype=np.float32)
+        first = f(a, a)
+        np.testing.assert_array_equal(np.asarray(first), a * 3)
+        assert httpx.delete(f"{server_url}/v1/futures/{first.future_id}",
+                            timeout=30).status_code == 200
+        state = c.device_put(a)
+        held = state.future_id
+        if where == "server":
+            out = f(first, state)  # refused there: its first input is gone
+        else:
+            refused = f(first, a)
+            with pytest.raises(NotFound):  # known here before the next call goes
+                refused.block_until_ready()
+            out = f(refused, state)  # refused here: its first input's call was
+        with pytest.raises((NotFound, FutureFailed)):
+            out.block_until_ready()
+        assert state.is_deleted()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server_url}/v1/futures/{held}", timeout=30).status_code != 404:
+            assert time.monotonic() < deadline, "the donated input was never released"
+            time.sleep(0.05)
+
+
 def test_a_long_chain_on_a_refused_call_names_the_refusal_once(server_url: str) -> None:
     """A loop that goes on after a refusal, as a training loop that reads nothing for
     a while does: every later call raises the refusal that began the chain, in a
