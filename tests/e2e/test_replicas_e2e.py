@@ -10,7 +10,6 @@ SIGKILLed, then Redis stopped.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ import pytest
 from corpus import CASES, Case, assert_outputs_match, expected
 from e2e.conftest import metric_total
 from e2e.test_calls_fuzz_e2e import Walk, upload_programs
+from e2e.test_sdk_fuzz_e2e import sdk_walk, wait_back_to
 from redis_server import RedisServer, free_port
 
 from jitserve import wire
@@ -487,45 +487,18 @@ def _live_futures(replicas: list[Replica]) -> float:
 
 def test_the_sdk_walking_at_random_through_the_balancer_frees_what_it_drops(
         cluster: dict[str, Any]) -> None:
-    """The SDK used as a program uses jax, through the balancer: arrays put, jitted calls
-    on them running ahead (their inputs on any replica), state donated, values read,
-    references dropped at random. Every value read equals numpy's; once the program
-    drops what it holds, every replica holds again what it held before, wherever
-    the futures were (a donated input another replica held stayed there)."""
+    """The SDK used as a program uses jax, through the balancer (``sdk_walk``): arrays
+    put, jitted calls on them running ahead (their inputs on any replica), state
+    donated, values read, references dropped at random. Every value read equals
+    numpy's; once the program drops what it holds, every replica holds again what it
+    held before, wherever the futures were (a donated input another replica held
+    stayed there)."""
     replicas = cluster["replicas"]
     before = _live_futures(replicas)
-    rng = np.random.default_rng(5)
     with Client(cluster["url"], api_key=KEYS[1], run_ahead=8, timeout=120,
                 progress=False) as c:
-        add = c.jit(lambda x, y: x + y)
-        step = c.jit(lambda s, x: (s * 0.5 + x, (s * x).sum()), donate_argnums=(0,))
-        held: list[tuple[Any, np.ndarray]] = []  # each array with its value
-        for _ in range(300):
-            op = rng.choice(["put", "add", "step", "read", "drop"], p=[.2, .3, .2, .15, .15])
-            if op == "put" or len(held) < 2:
-                value = rng.standard_normal(8).astype(np.float32)
-                held.append((c.device_put(value), value))
-            elif op == "add":
-                (a, va), (b, vb) = (held[i] for i in rng.choice(len(held), 2))
-                held.append((add(a, b), va + vb))
-            elif op == "step":  # a training step: the state is donated, as jax deletes it
-                s, vs = held.pop(int(rng.integers(len(held))))
-                x, vx = held[int(rng.integers(len(held)))]
-                new, total = step(s, x)
-                held += [(new, vs * 0.5 + vx), (total, np.float32((vs * vx).sum()))]
-            elif op == "read":
-                a, va = held[int(rng.integers(len(held)))]
-                np.testing.assert_allclose(np.asarray(a), va, rtol=1e-4, atol=1e-4)
-            else:
-                held.pop(int(rng.integers(len(held))))
-        for a, va in held:
-            np.testing.assert_allclose(np.asarray(a), va, rtol=1e-4, atol=1e-4)
-        del held, a, b, s, x, new, total
-        gc.collect()
-    deadline = time.monotonic() + 60
-    while (now := _live_futures(replicas)) > before:
-        assert time.monotonic() < deadline, f"{now - before:g} futures left of the walk"
-        time.sleep(0.2)
+        sdk_walk(c, 5, 300)
+        wait_back_to(lambda: _live_futures(replicas), before)
 
 
 def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any]) -> None:
