@@ -4,8 +4,10 @@ A remote array's finalizer may run in any thread, in the middle of any code (a
 garbage collection), so it only puts ``(future_id, output)`` on a queue; it never
 does IO, takes a lock, or raises. One daemon thread per client takes them off in
 batches and sends ``POST /v1/futures/release``, so this works the same under
-``Client`` and ``AsyncClient``. A failed release is logged and forgotten: the
-server frees the output at its time to live anyway.
+``Client`` and ``AsyncClient``. A batch whose request fails for a reason that may
+pass (no answer, a 5xx, a 429) goes again twice, 0.2 s and 1 s later; a batch that
+still fails is logged as a warning and forgotten: the server frees its outputs at
+their time to live.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import httpx
+
 __all__ = ["ReleaseQueue", "Ref"]
 
 logger = logging.getLogger("jitserve.client")
@@ -23,6 +27,17 @@ logger = logging.getLogger("jitserve.client")
 #: One output of a future: ``(future_id, output index)``.
 Ref = tuple[str, int]
 _STOP = ("", -1, 0)
+# A batch whose request met a failure that passes (no answer, or the server busy or
+# restarting) is sent again after these waits; then it is left to the outputs' TTL.
+_AGAIN_AFTER_S = (0.2, 1.0)
+
+
+def _passing(e: Exception) -> bool:
+    """Whether a release request's failure may pass: sending it again can help."""
+    if isinstance(e, httpx.TransportError):
+        return True
+    return isinstance(e, httpx.HTTPStatusError) and (
+        e.response.status_code >= 500 or e.response.status_code == 429)
 
 
 class ReleaseQueue:
@@ -89,10 +104,16 @@ class ReleaseQueue:
         that hold ``max_bytes`` go at once)."""
         if not refs:
             return
-        try:
-            rider = self.rider
-            if not urgent and rider is not None and rider(refs):
+        for wait in (*_AGAIN_AFTER_S, None):
+            try:
+                rider = self.rider
+                if not urgent and rider is not None and rider(refs):
+                    return
+                self._send(refs)
                 return
-            self._send(refs)
-        except Exception as e:  # noqa: BLE001 - the server's TTL frees them; never kill the thread
-            logger.debug("releasing %d outputs failed: %s", len(refs), e)
+            except Exception as e:  # noqa: BLE001 - never kill the thread
+                if wait is None or not _passing(e):
+                    logger.warning("releasing %d outputs failed (%s): the server frees them "
+                                   "at their time to live", len(refs), e)
+                    return
+            time.sleep(wait)

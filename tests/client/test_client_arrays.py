@@ -256,3 +256,36 @@ def test_a_failed_compile_is_both_future_failed_and_program_error(cause: dict[st
     assert type(err) is cls and err.code == code and isinstance(err, FutureFailed)
     assert isinstance(err, ProgramError) is (cls is CompileError)
     assert err.error["cause"] == cause
+
+
+def test_a_release_batch_goes_again_after_a_failure_that_passes() -> None:
+    """No answer, or a server busy or restarting: the batch goes again (it was logged
+    and forgotten, leaving its outputs on the server until their TTL). A refusal
+    (a 4xx but 429) is not sent again."""
+    request = httpx.Request("POST", "http://server/v1/futures/release")
+
+    def status(code: int) -> httpx.HTTPStatusError:
+        return httpx.HTTPStatusError(str(code), request=request,
+                                     response=httpx.Response(code, request=request))
+
+    failures = {"f": [httpx.ConnectError("refused", request=request), status(503)],
+                "bad": [status(400)] * 3}
+    attempts: list[list[tuple[str, int]]] = []
+    sent: list[list[tuple[str, int]]] = []
+
+    def send(refs: list[tuple[str, int]]) -> None:
+        attempts.append(refs)
+        left = failures[refs[0][0]]
+        if left:
+            raise left.pop(0)
+        sent.append(refs)
+
+    queue = ReleaseQueue(send, interval=0.01)
+    queue.put("f", 0)
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == [[("f", 0)]] and attempts == [[("f", 0)]] * 3  # the third went through
+    queue.put("bad", 0)
+    queue.close()
+    assert attempts[3:] == [[("bad", 0)]]  # refused: once
