@@ -462,7 +462,7 @@ class RunAhead(_Batches):
             with self._cv:
                 self._answered(batch, nbytes, outcome, again)
                 self._cv.notify_all()
-            del batch, again  # their inputs: the next wait may be long (``_Batches._sent``)
+            del batch, again  # they hold the calls' inputs; the next wait may be long
             if outcome is not None and not isinstance(outcome, Exception):
                 raise outcome
 
@@ -547,7 +547,7 @@ class AsyncRunAhead(_Batches):
             async with cv:
                 self._answered(batch, nbytes, outcome, again)
                 cv.notify_all()
-            del batch, again  # their inputs: the next wait may be long (``_Batches._sent``)
+            del batch, again  # they hold the calls' inputs; the next wait may be long
             if outcome is not None and not isinstance(outcome, Exception):
                 raise outcome
 

@@ -174,9 +174,8 @@ class Relay:
         given: dict[str, list[tuple[str, int]]] = {}
         for i in {i for i in donate if type(i) is int and 0 <= i < len(args)}:
             arg = args[i]
-            if wire.is_future_ref(arg) and self._membership.elsewhere(str(arg["future"])):
-                rid = replica_of(str(arg["future"]))
-                assert rid is not None
+            rid = self._membership.elsewhere(str(arg["future"])) if wire.is_future_ref(arg) else None
+            if rid is not None:
                 given.setdefault(rid, []).append((str(arg["future"]), int(arg["output"])))
         return given
 
