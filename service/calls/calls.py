@@ -64,6 +64,8 @@ from .executables import (
     RemoteExecutable,
     Resolved,
     call_key,
+    canonical,
+    host_aval,
 )
 from .executor import Arg, Executor, FutureRef
 from .futures import Future, FutureStore
@@ -204,13 +206,17 @@ class Calls:
                 raise
             self._index.put(key, lookup.executable)
             # Also by the avals an execute of host arrays names (a compile may give none).
-            plain = [Aval(a.shape, a.dtype) for a in lookup.executable.in_avals]
+            plain = [canonical(Aval(a.shape, a.dtype)) for a in lookup.executable.in_avals]
             self._index.put(call_key(program.program_id, plain, options), lookup.executable)
             # One line per lookup the index could not answer, and the console keeps it.
             record = _record_of(program, lookup, owner)
             record.log()
             if self._console is not None:
                 self._console.compiled(record)
+        return self._claim(lookup, owner, program)
+
+    def _claim(self, lookup: Resolved, owner: str | None, program: Program) -> Resolved:
+        """``lookup``, its executable now ``owner``'s, counted."""
         self._tenants.claim_executable(owner, lookup.executable_id, program.program_id)
         self._metrics.lookup(lookup.tier, lookup.compile_seconds)
         return lookup
@@ -273,9 +279,7 @@ class Calls:
                 self._transferred(_host_bytes(args))
                 batched.tier = "batched"
                 return Call(batched, "batched")
-        resolved = [self._resolve(arg, i, owner) for i, arg in enumerate(args)]
-        avals = [aval for _, aval in resolved]
-        inputs = [a for a, _ in resolved]
+        inputs, avals, deps = self._resolve(args, owner)
         runtime = self._place(owner, program, inputs)
         self._executor.hold(inputs)
         try:
@@ -287,10 +291,14 @@ class Calls:
                     a.is_static for a in program.out_avals):
                 fut = self._compiling(program, avals, options, owner, runtime, inputs,
                                       timeout_s)
-                self._give_up(args, options.donate, owner)
+                self._give_up(args, options.donate, deps)
                 fut.tier = "pending"
                 return Call(fut, "pending")
-            lookup = await self.compile(program, avals, options, owner, runtime, key)
+            if known is not None:  # no round trip, nothing to await
+                lookup = self._claim(Resolved(known, known.executable_id, TierName.MEMORY, 0.0),
+                                     owner, program)
+            else:
+                lookup = await self.compile(program, avals, options, owner, runtime, key)
             exe = lookup.executable
             exe.check_inputs(avals)
             self._executor.admit(exe)  # its intermediates count too (executor.py)
@@ -303,17 +311,24 @@ class Calls:
             self._executor.drop(inputs)
             raise
         self._transferred(nbytes)
-        self._give_up(args, options.donate, owner)
+        self._give_up(args, options.donate, deps)
         fut.tier = str(lookup.tier)
         self._executor.submit(fut, runtime, program, exe, options, inputs, timeout_s)
         return Call(fut, lookup.tier)
 
-    def _give_up(self, args: Sequence[Any], donate: Sequence[int], owner: str | None) -> None:
-        """Release the outputs the call donates (its own hold keeps them until it runs)."""
-        refs = [(args[i]["future"], args[i]["output"]) for i in donate
-                if wire.is_future_ref(args[i])]
-        if refs:
-            self._futures.release(refs, owner)
+    def _give_up(self, args: Sequence[Any], donate: Sequence[int],
+                 deps: Mapping[str, Future]) -> None:
+        """Release the outputs the call donates (its own hold keeps them until it runs);
+        ``deps``: the futures its arguments name, by id (``_resolve``)."""
+        if not donate:
+            return
+        released: dict[str, list[int]] = {}
+        for i in donate:
+            arg = args[i]
+            if not isinstance(arg, np.ndarray):
+                released.setdefault(arg["future"], []).append(arg["output"])
+        for future_id, indices in released.items():
+            self._futures.let_go(deps[future_id], indices)
 
     def _compiling(self, program: Program, avals: list[Aval], options: CallOptions,
                    owner: str | None, runtime: Runtime, inputs: list[Arg],
@@ -366,7 +381,7 @@ class Calls:
                                  f"got {_describe(a)}")
             host.append(a)
         fut = self._futures.create(owner=owner, executable_id="",
-                                   out_avals=[Aval.of(a) for a in host], out_tree=None)
+                                   out_avals=[host_aval(a) for a in host], out_tree=None)
         fut.tier = "put"
         self._transferred(_host_bytes(host))
         try:
@@ -429,33 +444,33 @@ class Calls:
                     break
         return self._runtimes.place(owner, program.program_id, program.nr_devices)
 
-    def _resolve(self, arg: Any, i: int, owner: str | None) -> tuple[Arg, Aval]:
-        """One argument as something the executor takes, with its aval."""
-        if isinstance(arg, np.ndarray):
-            return arg, Aval.of(arg)
-        if wire.is_future_ref(arg):
-            return self._resolve_ref(arg, i, owner)
-        raise BadRequest(f"args[{i}] must be an array {{dtype, shape, data}} or a future "
-                         f"reference {{future, output}}, got {_describe(arg)}")
-
-    def _resolve_ref(self, ref: dict[str, Any], i: int, owner: str | None) -> tuple[Arg, Aval]:
-        dep = self._futures.get(ref["future"], owner)
-        k = ref["output"]
-        if not 0 <= k < len(dep.out_avals):
-            raise BadRequest(f"args[{i}] asks for output {k} of future {dep.future_id}, "
-                             f"which has {len(dep.out_avals)} outputs")
-        aval = dep.out_avals[k]
-        if k in dep.released:
-            raise BadRequest(f"args[{i}] refers to output {k} of future {dep.future_id}, "
-                             "which was released")
-        if dep.status is FutureStatus.DONE and dep.outputs is not None:
-            return dep.outputs[k], aval  # a buffer on its runtime: no transfer if we go there
-        if dep.status is FutureStatus.FAILED:
-            msg, root = dep.failed_input(f"args[{i}] refers to future {dep.future_id}")
-            raise FutureFailed(msg, root=root)
-        if dep.status is FutureStatus.CANCELLED:
-            raise FutureCancelled(f"args[{i}] refers to future {dep.future_id}, which was cancelled")
-        return FutureRef(dep, k), aval
+    def _resolve(self, args: Sequence[Any], owner: str | None
+                 ) -> tuple[list[Arg], list[Aval], dict[str, Future]]:
+        """The arguments as what the executor takes, their avals, and the futures they
+        name by id (each looked up once: a model's leaves are one future's outputs)."""
+        inputs: list[Arg] = []
+        avals: list[Aval] = []
+        deps: dict[str, Future] = {}
+        for i, arg in enumerate(args):
+            if isinstance(arg, np.ndarray):
+                inputs.append(arg)
+                avals.append(host_aval(arg))
+                continue
+            if not wire.is_future_ref(arg):
+                raise BadRequest(f"args[{i}] must be an array {{dtype, shape, data}} or a "
+                                 f"future reference {{future, output}}, got {_describe(arg)}")
+            future_id, k = arg["future"], arg["output"]
+            dep = deps.get(future_id)
+            if dep is None:
+                dep = deps[future_id] = self._futures.get(future_id, owner)
+            outputs = dep.outputs
+            if (dep.status is FutureStatus.DONE and outputs is not None and 0 <= k < len(outputs)
+                    and k not in dep.released):
+                inputs.append(outputs[k])  # a buffer on its runtime: no transfer if we go there
+            else:
+                inputs.append(_output_of(dep, k, i))
+            avals.append(dep.out_avals[k])
+        return inputs, avals, deps
 
     def known(self) -> list[RemoteExecutable]:
         """The executables this process has looked up (the catalog's local listing)."""
@@ -508,6 +523,26 @@ def _lookup_of(reply: dict[str, Any]) -> Resolved:
 def _host_bytes(args: Sequence[Any]) -> int:
     """The bytes of the host arrays among ``args`` (the rest live on runtimes)."""
     return sum(a.nbytes for a in args if isinstance(a, np.ndarray))
+
+
+def _output_of(dep: Future, k: int, i: int) -> Arg:
+    """Argument ``i``, output ``k`` of ``dep``: its buffer once done, else a reference
+    to it; refused if it cannot be read."""
+    if not 0 <= k < len(dep.out_avals):
+        raise BadRequest(f"args[{i}] asks for output {k} of future {dep.future_id}, "
+                         f"which has {len(dep.out_avals)} outputs")
+    if k in dep.released:
+        raise BadRequest(f"args[{i}] refers to output {k} of future {dep.future_id}, "
+                         "which was released")
+    status = dep.status
+    if status is FutureStatus.DONE and dep.outputs is not None:
+        return dep.outputs[k]
+    if status is FutureStatus.FAILED:
+        msg, root = dep.failed_input(f"args[{i}] refers to future {dep.future_id}")
+        raise FutureFailed(msg, root=root)
+    if status is FutureStatus.CANCELLED:
+        raise FutureCancelled(f"args[{i}] refers to future {dep.future_id}, which was cancelled")
+    return FutureRef(dep, k)
 
 
 def _describe(value: Any) -> str:

@@ -330,21 +330,29 @@ class Executor:
         process between the two (``runtimes.protocol``: runs sent ahead)."""
         args, runtime = job.args, job.runtime
         assert args is not None
-        taken: list[FutureRef] = []
+        if not job.waiting:
+            return
+        generation = _up(runtime)
+        taken: list[Buffer] = []
+        refs: dict[int, tuple[Future, list[int]]] = {}
         for i, arg in enumerate(args):
-            if isinstance(arg, FutureRef):
+            if type(arg) is FutureRef:
                 outputs = arg.future.outputs
                 buf = outputs[arg.index] if outputs is not None else None
-                if buf is not None and buf.runtime is runtime and buf.alive:
-                    self._runtimes.retain([buf])
-                    job.held.append(buf)
+                if buf is not None and buf.runtime is runtime and buf.generation == generation:
+                    taken.append(buf)
                     args[i] = buf
                     job.sources[i] = arg
-                    taken.append(arg)
+                    refs.setdefault(id(arg.future), (arg.future, []))[1].append(arg.index)
         if taken:
-            gone = {id(t) for t in taken}
-            job.waiting = [a for a in job.waiting if id(a) not in gone]
-            for fut, indices in _by_future(taken).values():
+            self._runtimes.retain(taken)
+            job.held.extend(taken)
+            if len(taken) == len(job.waiting):
+                job.waiting = []
+            else:
+                gone = {id(ref) for ref in job.sources.values()}
+                job.waiting = [a for a in job.waiting if id(a) not in gone]
+            for fut, indices in refs.values():
                 self._futures.unpin(fut, indices)
 
     def _unsend(self, job: ExecutionJob) -> bool:
@@ -462,12 +470,13 @@ class Executor:
         descs: list[dict[str, Any] | None] = []
         host: list[np.ndarray] = []
         job.giving = []
+        generation = _up(runtime)
         for i, arg in enumerate(job.args):
-            if isinstance(arg, np.ndarray):
+            if type(arg) is Buffer and arg.runtime is runtime and arg.generation == generation:
+                descs.append(_by_handle(job, i, arg))
+            elif isinstance(arg, np.ndarray):
                 host.append(arg)
                 descs.append(None)
-            elif isinstance(arg, Buffer) and arg.runtime is runtime and arg.alive:
-                descs.append(_by_handle(job, i, arg))
             else:
                 return False
         if sum(a.nbytes for a in host) >= frames.INLINE_MAX_BYTES:
@@ -637,8 +646,9 @@ class Executor:
         else:
             outputs = [Buffer(runtime, reply["generation"], h, a.nbytes)
                        for h, a in zip(reply["handles"], fut.out_avals)]
-        dead = next((b for b in outputs if b is not None and not b.alive), None)
-        if dead is not None:  # the runtime died (or is being stopped) right after answering
+        # All on one runtime, of one generation: one tells whether they all live.
+        dead = next((b for b in outputs if b is not None), None)
+        if dead is not None and not dead.alive:  # its runtime died (or is stopping) since
             lost = dead.lost()
             self._futures.fail(fut, lost.code, str(lost))
             return
@@ -819,6 +829,11 @@ def _resendable(message: RunRequest, e: NotStarted, resends: int) -> bool:
 def _rooted(root: Mapping[str, str] | None) -> dict[str, Any]:
     """A failed future's ``root`` field (``Future.failed_input``), where it has one."""
     return {} if root is None else {"root": dict(root)}
+
+
+def _up(runtime: Runtime) -> int | None:
+    """The generation a buffer on ``runtime`` is ``alive`` in (``None``: none is)."""
+    return runtime.generation if runtime.state == "up" else None
 
 
 def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:

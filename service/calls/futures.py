@@ -531,15 +531,22 @@ class FutureStore:
                     or not 0 <= index < len(fut.out_avals)):
                 unknown += 1
                 continue
-            fut.released.add(index)
             released += 1
             touched.setdefault(future_id, (fut, []))[1].append(index)
         for fut, indices in touched.values():  # each future settled once, for its outputs
-            if len(fut.released) == len(fut.out_avals):
-                self._remove(fut, "released")
-            else:
-                self._settle(fut, indices)
+            self.let_go(fut, indices)
         return released, unknown
+
+    def let_go(self, fut: Future, indices: Sequence[int]) -> None:
+        """``release`` of outputs ``indices`` of ``fut``, which its caller has looked up
+        (``get``); nothing if it has left the store since."""
+        if fut.removed is not None:
+            return
+        fut.released.update(indices)
+        if len(fut.released) == len(fut.out_avals):
+            self._remove(fut, "released")
+        else:
+            self._settle(fut, indices)
 
     def pin(self, fut: Future, indices: Iterable[int]) -> None:
         """An accepted call will read outputs ``indices`` of ``fut`` once it is done."""
@@ -579,14 +586,15 @@ class FutureStore:
         outputs = fut.outputs
         gone = fut.removed is not None or fut.status in (FutureStatus.FAILED,
                                                           FutureStatus.CANCELLED)
-        if outputs is not None:
-            freed, nbytes = [], 0
+        released = fut.released
+        if outputs is not None and (gone or released):  # else nothing to free
+            pins, host, freed, nbytes = fut.pins, fut.host, [], 0
             for index in range(len(outputs)) if indices is None else indices:
                 buf = outputs[index]
-                if buf is not None and (gone or index in fut.released) and not fut.pins[index]:
+                if buf is not None and (gone or index in released) and not pins.get(index):
                     outputs[index] = None
-                    if fut.host is not None:
-                        fut.host[index] = None
+                    if host is not None:
+                        host[index] = None
                     nbytes += (fut.out_bytes[index] if fut.out_bytes
                                else fut.out_avals[index].nbytes)
                     freed.append(buf)
@@ -594,8 +602,9 @@ class FutureStore:
                 self._unreserve(fut, nbytes)
                 if self.on_release is not None:
                     self.on_release(freed)
-            if all(b is None for b in outputs):
-                fut.outputs = fut.host = None
+        if outputs is not None and (not outputs or outputs[0] is None
+                                    and all(b is None for b in outputs)):
+            fut.outputs = fut.host = None
         if gone and fut.outputs is None and fut.status is not FutureStatus.RUNNING:
             self._unreserve(fut, fut.reserved_bytes)
 
