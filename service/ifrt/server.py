@@ -96,7 +96,8 @@ class _Session:
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
     device_bytes: int = 0  # its arrays' on the runtime, as of its last batch
     arrays: int = 0  # how many arrays it holds there, as of its last batch
-    ended: str | None = None
+    ended: str | None = None  # why it ended (a label), once it has
+    ended_because: str = ""  # and in words
 
     def event(self, handle: int) -> asyncio.Event:
         event = self.arrived.get(handle)
@@ -156,6 +157,10 @@ class IfrtService:
         if tenants is not None:
             tenants.compiles.elsewhere = self.compiles_in_minute
         self.sessions: dict[int, _Session] = {}
+        # Sessions that ended while their client still uses them: their streams answer
+        # every request with why (``_refusals``), and their host buffer calls are served
+        # as an ended session's are, until the stream ends.
+        self.ended: dict[int, _Session] = {}
         # With API keys, a key's quotas, counted by the runtime that holds its sessions
         # (placement is by key): device bytes and arrays over its IFRT arrays, and compiles.
         quotas = Quotas.from_settings(settings, settings.compile_workers)
@@ -241,28 +246,39 @@ class IfrtService:
                     responses = await self._relay(session, batch)
                 except _SessionEnded as e:
                     await self._close(session, e.label, str(e))
-                    # Each request waiting for an answer gets the reason as its error:
-                    # jaxlib's client cancels the call itself when the stream ends, and
-                    # sees only CANCELLED, whatever status the stream ends with.
-                    for response in self._refusals(batch, queue, e):
+                    self.ended[session.id] = session  # its host buffer calls still answered
+                    # Each request waiting for an answer, and each one sent after, gets
+                    # the reason as its error until the client ends the stream: jaxlib's
+                    # client cancels a call itself when the stream ends and then says
+                    # only "Connection to IFRT proxy server was terminated", so a
+                    # program whose first failing call came after the end would never
+                    # read why.
+                    async for response in self._refusals(batch, queue, e):
                         yield response
                     await context.abort(e.code, str(e))
                 for response in _awaited_first(responses):
                     yield response
         finally:
             await self._close(session, "closed", "")
+            self.ended.pop(session.id, None)
             reader.cancel()
 
-    @staticmethod
-    def _refusals(batch: list[tuple[bytes, Any]], queue: asyncio.Queue[Any],
-                  e: _SessionEnded) -> list[bytes]:
-        waiting = list(batch)
-        while not queue.empty():
-            item = queue.get_nowait()
-            if item is not None:
-                waiting.append(item)
-        return [_error_response(request.request_metadata.op_id, e.code.value[0], str(e))
-                for _, request in waiting if request is not None]
+    async def _refusals(self, batch: list[tuple[bytes, Any]], queue: asyncio.Queue[Any],
+                        e: _SessionEnded) -> AsyncIterator[bytes]:
+        """The answers of an ended session: ``batch``'s, then those of each request the
+        client sends, until it ends the stream or sends nothing for the idle time."""
+        for _, request in batch:
+            if request is not None:
+                yield _refusal(request, e)
+        while e.label != "idle":  # an idle client is not waited for again
+            try:
+                item = await asyncio.wait_for(queue.get(), self.settings.ifrt_session_idle_s)
+            except TimeoutError:
+                return
+            if item is None:
+                return
+            if item[1] is not None:
+                yield _refusal(item[1], e)
 
     async def _open(self, context: grpc.aio.ServicerContext) -> _Session:
         metadata = dict(context.invocation_metadata() or ())
@@ -510,7 +526,7 @@ class IfrtService:
     async def _close(self, session: _Session, reason: str, detail: str) -> None:
         if self.sessions.pop(session.id, None) is None:
             return
-        session.ended = reason
+        session.ended, session.ended_because = reason, detail
         self._holds(session, 0, 0)
         self.metrics.ifrt_sessions.dec()
         self.metrics.ifrt_sessions_closed.labels(reason).inc()
@@ -597,6 +613,8 @@ class IfrtService:
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         request = await self._parse("GrpcHostBufferLookupRequest", data, context)
         session = await self._session_of(request.session_id, context)
+        if session.ended is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, session.ended_because)
         handle = int(request.handle)
         if handle not in session.host_out:
             with contextlib.suppress(TimeoutError):
@@ -652,7 +670,8 @@ class IfrtService:
         return bytes(message(_P + "GrpcHostBufferDeleteResponse")().SerializeToString())
 
     async def _session_of(self, session_id: int, context: grpc.aio.ServicerContext) -> _Session:
-        session = self.sessions.get(session_id)
+        """An open session, or an ended one whose stream still answers (``ended``)."""
+        session = self.sessions.get(session_id) or self.ended.get(session_id)
         if session is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no IFRT session {session_id:x} is open")
         assert session is not None
@@ -714,6 +733,35 @@ def _host_buffers_named(request: Any, kind: str) -> list[int]:
     if kind == "make_arrays_from_host_buffer_shards_request":
         return [int(b.host_buffer_handle) for spec in body.specs for b in spec.host_buffers]
     return []
+
+
+# jaxlib's client (0.10.2 to 0.11.2) aborts the user's process when a
+# ``get_default_layout`` is answered with an error: it reads the answer's value
+# without looking at its status. A program that makes an array (``device_put``) and
+# uses it asks for its layout; if its session ends in between (its runtime lost),
+# that layout is refused with the rest, and the program died of SIGABRT instead of
+# raising. So an ended session answers it anyway: with the descending layout, the
+# CPU and GPU clients' default for every dtype and rank (``{1,0}`` for a matrix,
+# ``{}`` for a scalar). Nothing runs with it: every request after it fails with the
+# reason the session ended, which the program then raises.
+_LAYOUT = "get_default_layout_request"
+
+
+def _refusal(request: Any, e: _SessionEnded) -> bytes:
+    """The answer of an ended session to ``request``: the reason it ended (a layout
+    excepted: ``_LAYOUT``)."""
+    if request.WhichOneof("request") == _LAYOUT:
+        return _layout_response(request)
+    return _error_response(request.request_metadata.op_id, e.code.value[0], str(e))
+
+
+def _layout_response(request: Any) -> bytes:
+    response = message(_P + "IfrtResponse")()
+    response.response_metadata.op_id = request.request_metadata.op_id
+    rank = len(request.get_default_layout_request.dims)
+    response.get_default_layout_response.serialized_pjrt_layout = (
+        "{" + ",".join(str(d) for d in reversed(range(rank))) + "}").encode()
+    return bytes(response.SerializeToString())
 
 
 def _error_response(op_id: int, code: int, text: str) -> bytes:

@@ -1,0 +1,168 @@
+"""An unmodified JAX program at random through the IFRT proxy, with runtimes killed under it.
+
+``ifrt_walk_program.py`` runs as a user's program (``JAX_PLATFORMS=jitserve``): it
+puts arrays, runs jitted and eager computations, donates, reads and drops arrays,
+one step at a time as this driver says, while the driver SIGKILLs the server's
+runtimes between some steps. A session lives on one runtime: when that one is
+lost, the session ends (docs/ifrt.md), and what the program does next must fail
+saying so. The rules, for every step and every seed:
+
+- a value the program reads is the right one (numpy's), before a kill and after;
+- nothing raises before the first kill; after it, the first error names the lost
+  runtime, and later ones name it too or say that the client ended the session;
+- no step waits forever: each answers within a bound;
+- the program exits 0 at the end, and jaxlib's client aborts nothing;
+- the server then holds nothing of it: no session, no device bytes, and it is
+  healthy and ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e.conftest import metric_total, wait_ready
+from e2e.test_ifrt_programs import KEYS, program_env, serve_ifrt
+
+pytestmark = pytest.mark.timeout(600)
+
+PROGRAM = Path(__file__).with_name("ifrt_walk_program.py")
+STEPS = 40
+STEP_S = 120  # the longest a step may take: a kill's restart, a first compile
+# What the first error after a kill must say: the runtime that was lost (and so the
+# session). Later ones may be jaxlib's own, once its client has ended the session.
+LOST = re.compile(r"jitserve's runtime \d+ was lost")
+ENDED = re.compile(r"Connection to IFRT proxy server was terminated")
+
+
+@pytest.fixture(scope="module")
+def ifrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    yield from serve_ifrt(tmp_path_factory)
+
+
+class _Program:
+    """The walk program, driven a line at a time (each answer waited for up to ``STEP_S``)."""
+
+    def __init__(self, ifrt: dict[str, str], seed: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROGRAM), str(seed)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=program_env(ifrt, KEYS[0]))
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def say(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        try:
+            line = self.lines.get(timeout=STEP_S)
+        except queue.Empty:
+            pytest.fail(f"no answer to {command!r} within {STEP_S} s")
+        assert line, f"the program ended before answering {command!r}: {self.stderr()}"
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()[-3000:]
+
+    def finish(self) -> tuple[int, str]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=STEP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the program did not exit once its input ended")
+        return self.proc.returncode, self.stderr()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+
+
+def _held(url: str) -> tuple[float, float]:
+    return (metric_total(url, "jitserve_ifrt_sessions"),
+            metric_total(url, "jitserve_device_bytes_in_use"))
+
+
+def _back_to(url: str, before: tuple[float, float], within_s: float = 60) -> tuple[float, float]:
+    deadline = time.monotonic() + within_s
+    while (now := _held(url)) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
+
+
+def _judge(message: str, errors: list[str], context: object) -> None:
+    """An error after a kill: the first names the lost runtime; later ones may instead
+    be jaxlib's client saying it ended the session."""
+    assert LOST.search(message) or (errors and ENDED.search(message)), context
+    errors.append(message)
+
+
+@pytest.mark.parametrize("seed, kills, every", [
+    (0, (), False), (1, (12,), True), (2, (5, 25), False), (3, (20, 30), True)],
+    ids=["no-kill", "all-runtimes", "one-runtime-twice", "late"])
+def test_a_program_at_random_reads_right_values_and_fails_only_naming_its_lost_runtime(
+        ifrt: dict[str, str], seed: int, kills: tuple[int, ...], every: bool) -> None:
+    """``kills``: the steps before which a runtime is killed (``every``: all of them,
+    so the session's is among them; else one at random, maybe another's)."""
+    url = ifrt["url"]
+    wait_ready(url)
+    before = _held(url)
+    rng = random.Random(seed)
+    program = _Program(ifrt, seed)
+    killed = False
+    errors: list[str] = []
+    try:
+        for i in range(STEPS):
+            if i in kills:
+                runtimes = wait_ready(url)
+                for runtime in runtimes if every else [rng.choice(runtimes)]:
+                    os.kill(runtime["pid"], signal.SIGKILL)
+                killed = True
+            step = program.say("go")
+            assert step.get("read", True) is True, (i, step)  # a value read is right
+            if "error" in step:
+                assert killed, (i, step)  # nothing fails before a runtime is lost
+                _judge(step["error"], errors, (i, step))
+        end = program.say("end")
+        rc, err = program.finish()
+    finally:
+        program.kill()
+    assert end["wrong"] == [], end
+    for message in end["errors"]:
+        assert killed, end
+        _judge(message, errors, end)
+    assert rc == 0, err
+    assert "Check failed" not in err and "Fatal Python error" not in err, err
+    if every:  # the session's runtime was among them: it ended, and the program heard it
+        assert errors or end["errors"], end
+    assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    wait_ready(url)
+    assert _back_to(url, before) == before
