@@ -2,10 +2,11 @@
 ``JAX_PLATFORMS=jitserve`` and a seed, it puts arrays, runs jitted and eager
 computations on them, donates, reads and drops them, and checks every value it
 reads against numpy's. It waits for a line on stdin before each step (``go``), so
-that its driver can kill runtimes between steps, and prints one JSON line per
-step: what it did, whether a value it read was right, and, if it raised, the
-exception's message (the driver judges it). ``end`` makes it read every array
-still alive and say how many were wrong and how many raised.
+that its driver can kill runtimes between steps (or, ``spin``, run a program that
+never ends, past the server's deadline), and prints one JSON line per step: what
+it did, whether a value it read was right, and, if it raised, the exception's
+message (the driver judges it). ``end`` makes it read every array still alive and
+say how many were wrong and how many raised.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main(seed: int) -> None:
     add = jax.jit(lambda a, b: a + b)
     bump = jax.jit(lambda a: a + 1.0, donate_argnums=0)
     reduce = jax.jit(lambda a: (a.sum(axis=0), a.max()))
+    # Never ends: the server's execution deadline stops it (and its session).
+    spin = jax.jit(lambda x: jax.lax.while_loop(lambda c: c.sum() >= 0, lambda c: c + 1.0, x))
 
     def new(array: jax.Array, value: np.ndarray) -> None:
         live[next(counter)] = (array, value)
@@ -43,12 +46,15 @@ def main(seed: int) -> None:
         command = line.strip()
         if command == "end":
             break
-        op = rng.choice(["put", "put", "put_big", "scale", "add", "bump", "reduce", "eager",
-                         "read", "read", "drop"])
+        op = "spin" if command == "spin" else rng.choice([
+            "put", "put", "put_big", "scale", "add", "bump", "reduce", "eager", "read", "read",
+            "drop"])
         used: list[int] = []
         step: dict[str, object] = {"op": op}
         try:
-            if op == "put" or (op != "put_big" and not live):
+            if op == "spin":
+                spin(jnp.ones(3)).block_until_ready()
+            elif op == "put" or (op != "put_big" and not live):
                 value = data.standard_normal((rng.randint(1, 64), 8)).astype(np.float32)
                 new(jax.device_put(value), value)
             elif op == "put_big":  # over a MiB: through the host buffer store in chunks

@@ -1,15 +1,17 @@
-"""An unmodified JAX program at random through the IFRT proxy, with runtimes killed under it.
+"""An unmodified JAX program at random through the IFRT proxy, with its runtime lost under it.
 
 ``ifrt_walk_program.py`` runs as a user's program (``JAX_PLATFORMS=jitserve``): it
 puts arrays, runs jitted and eager computations, donates, reads and drops arrays,
 one step at a time as this driver says, while the driver SIGKILLs the server's
-runtimes between some steps. A session lives on one runtime: when that one is
-lost, the session ends (docs/ifrt.md), and what the program does next must fail
-saying so. The rules, for every step and every seed:
+runtimes between some steps, or has it run a call that never ends. A session
+lives on one runtime: when that one is lost (or stopped: a call past the
+execution deadline), the session ends (docs/ifrt.md), and what the program does
+next must fail saying why. The rules, for every step and every seed:
 
-- a value the program reads is the right one (numpy's), before a kill and after;
-- nothing raises before the first kill; after it, the first error names the lost
-  runtime, and later ones name it too or say that the client ended the session;
+- a value the program reads is the right one (numpy's), before a loss and after;
+- nothing raises before the first loss; after it, the first error names the lost
+  runtime (or the deadline), and later ones name it too or say that the client
+  ended the session;
 - no step waits forever: each answers within a bound;
 - the program exits 0 at the end, and jaxlib's client aborts nothing;
 - the server then holds nothing of it: no session, no device bytes, and it is
@@ -44,7 +46,8 @@ STEPS = 40
 STEP_S = 120  # the longest a step may take: a kill's restart, a first compile
 # What the first error after a kill must say: the runtime that was lost (and so the
 # session). Later ones may be jaxlib's own, once its client has ended the session.
-LOST = re.compile(r"jitserve's runtime \d+ was lost")
+LOST = re.compile(r"jitserve's runtime \d+ was lost|passed its deadline of [\d.]+ s "
+                  r"\(JITSERVE_EXECUTION_TIMEOUT_S\)")
 ENDED = re.compile(r"Connection to IFRT proxy server was terminated")
 
 
@@ -125,31 +128,33 @@ def _judge(message: str, errors: list[str], context: object) -> None:
     errors.append(message)
 
 
-@pytest.mark.parametrize("seed, kills, every", [
-    (0, (), False), (1, (12,), True), (2, (5, 25), False), (3, (20, 30), True)],
-    ids=["no-kill", "all-runtimes", "one-runtime-twice", "late"])
-def test_a_program_at_random_reads_right_values_and_fails_only_naming_its_lost_runtime(
-        ifrt: dict[str, str], seed: int, kills: tuple[int, ...], every: bool) -> None:
-    """``kills``: the steps before which a runtime is killed (``every``: all of them,
-    so the session's is among them; else one at random, maybe another's)."""
+@pytest.mark.parametrize("seed, events", [
+    (0, {}), (1, {12: "kill-all"}), (2, {5: "kill-one", 25: "kill-one"}),
+    (3, {20: "kill-all", 30: "kill-one"}), (4, {15: "spin"})],
+    ids=["nothing", "every-runtime", "one-runtime-twice", "late", "past-its-deadline"])
+def test_a_program_at_random_reads_right_values_and_fails_only_naming_its_runtime_s_loss(
+        ifrt: dict[str, str], seed: int, events: dict[int, str]) -> None:
+    """``events``: by step, what happens before it: every runtime killed (the session's
+    among them), one at random (perhaps another's), or a call the deadline stops."""
     url = ifrt["url"]
     wait_ready(url)
     before = _held(url)
     rng = random.Random(seed)
     program = _Program(ifrt, seed)
-    killed = False
+    lost = False
     errors: list[str] = []
     try:
         for i in range(STEPS):
-            if i in kills:
+            event = events.get(i)
+            if event in ("kill-all", "kill-one"):
                 runtimes = wait_ready(url)
-                for runtime in runtimes if every else [rng.choice(runtimes)]:
+                for runtime in runtimes if event == "kill-all" else [rng.choice(runtimes)]:
                     os.kill(runtime["pid"], signal.SIGKILL)
-                killed = True
-            step = program.say("go")
+            lost = lost or event is not None
+            step = program.say("spin" if event == "spin" else "go")
             assert step.get("read", True) is True, (i, step)  # a value read is right
             if "error" in step:
-                assert killed, (i, step)  # nothing fails before a runtime is lost
+                assert lost, (i, step)  # nothing fails before a runtime is lost
                 _judge(step["error"], errors, (i, step))
         end = program.say("end")
         rc, err = program.finish()
@@ -157,12 +162,12 @@ def test_a_program_at_random_reads_right_values_and_fails_only_naming_its_lost_r
         program.kill()
     assert end["wrong"] == [], end
     for message in end["errors"]:
-        assert killed, end
+        assert lost, end
         _judge(message, errors, end)
     assert rc == 0, err
     assert "Check failed" not in err and "Fatal Python error" not in err, err
-    if every:  # the session's runtime was among them: it ended, and the program heard it
-        assert errors or end["errors"], end
+    if {"kill-all", "spin"} & set(events.values()):  # the session ended: the program heard it
+        assert errors, end
     assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
     wait_ready(url)
     assert _back_to(url, before) == before
