@@ -59,11 +59,11 @@ def ifrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 class _Program:
     """The walk program, driven a line at a time (each answer waited for up to ``STEP_S``)."""
 
-    def __init__(self, ifrt: dict[str, str], seed: int) -> None:
+    def __init__(self, ifrt: dict[str, str], seed: int, key: str = KEYS[0]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(PROGRAM), str(seed)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=program_env(ifrt, KEYS[0]))
+            env=program_env(ifrt, key))
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -169,5 +169,46 @@ def test_a_program_at_random_reads_right_values_and_fails_only_naming_its_runtim
     if {"kill-all", "spin"} & set(events.values()):  # the session ended: the program heard it
         assert errors, end
     assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    wait_ready(url)
+    assert _back_to(url, before) == before
+
+
+def test_a_lost_runtime_ends_only_the_sessions_on_it(ifrt: dict[str, str]) -> None:
+    """Two programs (two keys: two runtimes) walk side by side; one's runtime is killed.
+    That one fails naming it; the other reads right values and never raises."""
+    url = ifrt["url"]
+    wait_ready(url)
+    before = _held(url)
+    hit, spared = _Program(ifrt, 5, KEYS[0]), _Program(ifrt, 6, KEYS[1])
+    errors: dict[_Program, list[str]] = {hit: [], spared: []}
+    try:
+        for i in range(STEPS):
+            if i == 10:
+                sessions = httpx.get(f"{url}/v1/console/sessions", timeout=10,
+                                     headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+                where = {s["runtime"] for s in sessions["sessions"]}
+                others = httpx.get(f"{url}/v1/console/sessions", timeout=10,
+                                   headers={"Authorization": f"Bearer {KEYS[1]}"}).json()
+                assert len(where) == 1 and where.isdisjoint(
+                    s["runtime"] for s in others["sessions"]), (sessions, others)
+                pid = next(r["pid"] for r in wait_ready(url) if r["index"] in where)
+                os.kill(pid, signal.SIGKILL)
+            for program in (hit, spared):
+                step = program.say("go")
+                assert step.get("read", True) is True, (i, step)
+                if "error" in step:
+                    assert program is hit and i >= 10, (i, step)
+                    _judge(step["error"], errors[program], (i, step))
+        ends = [program.say("end") for program in (hit, spared)]
+        codes = [program.finish() for program in (hit, spared)]
+    finally:
+        hit.kill()
+        spared.kill()
+    assert ends[1]["errors"] == [] and ends[1]["wrong"] == [] and ends[1]["live"], ends[1]
+    assert ends[0]["wrong"] == [], ends[0]
+    for message in ends[0]["errors"]:
+        _judge(message, errors[hit], ends[0])
+    assert errors[hit], ends[0]  # its session ended, and it heard why
+    assert [rc for rc, _ in codes] == [0, 0], codes
     wait_ready(url)
     assert _back_to(url, before) == before
