@@ -314,7 +314,8 @@ class Runtime:
             call.deadline = time.monotonic() + timeout_s
         with self._lock:
             if self.state != "up" or self._pipe is None:
-                raise RuntimeLost("runtime_crashed", f"runtime {self.index} is restarting; retry")
+                raise NotStarted("runtime_crashed", f"runtime {self.index} is restarting; retry")
+            generation = self.generation
             rid = next(self._ids)
             self._pending[rid] = call
             if op == _RUN:
@@ -328,11 +329,16 @@ class Runtime:
             assert writer is not None
             writer.write(frames.pack({"id": rid, "op": op, **message}))
         except (OSError, ValueError):
+            # The process is gone (its pipe closed) and its supervisor has not seen it
+            # yet: nothing of the request reached it, so it may go again, once the
+            # next process is up, which ``wait_up`` now waits for.
             with self._lock:
                 if self._pending.pop(rid, None) is not None and op == _RUN:
                     self.runs -= 1
-            raise RuntimeLost("runtime_crashed",
-                              f"runtime {self.index} exited before it took the request") from None
+                if self.generation == generation and self._writer is writer:
+                    self._up.clear()
+            raise NotStarted("runtime_crashed",
+                             f"runtime {self.index} exited before it took the request") from None
 
     def send_free(self, handles: Sequence[int], generation: int, nbytes: int = 0) -> None:
         """Let go of buffers (``nbytes`` in all); no answer. Ignored if the runtime has

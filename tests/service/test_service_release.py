@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -327,3 +328,50 @@ async def test_a_put_whose_runtime_dies_under_it_goes_again(make_api) -> None:
         assert runtime.pid != first
         np.testing.assert_array_equal(
             wire.unpackb((await api.result(r.json()["future_id"])).content)["outputs"][0], big)
+
+
+def _dead(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody has waited for yet, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (a runtime's compile workers hold its pipe too)."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+async def test_a_run_written_to_a_runtime_that_died_unseen_goes_again(make_api) -> None:
+    """A runtime whose process died a moment ago is still ``up`` until its supervisor
+    reads the end of its pipe (on the event loop). A run written to it then fails to
+    write: nothing of it reached a process, so it goes again to the next one, as a run
+    that never began does. It failed ``runtime_crashed`` ("exited before it took the
+    request"): the resend found the runtime still ``up``, wrote again and gave up."""
+    async with make_api(own_runtimes=True) as api:
+        services = api.app.services
+        runtime = services.runtimes.runtimes[0]
+        pid = await api.upload("add_mul")
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        await api.execute(pid, [x, x], wait=30_000)  # compiled, and the executable known
+        program = await services.programs.get(pid, None)
+        first = runtime.pid
+        gone = [first, *_children(first)]
+        for each in gone:
+            os.kill(each, signal.SIGKILL)
+        while not all(map(_dead, gone)):  # no await: the loop cannot see the pipe's end
+            time.sleep(0.001)
+        assert runtime.state == "up"  # still: a run's write to it fails now
+
+        call = await services.calls.execute(program, [x, x], "", None)
+        assert await call.future.wait_final(60)
+        assert call.future.status.value == "done", call.future.error
+        assert runtime.pid != first
+        r = await api.result(call.future.future_id)
+        assert r.status_code == 200, r.text
