@@ -20,6 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal up to float32 rounding in another order (XLA sums 512 rows otherwise than
+    numpy: an element near zero of a sum of values near 20 differs by 1e-5): within
+    1e-4 of the array's largest magnitude. Another array's data, or none, is far off."""
+    scale = 1.0 + float(np.abs(want).max(initial=0.0))
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale))
+
+
 def main(seed: int) -> None:
     rng = random.Random(seed)
     data = np.random.default_rng(seed)
@@ -88,7 +96,11 @@ def main(seed: int) -> None:
                 used = pick()
                 array, value = live[used[0]]
                 got = np.asarray(array)
-                step["read"] = bool(np.allclose(got, value, rtol=1e-5, atol=1e-5))
+                step["read"] = _close(got, value)
+                if not step["read"]:  # what differs, for the driver's message
+                    step["got"] = np.asarray(got, np.float64).ravel()[:4].tolist()
+                    step["want"] = np.asarray(value, np.float64).ravel()[:4].tolist()
+                    step["shape"] = list(value.shape)
             elif op == "drop":
                 used = pick()
                 live.pop(used[0])
@@ -103,7 +115,7 @@ def main(seed: int) -> None:
     wrong, errors = [], []
     for k, (array, value) in sorted(live.items()):
         try:
-            if not np.allclose(np.asarray(array), value, rtol=1e-5, atol=1e-5):
+            if not _close(np.asarray(array), value):
                 wrong.append(k)
         except Exception as e:  # noqa: BLE001 - the driver judges each message
             errors.append(f"{type(e).__name__}: {e}"[:2000])
