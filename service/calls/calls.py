@@ -463,12 +463,7 @@ class Calls:
             dep = deps.get(future_id)
             if dep is None:
                 dep = deps[future_id] = self._futures.get(future_id, owner)
-            outputs = dep.outputs
-            if (dep.status is FutureStatus.DONE and outputs is not None and 0 <= k < len(outputs)
-                    and k not in dep.released):
-                inputs.append(outputs[k])  # a buffer on its runtime: no transfer if we go there
-            else:
-                inputs.append(_output_of(dep, k, i))
+            inputs.append(_output_of(dep, k, i))
             avals.append(dep.out_avals[k])
         return inputs, avals, deps
 
@@ -536,7 +531,7 @@ def _output_of(dep: Future, k: int, i: int) -> Arg:
                          "which was released")
     status = dep.status
     if status is FutureStatus.DONE and dep.outputs is not None:
-        return dep.outputs[k]
+        return dep.outputs[k]  # a buffer on its runtime: no transfer if we go there
     if status is FutureStatus.FAILED:
         msg, root = dep.failed_input(f"args[{i}] refers to future {dep.future_id}")
         raise FutureFailed(msg, root=root)

@@ -332,7 +332,7 @@ class Executor:
         assert args is not None
         if not job.waiting:
             return
-        generation = _up(runtime)
+        generation = runtime.live_generation
         taken: list[Buffer] = []
         refs: dict[int, tuple[Future, list[int]]] = {}
         for i, arg in enumerate(args):
@@ -347,11 +347,8 @@ class Executor:
         if taken:
             self._runtimes.retain(taken)
             job.held.extend(taken)
-            if len(taken) == len(job.waiting):
-                job.waiting = []
-            else:
-                gone = {id(ref) for ref in job.sources.values()}
-                job.waiting = [a for a in job.waiting if id(a) not in gone]
+            gone = {id(ref) for ref in job.sources.values()}
+            job.waiting = [a for a in job.waiting if id(a) not in gone]
             for fut, indices in refs.values():
                 self._futures.unpin(fut, indices)
 
@@ -470,7 +467,7 @@ class Executor:
         descs: list[dict[str, Any] | None] = []
         host: list[np.ndarray] = []
         job.giving = []
-        generation = _up(runtime)
+        generation = runtime.live_generation
         for i, arg in enumerate(job.args):
             if type(arg) is Buffer and arg.runtime is runtime and arg.generation == generation:
                 descs.append(_by_handle(job, i, arg))
@@ -829,11 +826,6 @@ def _resendable(message: RunRequest, e: NotStarted, resends: int) -> bool:
 def _rooted(root: Mapping[str, str] | None) -> dict[str, Any]:
     """A failed future's ``root`` field (``Future.failed_input``), where it has one."""
     return {} if root is None else {"root": dict(root)}
-
-
-def _up(runtime: Runtime) -> int | None:
-    """The generation a buffer on ``runtime`` is ``alive`` in (``None``: none is)."""
-    return runtime.generation if runtime.state == "up" else None
 
 
 def _by_handle(job: ExecutionJob, position: int, buf: Buffer) -> dict[str, Any]:

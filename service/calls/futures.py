@@ -602,8 +602,8 @@ class FutureStore:
                 self._unreserve(fut, nbytes)
                 if self.on_release is not None:
                     self.on_release(freed)
-        if outputs is not None and (not outputs or outputs[0] is None
-                                    and all(b is None for b in outputs)):
+        if outputs is not None and (not outputs or (outputs[0] is None
+                                                    and all(b is None for b in outputs))):
             fut.outputs = fut.host = None
         if gone and fut.outputs is None and fut.status is not FutureStatus.RUNNING:
             self._unreserve(fut, fut.reserved_bytes)

@@ -128,7 +128,7 @@ class Buffer:
     @property
     def alive(self) -> bool:
         """Whether the runtime that holds it is still the process that made it."""
-        return self.runtime.generation == self.generation and self.runtime.state == "up"
+        return self.runtime.live_generation == self.generation
 
     def lost(self) -> RuntimeLost:
         """Why it is gone, once not ``alive``: how the process that held it ended."""
@@ -230,6 +230,11 @@ class Runtime:
         self._late_op = Op.RUN
         self._thread = threading.Thread(target=self._supervise, daemon=True,
                                         name=f"jitserve-runtime-{index}")
+
+    @property
+    def live_generation(self) -> int | None:
+        """The generation whose buffers are ``alive`` now (``None`` while not up)."""
+        return self.generation if self.state == "up" else None
 
     # -- requests ----------------------------------------------------------------
 
