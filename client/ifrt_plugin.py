@@ -23,6 +23,9 @@ backend and sets the client up:
   loopback or a private network (docs/ifrt.md).
 - At exit the session is ended cleanly before the interpreter tears down: otherwise
   jaxlib's client logs an error per live executable and aborts the process.
+- Big transfers reuse the memory the last ones freed, up to
+  ``JITSERVE_IFRT_RETAIN_FREED_BYTES`` (1 GiB; ``0``: glibc's defaults), instead of
+  fresh pages each time (``_reuse_transfer_memory``).
 
 Imports nothing heavy until jax asks for the backend.
 """
@@ -111,6 +114,7 @@ def _make_client() -> Any:
              "jitserve_devices": os.environ.get("JITSERVE_IFRT_DEVICES", "")}
     if any(asked.values()):
         options.initialization_data = {k: v.strip().encode() for k, v in asked.items() if v.strip()}
+    _reuse_transfer_memory()  # before the client starts its threads
     with _quiet_stderr():
         client = _ifrt_proxy.get_client(target(), options)
     _client = client
@@ -119,6 +123,47 @@ def _make_client() -> Any:
     _pass_strided_inputs_whole()
     atexit.register(_end_session)
     return client
+
+
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def _reuse_transfer_memory() -> bool:
+    """Let jaxlib's client reuse freed memory for big transfers, up to
+    ``JITSERVE_IFRT_RETAIN_FREED_BYTES`` (1 GiB by default; ``0`` leaves glibc's
+    defaults). ``False`` where nothing was changed (turned off, or no glibc).
+
+    ``np.asarray`` of an array of hundreds of MiB makes the client copy it twice into
+    buffers of that size (jaxlib's ``Cord::Flatten`` of the chunks, then the numpy
+    array), on a thread of its own. glibc gives every such block fresh pages and
+    unmaps it when freed: a thread's arena cannot hold a block over 64 MiB, and blocks
+    over 32 MiB are mapped on their own anyway. Fresh pages are what bound the read
+    (``perf``: half the client's samples in the kernel zeroing them). So, as
+    ``jitserve serve`` does for itself (``service/memory.py``): one arena for the
+    process's threads, and blocks under the bound taken from and given back to its
+    heap, whose free top is trimmed past the bound. Nothing else runs XLA in this
+    process (``JAX_PLATFORMS=jitserve``), so the threads that share that arena are
+    jaxlib's client's and the program's own.
+    """
+    raw = os.environ.get("JITSERVE_IFRT_RETAIN_FREED_BYTES", "").strip() or str(1 << 30)
+    try:
+        bound = int(raw)
+    except ValueError:
+        raise RuntimeError(f"JITSERVE_IFRT_RETAIN_FREED_BYTES={raw!r} is not a number of "
+                           "bytes (0 turns it off)") from None
+    if bound <= 0:
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False  # not glibc: its allocator decides, as without this
+    bound = min(max(bound, 32 << 20), 2**31 - 1)  # glibc's own ceiling; mallopt takes an int
+    return all(mallopt(param, value) == 1 for param, value in (
+        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, bound), (_M_TRIM_THRESHOLD, bound)))
 
 
 def _pass_strided_inputs_whole() -> None:
