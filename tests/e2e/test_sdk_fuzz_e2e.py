@@ -1,14 +1,19 @@
-"""The SDK used at random, as a program uses jax, with runtimes killed under it.
+"""The SDK used at random, as a program uses jax, with runtimes killed under it, or runs
+stopped at their deadline.
 
 One real ``jitserve serve`` (two runtimes) and ``Client(run_ahead=8)``: arrays put,
 jitted calls running ahead on them, state donated, values read, references dropped,
 and now and then a runtime SIGKILLed, as the OOM killer or another caller's crashing
-program would. The checks:
+program would. Against a second server with a 2 s execution deadline, calls of a
+program that never ends run ahead among the others. The checks:
 
 - a value read is numpy's, or the read raises the SDK's error for a lost runtime
   (``runtime_crashed``, ``runtime_stopped``) or for a call on such an output
   (``future_failed``), within the client's timeout: never a wrong value, a hang, or
   an error of another kind;
+- an output of the endless program, or of a call on one, raises
+  ``execution_timeout`` (or ``future_failed`` naming it, or its input's loss), and
+  only those do;
 - once the program drops everything it holds, the server holds again what it held
   before: failed futures are released as done ones are.
 
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from e2e.conftest import _serve, metric_total
+from jax import lax
 
 from jitserve.client import Client
 from jitserve.client.errors import APIError
@@ -39,32 +45,51 @@ pytestmark = pytest.mark.timeout(300)
 # What a read may raise when a runtime was killed under the walk: the loss itself, or
 # a call on an output that was lost.
 _LOST = {"runtime_crashed", "runtime_stopped", "future_failed"}
+# ... when a run passed its deadline: the server stopped its runtime, so what else that
+# runtime held or ran is lost with it, and calls on any of that fail.
+_STOPPED = {"runtime_stopped", "future_failed"}
 
 
-def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None = None) -> int:
+def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None = None,
+             spin: bool = False) -> tuple[int, int]:
     """``steps`` random steps of a program using ``c``; ``crash`` (if given) kills a
-    runtime, one step in about 40. Reads what it holds at the end, then drops all
-    it made; how many reads raised for a lost runtime."""
+    runtime, one step in about 40; ``spin`` calls, one step in about 50, a program that
+    never ends, which the server's deadline must stop. Reads what it holds at the end,
+    then drops all it made. Returns how many reads raised for a lost or stopped runtime,
+    and how many for a passed deadline."""
     rng = np.random.default_rng(seed)
     mean = c.jit(lambda x, y: (x + y) * 0.5)  # values stay bounded however long it walks
     step = c.jit(lambda s, x: (s * 0.5 + x, jnp.tanh((s * x).sum())), donate_argnums=(0,))
-    held: list[tuple[Any, np.ndarray]] = []  # each array with its value
-    lost = 0
+    endless = c.jit(lambda x: lax.while_loop(lambda v: v.sum() >= 0, lambda v: v + 1.0, x * 0))
+    # each array with its value, or ``None``: an output of the endless program, or of a
+    # call on one, whose read must raise
+    held: list[tuple[Any, np.ndarray | None]] = []
+    lost = timeouts = 0
+    may_lose = (_LOST if crash else set()) | (_STOPPED if spin else set())
 
     def read(i: int) -> None:
-        nonlocal lost
+        nonlocal lost, timeouts
         a, value = held[i]
         try:
             got = np.asarray(a)
         except APIError as e:
-            assert crash is not None and e.code in _LOST, repr(e)
-            lost += 1
+            # A read of a failed future names its failure (``cause``), a call refused at
+            # once the chain's first (``root``): either way, what began it.
+            cause = e.details.get("cause") or e.details
+            root = (cause.get("root") or cause).get("code") if e.code == "future_failed" else e.code
+            if root == "execution_timeout":
+                assert value is None, f"a call with an end passed its deadline: {e!r}"
+                timeouts += 1
+            else:
+                assert e.code in may_lose, repr(e)
+                lost += 1
             held.pop(i)  # as a program would, once it raised
             return
+        assert value is not None, f"the endless program, or a call on it, gave {got}"
         np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-4)
 
-    ops = ["put", "mean", "step", "read", "drop", "crash"]
-    weights = np.array([.2, .3, .2, .15, .15, .025 if crash else 0])
+    ops = ["put", "mean", "step", "read", "drop", "crash", "spin"]
+    weights = np.array([.2, .3, .2, .15, .15, .025 if crash else 0, .02 if spin else 0])
     for _ in range(steps):
         op = rng.choice(ops, p=weights / weights.sum())
         if op == "crash":
@@ -72,18 +97,26 @@ def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None 
             crash()
         elif op == "put" or len(held) < 2:
             value = rng.standard_normal(8).astype(np.float32)
-            with refused(crash):  # a runtime lost twice under it, in a row
+            with refused(may_lose):  # a runtime lost twice under it, in a row
                 held.append((c.device_put(value), value))
+        elif op == "spin":
+            a, _ = held[int(rng.integers(len(held)))]
+            with refused(may_lose):
+                held.append((endless(a), None))
         elif op == "mean":
             (a, va), (b, vb) = (held[i] for i in rng.choice(len(held), 2))
-            with refused(crash):
-                held.append((mean(a, b), (va + vb) * np.float32(0.5)))
+            with refused(may_lose):
+                held.append((mean(a, b), None if va is None or vb is None
+                             else (va + vb) * np.float32(0.5)))
         elif op == "step":  # a training step: the state is donated, as jax deletes it
             s, vs = held.pop(int(rng.integers(len(held))))
             x, vx = held[int(rng.integers(len(held)))]
-            with refused(crash):
+            with refused(may_lose):
                 new, total = step(s, x)
-                held += [(new, vs * 0.5 + vx), (total, np.tanh((vs * vx).sum()))]
+                if vs is None or vx is None:
+                    held += [(new, None), (total, None)]
+                else:
+                    held += [(new, vs * 0.5 + vx), (total, np.tanh((vs * vx).sum()))]
         elif op == "read":
             read(int(rng.integers(len(held))))
         else:
@@ -92,18 +125,18 @@ def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None 
         read(len(held) - 1)
         if held:
             held.pop()
-    return lost  # what it made is garbage from here on
+    return lost, timeouts  # what it made is garbage from here on
 
 
 @contextlib.contextmanager
-def refused(crash: Callable[[], None] | None) -> Iterator[None]:
+def refused(may_lose: set[str]) -> Iterator[None]:
     """A call whose signature's first call it is waits for the server to take it, so
     one on an output of a lost runtime may raise at once (the server refuses it,
     naming the loss), where a later one raises at the first use of its outputs."""
     try:
         yield
     except APIError as e:
-        assert crash is not None and e.code in _LOST, repr(e)
+        assert e.code in may_lose, repr(e)
 
 
 def wait_back_to(count: Callable[[], float], before: float, within_s: float = 60) -> None:
@@ -136,7 +169,31 @@ def _crash(url: str, rng: np.random.Generator) -> Callable[[], None]:
 def test_the_sdk_at_random_with_runtimes_killed_under_it(url: str, seed: int) -> None:
     before = metric_total(url, "jitserve_futures")
     with Client(url, run_ahead=8, timeout=120, progress=False) as c:
-        lost = sdk_walk(c, seed, 400, _crash(url, np.random.default_rng(seed)))
+        lost, _ = sdk_walk(c, seed, 400, _crash(url, np.random.default_rng(seed)))
         assert lost > 0, "no read met a lost runtime: the walk did not reach a crash"
         wait_back_to(lambda: metric_total(url, "jitserve_futures"), before)
+    assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def deadline_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from _serve(tmp_path_factory.mktemp("sdk-deadline"),
+                      {"JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "2"})
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_the_sdk_at_random_with_runs_past_their_deadline(deadline_url: str, seed: int) -> None:
+    """Now and then a call that never ends, running ahead like any other: its outputs,
+    and those of calls on them, raise ``execution_timeout`` (or ``future_failed`` naming
+    it) at their first use; what its stopped runtime held raises ``runtime_stopped``;
+    every other value is right, and nothing the walk dropped stays on the server."""
+    url = deadline_url
+    before = metric_total(url, "jitserve_futures")
+    with Client(url, run_ahead=8, timeout=120, progress=False) as c:
+        _, timeouts = sdk_walk(c, seed, 300, spin=True)
+        assert timeouts > 0, "no read met a run past its deadline: the walk did not spin"
+        wait_back_to(lambda: metric_total(url, "jitserve_futures"), before)
+    stops = [line for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+             if line.startswith('jitserve_runtime_restarts_total{reason="timeout"}')]
+    assert stops and float(stops[0].rpartition(" ")[2]) >= 1, stops  # the deadline's doing
     assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
