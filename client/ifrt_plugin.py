@@ -142,18 +142,21 @@ def _reuse_transfer_memory() -> bool:
     (``perf``: half the client's samples in the kernel zeroing them). So, as
     ``jitserve serve`` does for itself (``service/memory.py``): one arena for the
     process's threads, and blocks under the bound taken from and given back to its
-    heap, whose free top is trimmed past the bound. Nothing else runs XLA in this
-    process (``JAX_PLATFORMS=jitserve``), so the threads that share that arena are
-    jaxlib's client's and the program's own.
+    heap, whose free top is trimmed past the bound. Only with ``JAX_PLATFORMS=jitserve``
+    alone: then nothing runs XLA in this process, and the threads that share that arena
+    are jaxlib's client's and the program's own.
     """
+    from jax._src import xla_bridge
+
     raw = os.environ.get("JITSERVE_IFRT_RETAIN_FREED_BYTES", "").strip() or str(1 << 30)
     try:
         bound = int(raw)
     except ValueError:
         raise RuntimeError(f"JITSERVE_IFRT_RETAIN_FREED_BYTES={raw!r} is not a number of "
                            "bytes (0 turns it off)") from None
-    if bound <= 0:
-        return False
+    platforms = {p.strip() for p in (xla_bridge.config.jax_platforms.value or "").split(",")}
+    if bound <= 0 or platforms != {BACKEND}:
+        return False  # off, or local XLA in this process too, whose threads want their arenas
     import ctypes
     import ctypes.util
 
