@@ -145,6 +145,9 @@ class ExecutionJob:
         # The buffers the run message being made gives up to the run (``_by_handle``);
         # marked ``given`` once it is sent (``Executor._sent``).
         self.giving: list[Buffer] = []
+        # The buffers the run message names by handle (``_marshal``): handles of the
+        # process that made them, which only that process may be sent.
+        self.named: list[Buffer] = []
         self.task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._started = False
@@ -356,11 +359,17 @@ class Executor:
         """A run sent ahead that its runtime lost before it began: its promised inputs
         become the references they stood for again, so that it goes once the runs
         that make them have ended (sent again themselves, where they can be).
-        Whether it can: no other input of it lived in the lost process."""
+        Whether it can: no other input of it lived in the lost process, and each
+        promised one is still to be had. One whose run had ended there, and that its
+        caller let go of since (the run held it instead: ``_send_ahead``), went
+        with the process."""
         args = job.args
         if not job.sources or args is None or any(
                 isinstance(a, Buffer) and i not in job.sources and not a.alive
-                for i, a in enumerate(args)):
+                for i, a in enumerate(args)) or any(
+                ref.future.status is FutureStatus.DONE and (
+                    ref.future.outputs is None or ref.future.outputs[ref.index] is None)
+                for ref in job.sources.values()):
             return False
         refs = list(job.sources.values())
         for fut, indices in _by_future(refs).values():
@@ -431,6 +440,12 @@ class Executor:
             try:
                 runtime = job.runtime
                 await runtime.wait_up()
+                # Its process may have been lost since the message named its inputs'
+                # handles: they were that process's, and went with it. The next one
+                # never saw them, and may have its own under the same numbers.
+                for buf in job.named:
+                    if not buf.alive or buf.runtime is not runtime:
+                        raise buf.lost()
                 promised = self._promise(job, message)
                 answer = runtime.send(Op.RUN, message, timeout_s=timeout_s, tag=job,
                                       on_started=self._on_started(job.future))
@@ -764,11 +779,12 @@ class Executor:
         runtime = job.runtime
         descs: list[dict[str, Any] | None] = []
         host: list[np.ndarray] = []
-        job.giving = []
+        job.giving, job.named = [], []
         for i, arg in enumerate(job.args):
             if isinstance(arg, Buffer):
                 if arg.runtime is runtime and arg.alive:
                     descs.append(_by_handle(job, i, arg))
+                    job.named.append(arg)
                     continue
                 try:
                     (arg,) = await self._runtimes.fetch([arg])  # noqa: PLW2901

@@ -58,6 +58,11 @@ def programs() -> dict[str, bytes]:
         # a model and its loss: 1 MiB of float32 + 1 and the sum, which alone comes
         # back with the run's answer (``wire.carried_outputs``)
         "step": _export(lambda x: (x + jnp.float32(1), x.sum()), _spec((1 << 18,))),
+        # the sum of two float32[256, 256]: a call on two of spin's outputs
+        "add256": _export(lambda x, y: x + y, _spec((256, 256)), _spec((256, 256))),
+        # the sum of two 1 MiB float32 arrays: a run whose host input alone is packed
+        # off the event loop (``Executor._pack``)
+        "add_big": _export(lambda x, y: x + y, _spec((1 << 18,)), _spec((1 << 18,))),
         # 64 KiB of float32 + 1: inputs and outputs inline, a pipe's worth each
         "plus1": _export(lambda x: x + jnp.float32(1), _spec((1 << 14,))),
         # n rounds of a 256x256 matmul: as long a run as a caller asks for

@@ -210,3 +210,33 @@ async def test_calls_sent_ahead_go_again_when_their_runtime_is_lost_before_they_
         for fid in (a, b):  # donated: released
             assert (await api.result(fid, wait=1)).status_code == 404
         assert await api.metric("jitserve_runs_resent_total") == 3
+
+
+async def test_a_call_sent_ahead_on_an_output_that_went_with_its_runtime_fails_naming_it(
+        make_api) -> None:
+    """Two runs at a time: a long run, and ``a``; ``c`` waits in the runtime for both
+    their outputs. ``a`` ends, and its caller lets its output go (``c``'s run holds it
+    there). The runtime is lost before ``c`` begins: ``a`` ended, so nothing makes its
+    output again, and ``c`` cannot go again. It fails naming the loss; it failed
+    ``future_expired``, "which was released", as if its caller had let go too soon."""
+    async with make_api(own_runtimes=True, executor_threads=2) as api:
+        add = await api.upload("add256")
+        await api.outputs(add, [Y, Y])  # compiled: c goes at once
+        pid, _, blocker = await _behind_a_long_run(api)
+        a = await _start(api, pid, [Y, WARM * 10])
+        c = await _start(api, add, [{"future": a, "output": 0},
+                                    {"future": blocker, "output": 0}])
+        runtime = api.app.services.runtimes.runtimes[0]
+        assert _status(api, a) is not FutureStatus.DONE, "too slow a machine?"
+        assert runtime.runs == 3  # all three are in the runtime: c was sent ahead
+        while _status(api, a) is not FutureStatus.DONE:
+            await asyncio.sleep(0.005)
+        r = await api.http.post("/v1/futures/release",
+                                json={"outputs": [{"future": a, "output": 0}]})
+        assert r.status_code == 200 and r.json()["released"] == 1, r.text
+        assert _status(api, c) is FutureStatus.PENDING, "too slow a machine?"
+        runtime.kill("cancel")
+        r = await api.result(c, wait=120_000)
+        assert r.status_code == 422, r.text
+        cause = r.json()["error"]["cause"]
+        assert cause["code"] == "runtime_stopped", cause

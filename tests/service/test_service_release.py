@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jitserve import wire
+from jitserve.service.runtimes import frames
 from tests.service.test_service_futures import executor_blocked
 
 # Valid and allowed, but XLA has no handler for it: it decodes, then fails to compile.
@@ -375,3 +376,43 @@ async def test_a_run_written_to_a_runtime_that_died_unseen_goes_again(make_api) 
         assert runtime.pid != first
         r = await api.result(call.future.future_id)
         assert r.status_code == 200, r.text
+
+
+async def test_a_run_whose_inputs_runtime_was_lost_before_it_was_sent_names_the_loss(
+        make_api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that names an output on its runtime by handle, and packs a big host input
+    off the event loop before it is sent: meanwhile its runtime's process is lost and
+    another started. The handle was the lost process's; sent to the next one, it named
+    a buffer that process never had (``future_expired``: "its buffer was freed"), or,
+    had that process made as many outputs by then, another of its own. It fails with
+    the loss instead: the output it read went with the process."""
+    async with make_api(own_runtimes=True) as api:
+        services = api.app.services
+        runtime = services.runtimes.runtimes[0]
+        pid = await api.upload("add_big")
+        x = np.ones(1 << 18, np.float32)
+        program = await services.programs.get(pid, None)
+        first = await services.calls.execute(program, [x, x], "", None)  # its output stays
+        assert await first.future.wait_final(60) and first.future.status.value == "done"
+
+        pack = frames.pack_arrays
+
+        def pack_as_the_runtime_dies(*args: Any) -> Any:  # on a thread: _pack's
+            monkeypatch.setattr(frames, "pack_arrays", pack)
+            gone = [runtime.pid, *_children(runtime.pid)]
+            for each in gone:
+                os.kill(each, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while runtime.state == "up":  # its supervisor, on the event loop, saw it end
+                assert time.monotonic() < deadline, "the runtime's end was never seen"
+                time.sleep(0.001)
+            return pack(*args)
+
+        monkeypatch.setattr(frames, "pack_arrays", pack_as_the_runtime_dies)
+        ref = {"future": first.future.future_id, "output": 0}
+        call = await services.calls.execute(program, [ref, x], "", None)
+        assert await call.future.wait_final(60)
+        assert frames.pack_arrays is pack  # the kill came while the run was packed
+        assert call.future.status.value == "failed"
+        assert call.future.error["code"] == "runtime_crashed", call.future.error
+        assert "SIGKILL" in call.future.error["message"], call.future.error
