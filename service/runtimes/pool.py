@@ -241,7 +241,7 @@ class Runtime:
     async def request(self, op: Op, message: Mapping[str, Any], *,
                       timeout_s: float | None = None, tag: object = None,
                       on_started: Callable[[], None] | None = None,
-                      retry: bool = False) -> dict[str, Any]:
+                      retry: bool = False, generation: int | None = None) -> dict[str, Any]:
         """Send one request and wait for its answer.
 
         Raises ``RemoteError`` with the runtime's code when it refuses or fails it,
@@ -251,21 +251,27 @@ class Runtime:
         would not); sent again once to the next process when the runtime is lost
         under it for another reason than its own deadline, since the crash may
         have been another request's doing. A request that loses its runtime twice
-        is most likely the cause, and gets the ``RuntimeLost``.
+        is most likely the cause, and gets the ``RuntimeLost``. ``generation``: the
+        process whose handles the message names; if another is up by the time it
+        would be sent, the ``RuntimeLost`` of that one instead (the handles went
+        with it, and the next process may have its own under the same numbers).
         """
         if not retry:
-            return await self._request(op, message, timeout_s, tag, on_started)
+            return await self._request(op, message, timeout_s, tag, on_started, generation)
         try:
-            return await self._request(op, message, timeout_s, tag, on_started)
+            return await self._request(op, message, timeout_s, tag, on_started, generation)
         except RuntimeLost as e:
             if e.code == "execution_timeout" or self._pool.closing:
                 raise
-        return await self._request(op, message, timeout_s, tag, on_started)
+        return await self._request(op, message, timeout_s, tag, on_started, generation)
 
     async def _request(self, op: Op, message: Mapping[str, Any],
                        timeout_s: float | None, tag: object,
-                       on_started: Callable[[], None] | None) -> dict[str, Any]:
+                       on_started: Callable[[], None] | None,
+                       generation: int | None = None) -> dict[str, Any]:
         await self.wait_up()
+        if generation is not None and self.live_generation != generation:
+            raise self.lost(generation)
         return await self.send(op, message, timeout_s=timeout_s, tag=tag, on_started=on_started)
 
     async def decode(self, data: bytes | bytearray, format: str | None, *,
@@ -874,7 +880,8 @@ class RuntimePool:
         segment = self.segments.take(size) if size else None
         if segment is not None:
             message["into"] = {"shm": segment.name, "offsets": offsets}
-        asked = asyncio.ensure_future(runtime.request(Op.FETCH, message))
+        asked = asyncio.ensure_future(runtime.request(Op.FETCH, message,
+                                                      generation=buffers[0].generation))
         try:
             reply = await asyncio.shield(asked)
         except asyncio.CancelledError:

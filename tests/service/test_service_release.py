@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jitserve import wire
-from jitserve.service.runtimes import frames
+from jitserve.service.runtimes import RuntimeLost, frames
 from tests.service.test_service_futures import executor_blocked
 
 # Valid and allowed, but XLA has no handler for it: it decodes, then fails to compile.
@@ -416,3 +416,36 @@ async def test_a_run_whose_inputs_runtime_was_lost_before_it_was_sent_names_the_
         assert call.future.status.value == "failed"
         assert call.future.error["code"] == "runtime_crashed", call.future.error
         assert "SIGKILL" in call.future.error["message"], call.future.error
+
+
+async def test_a_fetch_whose_runtime_was_replaced_meanwhile_never_reads_the_next_one(
+        make_api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch names an output by its handle, then waits for its runtime: meanwhile
+    the process is lost, the next one comes up and keeps an array of its own under
+    the same handle number. Sent there, the fetch read that array's bytes as the
+    output's. It fails with the loss instead."""
+    async with make_api(own_runtimes=True) as api:
+        services = api.app.services
+        runtime = services.runtimes.runtimes[0]
+        x = np.arange(6, dtype=np.float32)
+        kept = await services.calls.put([x], None)
+        assert kept.outputs is not None
+        buf = kept.outputs[0]
+        wait_up = runtime.wait_up
+
+        async def replaced(*args: Any) -> None:
+            monkeypatch.setattr(runtime, "wait_up", wait_up)
+            gone = [runtime.pid, *_children(runtime.pid)]
+            for each in gone:
+                os.kill(each, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while runtime.live_generation in (None, buf.generation):
+                assert time.monotonic() < deadline, "the runtime did not come back"
+                await asyncio.sleep(0.01)
+            other = await services.calls.put([x * 100], None)  # the next process's first
+            assert other.outputs is not None and other.outputs[0].handle == buf.handle
+            await wait_up(*args)
+
+        monkeypatch.setattr(runtime, "wait_up", replaced)
+        with pytest.raises(RuntimeLost, match="SIGKILL"):
+            await services.runtimes.fetch([buf])
