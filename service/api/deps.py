@@ -30,9 +30,9 @@ from ..calls.models import ModelRegistry
 from ..calls.programs import ProgramStore
 from ..calls.tenants import Tenants
 from ..calls.warming import Warming
-from ..cluster import OWNER_HEADER, PEER_HEADER, Cluster, scope_path
+from ..cluster import OWNER_HEADER, PEER_HEADER, TO_HEADER, Cluster, scope_path
 from ..console import Console
-from ..errors import ServiceError, Unauthorized
+from ..errors import ServiceError, Unauthorized, Unavailable
 from ..metrics import Metrics
 from ..runtimes import RuntimePool
 from ..settings import Settings
@@ -136,6 +136,12 @@ def request_owner(request: Request) -> str | None:
         raise Unauthorized("a peer request, but this server is no replica (REDIS_URL unset)")
     owner = request.headers.get(OWNER_HEADER) or None
     cluster.signing.check(signature, request.scope["method"], scope_path(request.scope), owner)
+    meant = request.headers.get(TO_HEADER)
+    if meant is not None and meant != cluster.replica_id:
+        # A replica lost, and this process started at its address before the sender
+        # knew: what it asks of that one's futures is none of this one's to serve.
+        raise Unavailable(f"this is replica {cluster.replica_id}, not replica {meant}, "
+                          "which the request was forwarded to")
     request.state.forwarded = True
     return owner
 

@@ -42,7 +42,7 @@ from .membership import Membership, Peer, ReplicaLost
 from .mirror import Mirror, Mirrored
 from .ownership import Ownership
 from .relay import PeerRefusal, Relay
-from .signing import OWNER_HEADER, PEER_HEADER, Signing, scope_path
+from .signing import OWNER_HEADER, PEER_HEADER, TO_HEADER, Signing, scope_path
 from .watch import Watch
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "Relay",
     "ReplicaLost",
     "Signing",
+    "TO_HEADER",
     "Watch",
     "remote_replica",
     "replica_header",

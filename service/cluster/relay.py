@@ -26,14 +26,14 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from jitserve import wire
-from jitserve.wire import ErrorCode, replica_of
+from jitserve.wire import REPLICA_HEADER, ErrorCode, replica_of
 
 from ..errors import ServiceError, Unavailable
 from ..metrics import Metrics
 from .membership import Membership, ReplicaLost, replica_lost
 from .mirror import Mirror
 from .peers import PeerClient, PeerError, PeerResponse
-from .signing import OWNER_HEADER, PEER_HEADER, Signing, scope_path
+from .signing import OWNER_HEADER, PEER_HEADER, TO_HEADER, Signing, scope_path
 
 __all__ = ["PeerRefusal", "Relay"]
 
@@ -92,16 +92,27 @@ class Relay:
         sent = {**headers} if headers else {}
         sent[PEER_HEADER] = self._signing.sign(method, path, owner)
         sent[OWNER_HEADER] = owner or ""
+        sent[TO_HEADER] = rid
         if content:
             self._peer_out.inc(len(content))
         try:
-            return await self._http.request(method, peer.url, _target(path, query, raw_path),
-                                            sent, content, read_s=30.0 + wait_s)
+            response = await self._http.request(method, peer.url, _target(path, query, raw_path),
+                                                sent, content, read_s=30.0 + wait_s)
         except (PeerError, TimeoutError) as e:
             if await self._membership.gone(rid):
                 raise replica_lost(rid) from None
             raise Unavailable(f"replica {rid} at {peer.url} did not answer: "
                               f"{type(e).__name__}") from None
+        answered = response.headers.get(REPLICA_HEADER)
+        if answered is not None and answered != rid:
+            # Another process answers at its address (it refused the request): rid is
+            # not there, as if it did not answer.
+            response.release()
+            if await self._membership.gone(rid):
+                raise replica_lost(rid)
+            raise Unavailable(f"replica {rid} is not at {peer.url}: replica {answered} "
+                              "answers there")
+        return response
 
     @contextlib.asynccontextmanager
     async def forward(self, rid: str, method: str, path: str, owner: str | None, *,

@@ -4,7 +4,10 @@ Forwarded requests go to the public routes with an ``X-Jitserve-Peer`` header:
 an HMAC of the time, method, path and owner under ``JITSERVE_PEER_SECRET`` (the
 same on every replica), which clients cannot make. A signed request is served
 locally, as the owner its ``X-Jitserve-Owner`` header names, and is never
-forwarded again (``api.deps.request_owner``).
+forwarded again (``api.deps.request_owner``). Its ``X-Jitserve-To`` header names the
+replica it is meant for: a process that answers at that replica's address but is
+another one (a replica restarted there before the others knew the first was lost)
+serves none of it (``Relay.request`` reads its refusal as that replica not answering).
 
 A signature is good for a minute either way, so replicas must keep their clocks
 within a minute of each other. A chain of calls signs one path again and again:
@@ -24,10 +27,11 @@ from typing import Any
 from ..errors import Unauthorized
 from .membership import Membership
 
-__all__ = ["OWNER_HEADER", "PEER_HEADER", "Signing", "scope_path"]
+__all__ = ["OWNER_HEADER", "PEER_HEADER", "TO_HEADER", "Signing", "scope_path"]
 
 PEER_HEADER = "x-jitserve-peer"
 OWNER_HEADER = "x-jitserve-owner"
+TO_HEADER = "x-jitserve-to"
 _CLOCK_SKEW_S = 60.0  # a signed request older (or newer) than this is refused
 
 

@@ -48,8 +48,8 @@ MP = {"content-type": wire.MSGPACK, "accept": wire.MSGPACK, **AUTH}
 class Replica:
     """One ``jitserve serve`` process of the module."""
 
-    def __init__(self, tmp: Path, name: str, env: dict[str, str]) -> None:
-        self.port = free_port()
+    def __init__(self, tmp: Path, name: str, env: dict[str, str], port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         (tmp / name).mkdir()
@@ -499,6 +499,54 @@ def test_the_sdk_walking_at_random_through_the_balancer_frees_what_it_drops(
                 progress=False) as c:
         sdk_walk(c, 5, 300)
         wait_back_to(lambda: _live_futures(replicas), before)
+
+
+def test_a_process_at_a_lost_replica_s_address_is_never_taken_for_it(
+        cluster: dict[str, Any]) -> None:
+    """A replica SIGKILLed and started again at its address, as an orchestrator
+    restarts a container, before the others know it went (its heartbeat's key lives
+    three heartbeats): what another replica forwards for the lost one's futures
+    reaches the new process, which holds none of them. It serves none of it, and the
+    answer says why: ``unavailable`` naming both replicas while the loss is not known,
+    ``replica_lost`` after; never the new process's ``not_found`` for a future the
+    caller holds."""
+    a = cluster["replicas"][0]
+    env = {**cluster["env"], "JITSERVE_HEARTBEAT_S": "60"}  # its key lives 3 minutes
+    old = Replica(cluster["tmp"], "restarted", env)
+    new = None
+    try:
+        old.wait_ready()
+        pid = _upload(old.url, _export(lambda x: x + 1, jax.ShapeDtypeStruct((3,), np.float32)))
+        done = _execute(old.url, pid, [np.zeros(3, np.float32)], wait=30_000)
+        assert done.status_code == 200, done.text
+        fid, rid = wire.unpackb(done.content)["future_id"], old.replica_id
+        old.stop()
+        new = Replica(cluster["tmp"], "restarted-again", env, port=old.port)
+        new.wait_ready()
+        new_rid = new.replica_id
+        assert new_rid != rid
+        answers = {
+            "result": httpx.get(f"{a.url}/v1/futures/{fid}/result", headers=AUTH, timeout=60),
+            "delete": httpx.delete(f"{a.url}/v1/futures/{fid}", headers=AUTH, timeout=60),
+            "call": _execute(a.url, pid, [{"future": fid, "output": 0}]),
+        }
+        for how, r in answers.items():
+            assert r.status_code in (502, 503), (how, r.status_code, r.text)
+            error = r.json()["error"]
+            if r.status_code == 503:
+                assert error["code"] == "unavailable", (how, error)
+                assert rid in error["message"] and new_rid in error["message"], (how, error)
+            else:
+                assert error["code"] == "replica_lost" and rid in error["message"], (how, error)
+        released = httpx.post(f"{a.url}/v1/futures/release", headers=AUTH, timeout=60,
+                              json={"outputs": [{"future": fid, "output": 0}]})
+        assert released.status_code in (200, 503), released.text
+        if released.status_code == 200:
+            assert released.json() == {"released": 0, "unknown": 1}, released.text
+    finally:
+        old.stop()
+        if new is not None:
+            new.stop()
 
 
 def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any]) -> None:
