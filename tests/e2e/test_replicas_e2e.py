@@ -9,6 +9,7 @@ SIGKILLed, then Redis stopped.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 from corpus import CASES, Case, assert_outputs_match, expected
 from e2e.conftest import metric_total
-from e2e.test_calls_fuzz_e2e import Walk, upload_programs
+from e2e.test_calls_fuzz_e2e import Walk, _body, upload_programs
 from e2e.test_sdk_fuzz_e2e import sdk_walk, wait_back_to
 from redis_server import RedisServer, free_port
 
@@ -499,6 +500,127 @@ def test_the_sdk_walking_at_random_through_the_balancer_frees_what_it_drops(
                 progress=False) as c:
         sdk_walk(c, 5, 300)
         wait_back_to(lambda: _live_futures(replicas), before)
+
+
+class _LosingWalk(Walk):
+    """``Walk`` through the balancer while replicas are SIGKILLed now and then and
+    started again at the same address, as an orchestrator restarts a pod.
+
+    A killed replica's futures leave the walk's model for ``lost``, and are probed
+    (``_probe``): until the others notice the loss (its heartbeat's key expires), an
+    answer about one may be what the replica last wrote (its status) or ``unavailable``;
+    after, ``replica_lost``, wherever it is asked. Never another answer: in
+    particular never a 404, nor what the process now at its address says of it.
+    Futures of the live replicas behave as in any walk, those that read a lost one's
+    outputs failing with ``replica_lost`` or naming it.
+    """
+
+    def __init__(self, http: httpx.Client, ids: dict[str, str], seed: int,
+                 cluster: dict[str, Any]) -> None:
+        super().__init__(http, ids, seed)
+        self.cluster = cluster
+        self.failures = self.failures | {"replica_lost"}
+        self.lost: dict[str, dict[str, Any]] = {}  # future id -> its model entry
+        self.killed: set[str] = set()  # replica ids
+        self.probes: collections.Counter[str] = collections.Counter()
+
+    def step(self) -> None:
+        if self.lost and self.rng.random() < 0.15:
+            self._probe()
+        else:
+            super().step()
+
+    def checked(self, r: httpx.Response) -> httpx.Response:
+        if r.status_code in (502, 503):  # only about a lost replica's future, naming it
+            error = (_body(r) or {}).get("error") or {}
+            assert error.get("code") in ("replica_lost", "unavailable"), r.text[:300]
+            assert any(rid in error.get("message", "") for rid in self.killed), r.text[:300]
+            return r
+        return super().checked(r)
+
+    def kill(self) -> None:
+        """SIGKILL a replica, move its futures to ``lost``, start another in its place."""
+        replicas = self.cluster["replicas"]
+        for r in replicas:
+            r.wait_ready()  # the one started last time is up: one down at a time
+        i = self.rng.randrange(len(replicas))
+        victim = replicas[i]
+        rid = victim.replica_id
+        victim.stop()
+        self.killed.add(rid)
+        for fid in [f for f in self.futures if f.startswith(f"{rid}.")]:
+            entry = self.futures.pop(fid)
+            if not entry["deleted"] and len(entry["released"]) < len(entry["outs"]):
+                self.lost[fid] = entry
+        replicas[i] = Replica(self.cluster["tmp"], f"r{i}-{len(self.killed)}",
+                              self.cluster["env"], port=victim.port)
+
+    def _probe(self) -> None:
+        """Ask about a lost future, one way or another; check the answer."""
+        fid = self.rng.choice(list(self.lost))
+        k = self.rng.choice([k for k in range(len(self.lost[fid]["outs"]))
+                             if k not in self.lost[fid]["released"]])
+        how = self.rng.choice(["status", "result", "call", "release", "delete"])
+        self.probes[how] += 1
+        if how == "status":
+            r = self.checked(self.http.get(f"/v1/futures/{fid}"))
+            assert r.status_code in (200, 503), f"lost future {fid}: {r.text[:300]}"
+            if r.status_code == 200:
+                doc = r.json()
+                assert doc["status"] != "failed" or doc["error"]["code"] == "replica_lost", doc
+            return
+        if how == "result":
+            r = self.checked(self.http.get(f"/v1/futures/{fid}/result", params={"outputs": k},
+                                           headers={"accept": wire.MSGPACK}))
+        elif how == "call":
+            r, _ = self.post(f"/v1/programs/{self.ids['double']}/execute",
+                             {"args": [{"future": fid, "output": k}]})
+        elif how == "release":  # let go of what is gone: nothing released (docs/api.md)
+            r, answer = self.post("/v1/futures/release", {"outputs": [{"future": fid, "output": k}]})
+            if r.status_code == 200:
+                assert answer == {"released": 0, "unknown": 1}, (fid, answer)
+                return
+        else:
+            r = self.checked(self.http.delete(f"/v1/futures/{fid}"))
+        assert r.status_code in (502, 503), f"{how} of lost future {fid}: {r.text[:300]}"
+
+    def settle_lost(self) -> None:
+        """Each lost future comes to say ``replica_lost``, wherever it is asked."""
+        for fid in self.lost:
+            deadline = time.monotonic() + 60
+            while True:
+                doc = self.checked(self.http.get(f"/v1/futures/{fid}",
+                                                 params={"wait": 1000})).json()
+                if doc.get("status") == "failed" or time.monotonic() > deadline:
+                    break
+            assert doc["status"] == "failed" and doc["error"]["code"] == "replica_lost", doc
+            for r in self.cluster["replicas"]:
+                got = httpx.get(f"{r.url}/v1/futures/{fid}/result", headers=AUTH, timeout=30)
+                assert got.status_code == 502, got.text[:300]
+                assert got.json()["error"]["code"] == "replica_lost", got.text[:300]
+
+
+@pytest.mark.parametrize("seed", [7])
+def test_a_walk_through_the_balancer_with_replicas_killed_under_it_loses_nothing(
+        cluster: dict[str, Any], seed: int) -> None:
+    """``Walk`` by one key through the balancer, a replica SIGKILLed every so often
+    and started again at its address (``_LosingWalk``): every future held ends, done
+    with the right values or failed saying why; a lost replica's futures say
+    ``replica_lost`` everywhere, and never anything else."""
+    with httpx.Client(base_url=cluster["url"], timeout=120, headers=AUTH) as http:
+        walk = _LosingWalk(http, upload_programs(http, slow=False), seed, cluster)
+        for i in range(300):
+            if i in (60, 160):
+                walk.kill()
+            walk.step()
+        for r in cluster["replicas"]:
+            r.wait_ready()
+        ended = walk.settle()
+        walk.settle_lost()
+    print(f"ended {dict(ended)}, lost {len(walk.lost)}, probes {dict(walk.probes)}")
+    assert ended["done"] > 0 and walk.lost, (ended, walk.lost)
+    for r in cluster["replicas"]:
+        assert httpx.get(f"{r.url}/healthz", timeout=10).status_code == 200
 
 
 def test_a_process_at_a_lost_replica_s_address_is_never_taken_for_it(
