@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -502,6 +503,9 @@ def test_the_sdk_walking_at_random_through_the_balancer_frees_what_it_drops(
         wait_back_to(lambda: _live_futures(replicas), before)
 
 
+_RESTARTS = itertools.count(1)  # names the logs of replicas started again
+
+
 class _LosingWalk(Walk):
     """``Walk`` through the balancer while replicas are SIGKILLed now and then and
     started again at the same address, as an orchestrator restarts a pod.
@@ -552,7 +556,7 @@ class _LosingWalk(Walk):
             entry = self.futures.pop(fid)
             if not entry["deleted"] and len(entry["released"]) < len(entry["outs"]):
                 self.lost[fid] = entry
-        replicas[i] = Replica(self.cluster["tmp"], f"r{i}-{len(self.killed)}",
+        replicas[i] = Replica(self.cluster["tmp"], f"r{i}-{next(_RESTARTS)}",
                               self.cluster["env"], port=victim.port)
 
     def _probe(self) -> None:
