@@ -627,6 +627,38 @@ def test_a_walk_through_the_balancer_with_replicas_killed_under_it_loses_nothing
         assert httpx.get(f"{r.url}/healthz", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("seed", [11])
+def test_the_sdk_walking_through_the_balancer_with_replicas_killed_under_it(
+        cluster: dict[str, Any], seed: int) -> None:
+    """``sdk_walk`` through the balancer, now and then a replica SIGKILLed (with the
+    arrays it held) and started again at its address: every value read is right, and
+    a read that is not raises ``replica_lost`` (or ``unavailable``, before the others
+    know), or ``future_failed`` for a call on such an input; nothing hangs."""
+    rng = np.random.default_rng(seed)
+    replicas = cluster["replicas"]
+    kills = 0
+
+    def kill() -> None:
+        nonlocal kills
+        for r in replicas:
+            r.wait_ready()  # one down at a time
+        i = int(rng.integers(len(replicas)))
+        victim = replicas[i]
+        victim.stop()
+        kills += 1
+        replicas[i] = Replica(cluster["tmp"], f"r{i}-{next(_RESTARTS)}", cluster["env"],
+                              port=victim.port)
+
+    with Client(cluster["url"], api_key=KEYS[1], run_ahead=8, timeout=120,
+                progress=False) as c:
+        lost, _ = sdk_walk(c, seed, 300, kill, lose={"replica_lost", "unavailable",
+                                                      "future_failed"})
+    for r in replicas:
+        r.wait_ready()
+    print(f"{kills} replicas killed, {lost} reads raised for it")
+    assert kills and lost, (kills, lost)
+
+
 def test_a_process_at_a_lost_replica_s_address_is_never_taken_for_it(
         cluster: dict[str, Any]) -> None:
     """A replica SIGKILLed and started again at its address, as an orchestrator

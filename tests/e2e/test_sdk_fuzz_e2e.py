@@ -27,7 +27,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import httpx
@@ -51,12 +51,12 @@ _STOPPED = {"runtime_stopped", "future_failed"}
 
 
 def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None = None,
-             spin: bool = False) -> tuple[int, int]:
+             spin: bool = False, lose: Collection[str] = _LOST) -> tuple[int, int]:
     """``steps`` random steps of a program using ``c``; ``crash`` (if given) kills a
-    runtime, one step in about 40; ``spin`` calls, one step in about 50, a program that
-    never ends, which the server's deadline must stop. Reads what it holds at the end,
-    then drops all it made. Returns how many reads raised for a lost or stopped runtime,
-    and how many for a passed deadline."""
+    runtime, one step in about 40, after which reads may raise the codes of ``lose``;
+    ``spin`` calls, one step in about 50, a program that never ends, which the server's
+    deadline must stop. Reads what it holds at the end, then drops all it made. Returns
+    how many reads raised for a loss, and how many for a passed deadline."""
     rng = np.random.default_rng(seed)
     mean = c.jit(lambda x, y: (x + y) * 0.5)  # values stay bounded however long it walks
     step = c.jit(lambda s, x: (s * 0.5 + x, jnp.tanh((s * x).sum())), donate_argnums=(0,))
@@ -65,7 +65,7 @@ def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None 
     # call on one, whose read must raise
     held: list[tuple[Any, np.ndarray | None]] = []
     lost = timeouts = 0
-    may_lose = (_LOST if crash else set()) | (_STOPPED if spin else set())
+    may_lose = (set(lose) if crash else set()) | (_STOPPED if spin else set())
 
     def loss(e: APIError) -> bool:
         """Whether ``e`` is a loss the walk may meet. A lookup (the signature's
