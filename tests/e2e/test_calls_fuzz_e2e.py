@@ -20,9 +20,11 @@ wherever its inputs' values are known. The checks:
   even when a future's outputs are found gone in the moment its runtime is being
   stopped.
 
-Three fixed seeds of 600 steps each, and a fourth walk that also SIGKILLs a
-runtime now and then, whose futures may end ``runtime_crashed`` too. ``Walk`` also
-runs through replicas, by two API keys at once (``test_replicas_e2e``).
+Three fixed seeds of 600 steps each; two walks that also SIGKILL a runtime now and
+then, whose futures may end ``runtime_crashed`` too; and two on a server whose futures
+expire 2 s after they are made or end, where a held future may be found gone only
+once that long has passed. ``Walk`` also runs through replicas, by two API keys at
+once and with replicas killed under it (``test_replicas_e2e``).
 """
 
 from __future__ import annotations
@@ -114,12 +116,15 @@ class Walk:
         self.failures = _FAILURES | ({"runtime_crashed"} if crash else set())
         self.crashes = 0
         self.compared = 0  # results read and found right
+        self.sent = 0.0  # when the last request went (monotonic)
+        self.born: dict[str, float] = {}  # future id -> when the request that made it went
         # future id -> {"outs": [value or None], "released": set, "deleted": bool}
         self.futures: dict[str, dict[str, Any]] = {}
 
     # -- requests ---------------------------------------------------------------
 
     def post(self, path: str, body: Any, **params: Any) -> tuple[httpx.Response, Any]:
+        self.sent = time.monotonic()
         r = self.http.post(path, content=wire.packb(body), params=params,
                            headers={"content-type": wire.MSGPACK, "accept": wire.MSGPACK})
         return self.checked(r), _body(r)
@@ -199,12 +204,17 @@ class Walk:
         the futures of the calls of its batch before it, ``None`` where refused)."""
         self.futures[fid] = {"outs": call["expect"] or [None] * call["n_out"],
                              "released": set(), "deleted": False}
+        self.born[fid] = self.sent
         for i in call["donate"]:
             ref = call["refs"][i]
             if ref is not None and ref[0] == "future" and ref[1]["future"] in self.futures:
                 self.futures[ref[1]["future"]]["released"].add(ref[1]["output"])
             elif ref is not None and ref[0] == "call" and batch[ref[1]] is not None:
                 self.futures[batch[ref[1]]]["released"].add(ref[2])
+
+    def found_gone(self, fid: str, answer: str) -> None:
+        """The server no longer knows ``fid``, which the walk holds: never, here."""
+        raise AssertionError(f"held future {fid}: {answer[:300]}")
 
     def known(self, fid: str) -> bool:
         """Whether the server still knows ``fid``: not deleted, nor all its outputs let go."""
@@ -255,6 +265,7 @@ class Walk:
         r, body = self.post("/v1/arrays", {"arrays": xs})
         assert r.status_code == 201, r.text
         self.futures[body["future_id"]] = {"outs": xs, "released": set(), "deleted": False}
+        self.born[body["future_id"]] = self.sent
 
     def _execute(self) -> None:
         call = self.call([])
@@ -297,7 +308,10 @@ class Walk:
             # after the batch's calls started: what they donated is let go first, and a
             # future whose every output is let go is gone
             known = self.known(release["future"])
-            assert read or answer["released"] == known, (release, answer)
+            gone = known and not read and not answer["released"]
+            if gone:
+                self.found_gone(release["future"], str(answer))
+            assert read or gone or answer["released"] == known, (release, answer)
             self.futures[release["future"]]["released"].add(0)
 
     def _result(self) -> None:
@@ -312,8 +326,8 @@ class Walk:
             assert r.status_code == 404, f"another key's future {foreign}: {r.status_code}"
             return
         f = self.futures[fid]  # asked for all its outputs: none let go, none may be gone
-        assert r.status_code != 404 or f["deleted"] or f["released"], \
-            f"held future {fid}: {r.text[:300]}"
+        if r.status_code == 404 and not (f["deleted"] or f["released"]):
+            self.found_gone(fid, r.text)
         if r.status_code == 200:
             assert not self.futures[fid]["deleted"], f"deleted future {fid} answered"
             self.compare(fid, _body(r)["outputs"], list(range(len(self.futures[fid]["outs"]))))
@@ -331,7 +345,11 @@ class Walk:
         known = self.known(fid)
         r, answer = self.post("/v1/futures/release", {"outputs": [{"future": fid, "output": k}]})
         assert r.status_code == 200, r.text
-        assert answer["released"] == (known and k < len(self.futures[fid]["outs"])), (fid, k, answer)
+        want = known and k < len(self.futures[fid]["outs"])
+        if want and not answer["released"]:
+            self.found_gone(fid, str(answer))
+        else:
+            assert answer["released"] == want, (fid, k, answer)
         if k < len(self.futures[fid]["outs"]):
             self.futures[fid]["released"].add(k)
 
@@ -359,10 +377,15 @@ class Walk:
             deadline = time.monotonic() + 120
             while True:
                 r = self.checked(self.http.get(f"/v1/futures/{fid}", params={"wait": 5000}))
-                assert r.status_code == 200, f"held future {fid}: {r.text[:300]}"
+                if r.status_code == 404:
+                    self.found_gone(fid, r.text)
+                    break
                 doc = r.json()
                 if doc["status"] in ("done", "failed", "cancelled") or time.monotonic() > deadline:
                     break
+            if r.status_code == 404:
+                ended["expired"] += 1
+                continue
             assert doc["status"] in ("done", "failed", "cancelled"), f"{fid} still {doc['status']}"
             if doc["status"] == "failed":
                 assert doc["error"]["code"] in self.failures or self._lookup_lost(doc["error"]), \
@@ -376,6 +399,9 @@ class Walk:
                     params={"outputs": ",".join(map(str, held))}))
                 if r.status_code == 200:
                     self.compare(fid, _body(r)["outputs"], held)
+                elif r.status_code == 404:
+                    self.found_gone(fid, r.text)
+                    ended["expired"] += 1
                 else:  # done, then its runtime went: the answer says so
                     assert r.json()["error"]["cause"]["code"] in self.failures, r.text
         return ended
@@ -422,4 +448,46 @@ def test_a_random_walk_with_runtimes_killed_under_it_loses_nothing(
     ended = walk.settle()
     # the walk did reach results: some read during it, or held to its end
     assert walk.crashes > 0 and walk.compared + ended["done"] > 0, (walk.crashes, ended)
+    assert http.get("/healthz").status_code == 200
+
+
+_TTL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def expiring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, dict[str, str]]]:
+    env = {"JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "2",
+           "JITSERVE_FUTURE_TTL_S": str(_TTL_S)}
+    for url in _serve(tmp_path_factory.mktemp("calls-expiring"), env):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            yield http, upload_programs(http)
+
+
+class _ExpiringWalk(Walk):
+    """``Walk`` on a server whose futures expire ``_TTL_S`` after they are made or end.
+    A held future may be found gone only once that long has passed since the request
+    that made it went (it cannot expire sooner); the walk then lets it go."""
+
+    expired = 0
+
+    def found_gone(self, fid: str, answer: str) -> None:
+        age = time.monotonic() - self.born[fid]
+        assert age >= _TTL_S, f"future {fid} gone {age:.2f} s after it was asked for: {answer[:300]}"
+        self.futures[fid]["deleted"] = True
+        self.expired += 1
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_random_walk_with_futures_expiring_under_it_loses_nothing_before_its_time(
+        expiring: tuple[httpx.Client, dict[str, str]], seed: int) -> None:
+    """The walk, its futures expiring as it goes (calls on them queued, running, or
+    reading them, results fetched, outputs released): none is gone sooner than its
+    TTL, what is read is right, the rest of the walk's checks hold, and what expires
+    is refused as any unknown id is."""
+    http, ids = expiring
+    walk = _ExpiringWalk(http, ids, seed)
+    for _ in range(_STEPS):
+        walk.step()
+    ended = walk.settle()
+    assert walk.expired > 0 and walk.compared + ended["done"] > 0, (walk.expired, ended)
     assert http.get("/healthz").status_code == 200
