@@ -254,8 +254,11 @@ class Mirror(Generic[F]):
         try:
             pipe = self._redis.pipeline(transaction=False)
             pipe.get(self._keys.future(future_id))
-            pipe.exists(self._keys.replica(rid or "-"))
-            raw, alive = await pipe.execute()
+            # Declared lost, not merely without a heartbeat key: after Redis restarts
+            # empty, a live replica's key is missing until its next beat, and what it
+            # writes meanwhile must not read as lost.
+            pipe.exists(self._keys.lost(rid or "-"))
+            raw, declared = await pipe.execute()
         except (RedisError, OSError) as e:
             raise self._membership.unreachable(e) from None
         if raw is None:
@@ -263,7 +266,7 @@ class Mirror(Generic[F]):
         doc = json.loads(raw)
         if not same_owner(doc.pop("owner", None), owner):
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
-        lost = not alive or (rid is not None and self._membership.is_lost(rid))
+        lost = declared or (rid is not None and self._membership.is_lost(rid))
         status = doc["status"]
         if lost and rid is not None and (status == FutureStatus.DONE or status not in FINAL):
             doc["status"] = FutureStatus.FAILED.value

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import redis
 from corpus import CASES, Case, assert_outputs_match, expected
 from e2e.conftest import metric_total
 from e2e.test_calls_fuzz_e2e import Walk, _body, upload_programs
@@ -705,6 +706,55 @@ def test_a_process_at_a_lost_replica_s_address_is_never_taken_for_it(
         old.stop()
         if new is not None:
             new.stop()
+
+
+def test_a_future_whose_metadata_redis_dropped_is_still_answered_for(
+        cluster: dict[str, Any]) -> None:
+    """Redis is a bounded cache that evicts (docs/redis.md: ``allkeys-lru``), and may
+    restart empty: a future's metadata can go while its replica still holds the
+    future. Another replica then asks that one instead of denying the future, and the
+    holder writes the metadata again; another key still learns nothing of it."""
+    a, b, _ = cluster["replicas"]
+    pid = _upload(a.url, _export(lambda x: x * 3, jax.ShapeDtypeStruct((3,), np.float32)))
+    done = _execute(a.url, pid, [np.ones(3, np.float32)], wait=30_000)
+    assert done.status_code == 200, done.text
+    fid = wire.unpackb(done.content)["future_id"]
+    store = redis.Redis.from_url(cluster["redis"].url)
+    try:
+        (key,) = store.keys(f"*cluster:future:{fid}")
+        assert store.delete(key) == 1  # as an eviction would
+        for params in ({}, {"wait": 1000}):
+            view = httpx.get(f"{b.url}/v1/futures/{fid}", params=params, headers=AUTH, timeout=30)
+            assert view.status_code == 200, (params, view.text)
+            assert view.json()["status"] == "done", view.text
+        other = httpx.get(f"{b.url}/v1/futures/{fid}", timeout=30,
+                          headers={"authorization": f"Bearer {KEYS[1]}"})
+        assert other.status_code == 404, other.text
+        for ghost in (f"{'0' * 10}.{'x' * 32}", f"{fid.split('.')[0]}.{'y' * 32}"):
+            r = httpx.get(f"{b.url}/v1/futures/{ghost}", headers=AUTH, timeout=30)
+            assert r.status_code == 404, (ghost, r.text)
+        deadline = time.monotonic() + 30
+        while not store.exists(key):  # written again by its replica
+            assert time.monotonic() < deadline, "the holder did not write the metadata again"
+            time.sleep(0.05)
+    finally:
+        store.close()
+    got = httpx.get(f"{b.url}/v1/futures/{fid}/result", headers={"accept": wire.MSGPACK, **AUTH},
+                    timeout=30)
+    np.testing.assert_array_equal(wire.unpackb(got.content)["outputs"][0], np.full(3, 3.0))
+    # Redis restarted, empty (no persistence, as recommended): the same, for every future.
+    cluster["redis"].kill()
+    cluster["redis"].start()
+    deadline = time.monotonic() + 60
+    while True:  # until b has seen Redis go and come back (503 unavailable meanwhile)
+        view = httpx.get(f"{b.url}/v1/futures/{fid}", headers=AUTH, timeout=30)
+        if view.status_code != 503:
+            break
+        assert time.monotonic() < deadline, view.text
+        time.sleep(0.1)
+    for params in ({}, {"wait": 1000}):
+        view = httpx.get(f"{b.url}/v1/futures/{fid}", params=params, headers=AUTH, timeout=30)
+        assert view.status_code == 200 and view.json()["status"] == "done", (params, view.text)
 
 
 def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any]) -> None:

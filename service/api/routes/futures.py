@@ -103,14 +103,20 @@ async def release_refs(services: Services, refs: Sequence[FutureRef],
 
 @router.get("/{future_id}", response_model=FutureView, responses=errors(ErrorCode.BAD_REQUEST))
 async def get_future(future_id: str, request: Request, services: ServicesDep, owner: Owner,
-                     wait: WaitSeconds) -> FutureView:
+                     wait: WaitSeconds) -> Response | FutureView:
     """The future's status; ``?wait=<ms>`` long-polls until the status changes."""
     cluster = request_cluster(request, services)
-    if remote_replica(cluster, future_id) is not None:
+    if (rid := remote_replica(cluster, future_id)) is not None:
         assert cluster is not None
-        doc = await cluster.watch.wait_change(future_id, owner, None, wait)
+        try:
+            doc = await cluster.watch.wait_change(future_id, owner, None, wait)
+        except NotFound:
+            # Redis evicts, and may restart empty: its replica may hold it all the same.
+            return await _relay(cluster, rid, request, future_id, owner, wait)
         return FutureView.model_validate(doc)
     fut = services.futures.get(future_id, owner)
+    if services.cluster is not None and request.scope.get("state", {}).get("forwarded"):
+        services.cluster.mirror.changed(fut)  # the sender's Redis lost it: write it again
     if wait and not fut.status.is_final:
         await fut.wait_change(fut.status, wait)
     return FutureView.of(fut)
