@@ -9,6 +9,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from jitserve import wire
@@ -66,9 +69,13 @@ class Cluster(Generic[F]):
                  document: Callable[[F], dict[str, Any]], live: Callable[[], Iterable[F]],
                  on_self_lost: Callable[[str, str], None] | None = None,
                  peer_idle_s: float = 2.0) -> None:
+        # One quick retry of a command whose connection broke: after Redis restarts,
+        # each pooled connection opened before fails once, and a request on it would
+        # answer 503 for nothing (the compiler's client does the same).
         self._redis = aioredis.Redis.from_url(
             redis.url, socket_connect_timeout=redis.connect_timeout_s,
-            socket_timeout=max(redis.socket_timeout_s, 2 * heartbeat_s), health_check_interval=30)
+            socket_timeout=max(redis.socket_timeout_s, 2 * heartbeat_s), health_check_interval=30,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._http = PeerClient(idle_s=peer_idle_s)
         keys = self.keys = Keys(redis.key_prefix)
         self.membership = Membership(self._redis, keys, peer_url=peer_url,
