@@ -99,20 +99,23 @@ class Relay:
             response = await self._http.request(method, peer.url, _target(path, query, raw_path),
                                                 sent, content, read_s=30.0 + wait_s)
         except (PeerError, TimeoutError) as e:
-            if await self._membership.gone(rid):
-                raise replica_lost(rid) from None
-            raise Unavailable(f"replica {rid} at {peer.url} did not answer: "
-                              f"{type(e).__name__}") from None
+            raise await self._not_there(rid, f"replica {rid} at {peer.url} did not answer: "
+                                             f"{type(e).__name__}") from None
         answered = response.headers.get(REPLICA_HEADER)
         if answered is not None and answered != rid:
             # Another process answers at its address (it refused the request): rid is
             # not there, as if it did not answer.
             response.release()
-            if await self._membership.gone(rid):
-                raise replica_lost(rid)
-            raise Unavailable(f"replica {rid} is not at {peer.url}: replica {answered} "
-                              "answers there")
+            raise await self._not_there(rid, f"replica {rid} is not at {peer.url}: replica "
+                                             f"{answered} answers there")
         return response
+
+    async def _not_there(self, rid: str, why: str) -> ServiceError:
+        """Replica ``rid`` did not answer: ``ReplicaLost`` if it is gone, else
+        ``Unavailable`` saying ``why``."""
+        if await self._membership.gone(rid):
+            return replica_lost(rid)
+        return Unavailable(why)
 
     @contextlib.asynccontextmanager
     async def forward(self, rid: str, method: str, path: str, owner: str | None, *,
@@ -134,9 +137,8 @@ class Relay:
         try:
             body = await response.read()
         except (PeerError, TimeoutError) as e:
-            if await self._membership.gone(rid):
-                raise replica_lost(rid) from None
-            raise Unavailable(f"replica {rid} broke off its answer: {type(e).__name__}") from None
+            raise await self._not_there(rid, f"replica {rid} broke off its answer: "
+                                             f"{type(e).__name__}") from None
         self._peer_in.inc(len(body))
         return body
 

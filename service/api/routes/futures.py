@@ -115,8 +115,8 @@ async def get_future(future_id: str, request: Request, services: ServicesDep, ow
             return await _relay(cluster, rid, request, future_id, owner, wait)
         return FutureView.model_validate(doc)
     fut = services.futures.get(future_id, owner)
-    if services.cluster is not None and request.scope.get("state", {}).get("forwarded"):
-        services.cluster.mirror.changed(fut)  # the sender's Redis lost it: write it again
+    if cluster is None and services.cluster is not None:  # forwarded: the sender's Redis
+        services.cluster.mirror.changed(fut)  # lost it, so write it again
     if wait and not fut.status.is_final:
         await fut.wait_change(fut.status, wait)
     return FutureView.of(fut)
