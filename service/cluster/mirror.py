@@ -251,16 +251,7 @@ class Mirror(Generic[F]):
         lost reads ``failed`` with ``replica_lost`` (its outputs went with it).
         """
         rid = replica_of(future_id)
-        try:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.get(self._keys.future(future_id))
-            # Declared lost, not merely without a heartbeat key: after Redis restarts
-            # empty, a live replica's key is missing until its next beat, and what it
-            # writes meanwhile must not read as lost.
-            pipe.exists(self._keys.lost(rid or "-"))
-            raw, declared = await pipe.execute()
-        except (RedisError, OSError) as e:
-            raise self._membership.unreachable(e) from None
+        raw, declared = await self._read(future_id, rid)
         if raw is None:
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
         doc = json.loads(raw)
@@ -274,6 +265,34 @@ class Mirror(Generic[F]):
         doc.pop("replica", None)
         return doc
 
+    async def deny_others(self, future_id: str, owner: str | None) -> None:
+        """Before ``replica_lost`` is answered for ``future_id``, whose replica is gone:
+        ``NotFound`` when its metadata says it is another owner's.
+
+        Missing metadata denies nothing. The replica may have died before writing it
+        (it answers an execute after ``_FLUSH_WAIT_S`` at most, written or not, and
+        writes nothing while Redis is away), and an accepted future must not read as
+        unknown; nor can an id it never made be told apart, so that reads
+        ``replica_lost`` too (the same for every id of that replica: it tells nothing).
+        """
+        raw, _ = await self._read(future_id, replica_of(future_id))
+        if raw is not None and not same_owner(json.loads(raw).get("owner"), owner):
+            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+
+    async def _read(self, future_id: str, rid: str | None) -> tuple[bytes | None, bool]:
+        """``future_id``'s metadata as written (``None``: none), and whether its
+        replica ``rid`` is declared lost."""
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.get(self._keys.future(future_id))
+            # Declared lost, not merely without a heartbeat key: after Redis restarts
+            # empty, a live replica's key is missing until its next beat, and what it
+            # writes meanwhile must not read as lost.
+            pipe.exists(self._keys.lost(rid or "-"))
+            raw, declared = await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise self._membership.unreachable(e) from None
+        return raw, bool(declared)
 
 
 class _Answering(Generic[F]):

@@ -274,7 +274,7 @@ class Relay:
                                     headers={"accept": wire.MSGPACK}, wait_s=wait_s) as answer:
                 body = await self.read(rid, answer)
         except ReplicaLost:
-            await self._mirror.metadata(future_id, owner)  # NotFound if none of the caller's
+            await self._mirror.deny_others(future_id, owner)
             raise
         if answer.status != 200:
             raise _refusal(answer.status, body, future_id)

@@ -763,6 +763,48 @@ def test_a_future_whose_metadata_redis_dropped_is_still_answered_for(
         assert view.status_code == 200 and view.json()["status"] == "done", (params, view.text)
 
 
+def test_a_future_whose_replica_died_before_writing_it_fails_replica_lost(
+        cluster: dict[str, Any]) -> None:
+    """A replica answers an execute without its metadata written when Redis is away
+    (or slower than a second). If it dies before writing it, its future is in no
+    Redis, yet it was accepted: the others answer ``replica_lost`` for it, never 404."""
+    b = cluster["replicas"][1]
+    doomed = Replica(cluster["tmp"], "unwritten", cluster["env"])
+    try:
+        doomed.wait_ready()
+        program = _export(lambda x: x - 1, jax.ShapeDtypeStruct((3,), np.float32))
+        pid = _upload(doomed.url, program)
+        cluster["redis"].kill()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{doomed.url}/readyz", timeout=10).json().get("cluster") != "degraded":
+            assert time.monotonic() < deadline, "the replica did not notice Redis go"
+            time.sleep(0.1)
+        done = _execute(doomed.url, pid, [np.ones(3, np.float32)], wait=30_000)
+        assert done.status_code == 200, done.text
+        fid = wire.unpackb(done.content)["future_id"]
+        doomed.stop()  # SIGKILL, before Redis is back: its future was never written
+    finally:
+        doomed.stop()
+        cluster["redis"].start()
+    deadline = time.monotonic() + 60
+    while True:  # 503 unavailable until b has seen Redis come back
+        view = httpx.get(f"{b.url}/v1/futures/{fid}", headers=AUTH, timeout=30)
+        if view.status_code != 503:
+            break
+        assert time.monotonic() < deadline, view.text
+        time.sleep(0.1)
+    assert view.status_code == 502 and view.json()["error"]["code"] == "replica_lost", view.text
+    assert _upload(b.url, program) == pid  # programs were in the Redis that restarted empty
+    for how, r in (
+            ("result", httpx.get(f"{b.url}/v1/futures/{fid}/result", headers=AUTH, timeout=30)),
+            ("chained", _execute(b.url, pid, [{"future": fid, "output": 0}])),
+            ("other key", httpx.get(f"{b.url}/v1/futures/{fid}", timeout=30,
+                                    headers={"authorization": f"Bearer {KEYS[1]}"}))):
+        assert r.status_code == 502, (how, r.text)
+        assert r.json()["error"]["code"] == "replica_lost" and fid.split(".")[0] in \
+            r.json()["error"]["message"], (how, r.text)
+
+
 def test_sigterm_drains_then_its_results_stay_fetchable(cluster: dict[str, Any]) -> None:
     a = cluster["replicas"][0]
     extra = Replica(cluster["tmp"], "drained", {**cluster["env"], "JITSERVE_DRAIN_TIMEOUT_S": "60"})

@@ -177,7 +177,7 @@ async def _relay(cluster: Cluster | None, rid: str, request: Request, future_id:
     try:
         return await cluster.relay.answer_from(rid, request, owner, wait_s=wait_s)
     except ReplicaLost:
-        await cluster.mirror.metadata(future_id, owner)  # NotFound if it is none of the caller's
+        await cluster.mirror.deny_others(future_id, owner)
         raise
 
 
