@@ -85,3 +85,16 @@ def test_jax_s_own_tests_pass_through_jitserve_as_locally(request: pytest.Fixtur
                 if line.startswith("jitserve_ifrt_requests_total{") and 'status="INTERNAL"' in line
                 and not line.endswith(" 0.0")]
     assert not internal, internal
+
+
+def test_the_kept_local_outcomes_hold_for_every_file() -> None:
+    """Each file's local outcomes are kept (``runner.BASELINE``) for the versions CI
+    installs: a stale entry does not fail the comparison, it runs the file locally as
+    well, and that doubled the time of five files in CI unnoticed (after the
+    fingerprint took in the devices). So a stale or missing entry fails here, naming the
+    command that makes it again."""
+    stale = [name for name in FILES if baseline(name, SHARE[name]) is None]
+    assert not stale, (
+        f"the kept local outcomes of {stale} do not hold for these versions; run, for each, "
+        "python tests/ifrt_conformance/runner.py --baseline --share N --files F "
+        "(N from SHARE in tests/e2e/test_ifrt_conformance.py)")
