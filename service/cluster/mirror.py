@@ -267,16 +267,23 @@ class Mirror(Generic[F]):
 
     async def deny_others(self, future_id: str, owner: str | None) -> None:
         """Before ``replica_lost`` is answered for ``future_id``, whose replica is gone:
-        ``NotFound`` when its metadata says it is another owner's.
+        ``NotFound`` when its metadata says it is another owner's, or when there is none
+        and no replica of that id is known to have been (an id of no replica).
 
-        Missing metadata denies nothing. The replica may have died before writing it
-        (it answers an execute after ``_FLUSH_WAIT_S`` at most, written or not, and
-        writes nothing while Redis is away), and an accepted future must not read as
-        unknown; nor can an id it never made be told apart, so that reads
-        ``replica_lost`` too (the same for every id of that replica: it tells nothing).
+        Missing metadata of a known lost replica's future denies nothing. The replica
+        may have died before writing it (it answers an execute after ``_FLUSH_WAIT_S``
+        at most, written or not, and writes nothing while Redis is away), and an
+        accepted future must not read as unknown; nor can an id it never made be told
+        apart, so that reads ``replica_lost`` too (as every id of that replica does: it
+        tells nothing).
         """
-        raw, _ = await self._read(future_id, replica_of(future_id))
-        if raw is not None and not same_owner(json.loads(raw).get("owner"), owner):
+        rid = replica_of(future_id)
+        raw, declared = await self._read(future_id, rid)
+        if raw is None:
+            known = declared or (rid is not None and self._membership.is_lost(rid))
+            if not known:
+                raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+        elif not same_owner(json.loads(raw).get("owner"), owner):
             raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
 
     async def _read(self, future_id: str, rid: str | None) -> tuple[bytes | None, bool]:
