@@ -57,10 +57,10 @@ if TYPE_CHECKING:
         UnsafeProgram,
     )
     from jitserve.compiler.program_store import StoredPrograms
-    from jitserve.compiler.programs import Program, ProgramFormat
+    from jitserve.compiler.records import Limits, Program
     from jitserve.compiler.redis.settings import RedisSettings
-    from jitserve.compiler.safety import ALLOWED_CUSTOM_CALLS, Limits
-    from jitserve.wire import DTYPES, Aval
+    from jitserve.compiler.safety import ALLOWED_CUSTOM_CALLS
+    from jitserve.wire import DTYPES, Aval, ProgramFormat
 
 # Each public name and the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -84,14 +84,14 @@ _EXPORTS: dict[str, str] = {
     "Executable": "jitserve.compiler.compile",
     "InvalidProgram": "jitserve.compiler.errors",
     "LimitExceeded": "jitserve.compiler.errors",
-    "Limits": "jitserve.compiler.safety",
+    "Limits": "jitserve.compiler.records",
     "LoadedExecutable": "jitserve.compiler.catalog",
     "Lookup": "jitserve.compiler.compile",
     "MemoryCache": "jitserve.compiler.cache",
     "PROGRAMS": "jitserve.compiler.cache",
     "PlatformMismatch": "jitserve.compiler.errors",
-    "Program": "jitserve.compiler.programs",
-    "ProgramFormat": "jitserve.compiler.programs",
+    "Program": "jitserve.compiler.records",
+    "ProgramFormat": "jitserve.wire",
     "RedisSettings": "jitserve.compiler.redis.settings",
     "SharedTier": "jitserve.compiler.cache",
     "SignatureMismatch": "jitserve.compiler.errors",

@@ -17,7 +17,7 @@ from jitserve.wire import TierName
 
 if TYPE_CHECKING:
     from jitserve.compiler.cache import CacheSecret
-    from jitserve.compiler.compile import MemoryStats
+    from jitserve.compiler.records import MemoryStats
     from jitserve.compiler.redis.settings import RedisSettings
     from jitserve.compiler.redis.tiers import RedisTiers
 

@@ -69,16 +69,16 @@ from jitserve.compiler.keys import (
     options_digest,
 )
 from jitserve.compiler.program_store import StoredPrograms
-from jitserve.compiler.programs import Program, decode_program, lower
+from jitserve.compiler.programs import decode_program, lower
+from jitserve.compiler.records import Limits, MemoryStats, Program, check_donate, check_inputs
 from jitserve.compiler.redis.settings import RedisSettings
-from jitserve.compiler.safety import Limits, check_module
+from jitserve.compiler.safety import check_module
 from jitserve.wire import DTYPES, Aval, TierName, carried_outputs
 
 if TYPE_CHECKING:
     from jitserve.compiler.redis.tiers import RedisTiers
 
-__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "MemoryStats", "check_donate",
-           "check_inputs", "cost_of"]
+__all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "cost_of"]
 
 logger = logging.getLogger("jitserve.compiler")
 
@@ -97,7 +97,7 @@ class CompilerConfig:
         decoded programs (bytes as uploaded).
       compile_timeout_s: a compile past this is stopped (its worker is killed).
       compile_workers: compiles that may run at once, each in its own process.
-      limits: what an untrusted program may be (``compiler.safety.Limits``).
+      limits: what an untrusted program may be (``compiler.records.Limits``).
       redis: the deployment's shared Redis (``compiler.redis.RedisSettings``), an
         L2 tier after the disk for executables and programs, which also elects
         one compiler per key across processes; ``None`` for none. An unreachable
@@ -134,68 +134,6 @@ class CompilerConfig:
             raise ValueError(
                 "CompilerConfig.redis is set but cache_secret is not: every process sharing a "
                 "Redis must sign its entries with the same secret (CacheSecret.from_value)")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryStats:
-    """XLA's buffer assignment of one executable, in device bytes: known before it runs.
-
-    Read from the loaded executable (``get_compiled_memory_stats``), which works for
-    deserialized executables too, and kept in the executable's meta as ``memory``.
-
-    Attributes:
-      argument_bytes: the inputs.
-      output_bytes: the outputs.
-      alias_bytes: outputs that reuse an input's buffer (0 unless inputs are donated).
-      temp_bytes: intermediates, allocated for the run and freed after it: a while
-        loop's carry, say, which no declared output shows.
-      generated_code_bytes: the executable's own code (0 where the backend keeps none
-        on the device, as on CPU).
-    """
-
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    generated_code_bytes: int = 0
-
-    @property
-    def run_bytes(self) -> int:
-        """Device bytes one run allocates beyond its inputs: intermediates and outputs."""
-        return self.temp_bytes + self.output_bytes - self.alias_bytes
-
-    def over(self, limit: int) -> str | None:
-        """Why one run cannot fit in ``limit`` device bytes; ``None`` if it can."""
-        if self.run_bytes <= limit:
-            return None
-        alias = f" - {self.alias_bytes:,} aliased to inputs" if self.alias_bytes else ""
-        return (f"one run of this program needs {self.run_bytes:,} bytes of device memory "
-                f"({self.temp_bytes:,} for intermediates + {self.output_bytes:,} for outputs"
-                f"{alias}), over the limit of {limit:,} bytes (JITSERVE_MAX_EXECUTION_BYTES)")
-
-    def to_json(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> MemoryStats | None:
-        """The stats of a meta's ``memory``; ``None`` if absent or malformed (an older entry)."""
-        try:
-            return cls(**{f.name: int(doc[f.name]) for f in dataclasses.fields(cls)
-                          if f.name in doc or f.default is dataclasses.MISSING})
-        except (TypeError, KeyError, ValueError):
-            return None
-
-    @classmethod
-    def of(cls, loaded: Any) -> MemoryStats | None:
-        """The stats of a loaded executable; ``None`` where the backend cannot tell."""
-        try:
-            s = loaded.get_compiled_memory_stats()
-            return cls(int(s.argument_size_in_bytes), int(s.output_size_in_bytes),
-                       int(s.alias_size_in_bytes), int(s.temp_size_in_bytes),
-                       int(s.generated_code_size_in_bytes))
-        except Exception as e:  # a backend without memory analysis: nothing to bound
-            logger.debug("no memory analysis for an executable: %s", e)
-            return None
 
 
 def cost_of(loaded: Any) -> dict[str, float] | None:
@@ -349,29 +287,6 @@ def sharding_doc(executable: Executable, partitions: int, replicas: int) -> dict
 def hlo_text(shardings: Sequence[Any], avals: Sequence[Aval]) -> list[str]:
     """Each sharding as HLO sharding text (``{devices=[2,2]<=[4]}``, ``{replicated}``)."""
     return [str(s._to_xla_hlo_sharding(len(a.shape))) for s, a in zip(shardings, avals)]
-
-
-def check_donate(donate: Sequence[int], n: int) -> tuple[int, ...]:
-    """``donate`` as sorted unique input indices; ``SignatureMismatch`` past ``n`` inputs.
-
-    The one home of the rule: the compiler keys on it, and the service checks a call's
-    ``donate`` with it before anything is queued."""
-    out = tuple(sorted(set(donate)))
-    if out and not 0 <= out[0] <= out[-1] < n:
-        raise SignatureMismatch(f"donate names inputs {list(out)}; the program takes {n}")
-    return out
-
-
-def check_inputs(expected: Sequence[Aval], avals: Sequence[Aval]) -> None:
-    """Raise ``SignatureMismatch`` naming the first of ``avals`` that does not fit ``expected``:
-    an executable's inputs, or a program's, whose dynamic dimensions fit any size.
-
-    The one home of the rule, for the compiler and the service alike."""
-    if len(avals) != len(expected):
-        raise SignatureMismatch(f"program takes {len(expected)} inputs, got {len(avals)}")
-    for i, (want, got) in enumerate(zip(expected, avals)):
-        if want is not got and not want.matches(got):
-            raise SignatureMismatch(f"input {i}: expected {want}, got {got}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from jitserve.compiler.cache import PROGRAMS, CorruptEntry, MemoryCache, Tier, TieredStore
 from jitserve.compiler.errors import CompilerError
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program
 from jitserve.wire import ProgramFormat
 
 __all__ = ["PROGRAM_BLOB_VERSION", "StoredPrograms", "decode_program_blob", "encode_program_blob"]

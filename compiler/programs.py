@@ -14,7 +14,6 @@ against a primitive allowlist.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
@@ -37,74 +36,12 @@ from jitserve.compiler.errors import (
     message_of,
 )
 from jitserve.compiler.jaxpr import DecodedJaxpr, decode_document
-from jitserve.compiler.safety import Limits, check_module
+from jitserve.compiler.records import Limits, Program
+from jitserve.compiler.safety import check_module
 from jitserve.compiler.trees import treedef_to_json
 from jitserve.wire import DTYPES, Aval, ProgramFormat, WireError
 
-__all__ = ["Program", "ProgramFormat", "decode_program", "lower"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """An uploaded program, decoded and validated.
-
-    Attributes:
-      program_id: sha256 hex of ``payload``; the content address.
-      format: which decoder read it.
-      payload: the bytes as uploaded.
-      in_avals: flat input leaves; dynamic dims are ``None`` (raw ``?``) or ``str``
-        (jax.export symbolic dims).
-      out_avals: flat output leaves, when known before compiling.
-      in_tree, out_tree: the pytree structures (``compiler.trees``), when known.
-      platforms: platforms the program was made for; empty when it does not say.
-      name: the exported function's name, when the artifact says (jax_export); for
-        logs, untrusted.
-      nr_devices: the devices one run takes: a sharded program's (a ``jax_export``'s
-        ``nr_devices``, a module's ``mhlo.num_partitions`` x ``mhlo.num_replicas``).
-      sharding: a sharded ``jax_export``'s mesh (axis name to size) and each input's
-        and output's sharding as exported (``PartitionSpec`` text, else HLO
-        sharding text; ``None`` unspecified); ``None`` for other programs.
-    """
-
-    program_id: str
-    format: ProgramFormat
-    payload: bytes = dataclasses.field(repr=False)
-    in_avals: tuple[Aval, ...]
-    out_avals: tuple[Aval, ...] | None
-    in_tree: Any = None
-    out_tree: Any = None
-    platforms: tuple[str, ...] = ()
-    name: str = ""
-    nr_devices: int = 1
-    sharding: dict[str, Any] | None = None
-
-    @property
-    def is_static(self) -> bool:
-        return all(a.is_static for a in self.in_avals)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any], payload: bytes) -> Program:
-        """The program ``to_json`` (plus ``name``) described, around its ``payload``."""
-        out = doc.get("out_avals")
-        return cls(program_id=doc["program_id"], format=ProgramFormat(doc["format"]),
-                   payload=payload, in_avals=tuple(Aval.from_json(a) for a in doc["in_avals"]),
-                   out_avals=None if out is None else tuple(Aval.from_json(a) for a in out),
-                   in_tree=doc.get("in_tree"), out_tree=doc.get("out_tree"),
-                   platforms=tuple(doc.get("platforms") or ()), name=str(doc.get("name") or ""),
-                   nr_devices=int(doc.get("nr_devices", 1)), sharding=doc.get("sharding"))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "program_id": self.program_id,
-            "format": self.format.value,
-            "in_avals": [a.to_json() for a in self.in_avals],
-            "out_avals": None if self.out_avals is None else [a.to_json() for a in self.out_avals],
-            "in_tree": self.in_tree,
-            "out_tree": self.out_tree,
-            "platforms": list(self.platforms),
-            "nr_devices": self.nr_devices,
-            "sharding": self.sharding,
-        }
+__all__ = ["decode_program", "lower"]
 
 
 def decode_program(data: bytes, format: str | None, *, platform: str, limits: Limits,

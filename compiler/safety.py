@@ -9,7 +9,6 @@ kernels written in other languages (Pallas, Triton) are refused by name.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 from jax._src.export import _export as jax_export_internals
@@ -18,9 +17,9 @@ from jax._src.lib.mlir import ir
 from jitserve.compiler._cusolver import check_cusolver_call, is_cusolver_target
 from jitserve.compiler._lapack import check_lapack_call, is_lapack_target
 from jitserve.compiler.errors import LimitExceeded, UnsafeProgram
-from jitserve.compiler.jaxpr import JaxprLimits
+from jitserve.compiler.records import Limits
 
-__all__ = ["ALLOWED_CUSTOM_CALLS", "Limits", "check_module", "check_text_nesting"]
+__all__ = ["ALLOWED_CUSTOM_CALLS", "check_module", "check_text_nesting"]
 
 # Targets that carry arbitrary code, or that only make sense off this host.
 _REFUSED_TARGETS = frozenset({
@@ -75,29 +74,6 @@ _ALLOWED_DIALECTS = frozenset({"builtin", "func", "stablehlo", "chlo", "sdy"})
 _REFUSED_OPS = frozenset({
     "stablehlo.infeed", "stablehlo.outfeed", "stablehlo.send", "stablehlo.recv",
 })
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Bounds on one untrusted program.
-
-    Attributes:
-      max_program_bytes: size of the uploaded bytes, checked before parsing.
-      max_ops: operations in the module, nested regions included.
-      max_nesting: depth of nested regions (while bodies, conds, reducers).
-      max_tensor_bytes: bytes of any one tensor type in the module, and of any input.
-      max_inputs: number of flat inputs to @main.
-      jaxpr: bounds on a ``jaxpr`` document (equations, nesting, arrays), checked
-        as it is decoded; its ``max_document_bytes`` should match ``max_program_bytes``,
-        which is checked first anyway.
-    """
-
-    max_program_bytes: int = 64 << 20
-    max_ops: int = 200_000
-    max_nesting: int = 64
-    max_tensor_bytes: int = 16 << 30
-    max_inputs: int = 4096
-    jaxpr: JaxprLimits = JaxprLimits()
 
 
 def check_text_nesting(text: str, limits: Limits) -> None:

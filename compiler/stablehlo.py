@@ -33,7 +33,8 @@ from jitserve.compiler.errors import (
     SignatureMismatch,
     message_of,
 )
-from jitserve.compiler.safety import Limits, check_text_nesting
+from jitserve.compiler.records import Limits
+from jitserve.compiler.safety import check_text_nesting
 from jitserve.wire import DTYPES, Aval
 
 __all__ = [

@@ -18,12 +18,12 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
-from jitserve.compiler import Catalog, Compiler
+from jitserve.compiler import Catalog
 from jitserve.wire import ErrorCode
 
 from . import v2
@@ -59,13 +59,20 @@ from .metrics import Metrics, RequestMetricsMiddleware
 from .runtimes import Runtime, RuntimePool, device_limits, make_pool
 from .settings import Settings
 
+if TYPE_CHECKING:
+    from jitserve.compiler import Compiler
+
 __all__ = ["JitserveApp", "create_app", "make_compiler", "serving", "start_pool"]
 
 log = logging.getLogger("jitserve")
 
 
 def make_compiler(settings: Settings) -> Compiler:
-    """A ``Compiler`` configured from ``settings`` (what each runtime runs; tools use it too)."""
+    """A ``Compiler`` configured from ``settings``, as a runtime makes its own; for tools.
+
+    It imports jax, which this process otherwise never does (``compiler.records``)."""
+    from jitserve.compiler import Compiler
+
     return Compiler(settings.compiler_config())
 
 

@@ -313,7 +313,7 @@ class Settings(BaseSettings):
             redis=self.redis_settings(), cache_secret=self.compiler_cache_secret())
 
     def compiler_limits(self) -> Limits:
-        """What an untrusted program may be (``compiler.safety.Limits``), from these settings."""
+        """What an untrusted program may be (``compiler.records.Limits``), from these settings."""
         jaxpr = JaxprLimits(
             max_document_bytes=self.max_program_bytes, max_eqns=self.jaxpr_max_eqns,
             max_depth=self.jaxpr_max_depth, max_vars=self.jaxpr_max_vars,

@@ -403,13 +403,16 @@ REDIS_CODE = {f"jitserve.compiler.redis.{m}"
               for m in ("connection", "blobs", "executables", "lock", "catalog", "tiers")}
 
 
-def test_the_api_process_never_loads_the_runtime_child_or_redis_code() -> None:
+def test_the_api_process_never_loads_the_runtime_child_redis_code_or_jax() -> None:
     loaded = _run("""
         from jitserve.service.app import create_app
         from jitserve.service.settings import Settings
         create_app(Settings(env="test"))
     """)
     assert not (RUNTIME_PROCESS | REDIS_CODE) & set(loaded)
+    # It never touches a program's content (compiler.records; tests/e2e/test_rest.py
+    # checks the running process's mapped files).
+    assert not {m for m in loaded if m.split(".")[0] in ("jax", "jaxlib")}
 
 
 # -- the module map ------------------------------------------------------------------

@@ -13,7 +13,7 @@ class JaxprLimits:
 
     Exceeding any of them raises ``LimitExceeded`` naming the equation. The
     server builds them from its settings (``JITSERVE_JAXPR_MAX_*``) as the
-    ``jaxpr`` field of ``compiler.safety.Limits``; ``max_document_bytes``
+    ``jaxpr`` field of ``compiler.records.Limits``; ``max_document_bytes``
     follows the program byte limit there (``JITSERVE_MAX_PROGRAM_BYTES``).
 
     Attributes:

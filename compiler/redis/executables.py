@@ -25,7 +25,6 @@ import logging
 import time
 from typing import Any, cast
 
-import jax
 import redis
 
 from jitserve.compiler.cache import EXECUTABLES, CacheSecret, CorruptEntry, Entry, decode_entry
@@ -161,7 +160,12 @@ class ExecutableTier(RedisTier):
 
 
 def meta_record(key: str, size: int, entry: Entry) -> dict[str, str]:
-    """The metadata record stored beside entry ``key`` of ``size`` bytes (see ``parse_meta``)."""
+    """The metadata record stored beside entry ``key`` of ``size`` bytes (see ``parse_meta``).
+
+    Written where executables are compiled, which has jax loaded; the catalog that reads
+    these records runs in the API process too, which never imports it."""
+    import jax
+
     meta = entry.meta
     return {"executable_id": key, "program_id": str(meta.get("program_id", "")),
             "size": str(size), "raw_size": str(len(entry.executable)),

@@ -46,7 +46,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.errors import CompilerError
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program
 from jitserve.wire import Aval, ErrorCode
 
 from ..errors import ServiceError

@@ -39,9 +39,8 @@ from typing import Any
 import numpy as np
 
 from jitserve import wire
-from jitserve.compiler.compile import check_donate, check_inputs
 from jitserve.compiler.errors import CompilerError
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program, check_donate, check_inputs
 from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
 
 from ..console import CompileRecord, Console

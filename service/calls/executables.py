@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from jitserve.compiler.cache import MemoryCache
-from jitserve.compiler.compile import MemoryStats, check_inputs
+from jitserve.compiler.records import MemoryStats, check_inputs
 from jitserve.wire import Aval
 
 __all__ = ["CallKey", "CallOptions", "ExecutableIndex", "RemoteExecutable", "Resolved", "call_key",

@@ -53,7 +53,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.errors import LimitExceeded
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program
 from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
 
 from ..metrics import Metrics

@@ -22,7 +22,7 @@ from typing import Protocol
 from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler.cache import MemoryCache
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program
 
 from ..errors import NotFound
 from ..runtimes import Op, RemoteError, RuntimePool

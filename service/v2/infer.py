@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program
 from jitserve.wire import Aval, ErrorCode, FutureStatus
 
 from ..api.deps import Services

@@ -114,6 +114,16 @@ def wait_ready(url: str, within_s: float = 60) -> list[dict[str, Any]]:
     pytest.fail(f"not ready again within {within_s} s: {r.text}")
 
 
+def api_loads_jax(url: str) -> list[str]:
+    """The jax and jaxlib files mapped into the API process of the server at ``url``:
+    none, since it never decodes, lowers, compiles or runs a program (``compiler.records``).
+    Found as the parent of its runtimes, whose pids ``/readyz`` lists."""
+    runtime = wait_ready(url)[0]["pid"]
+    api = Path(f"/proc/{runtime}/stat").read_text().rpartition(")")[2].split()[1]
+    maps = Path(f"/proc/{api}/maps").read_text().splitlines()
+    return sorted({line.split()[-1] for line in maps if "/jax" in line})
+
+
 def metric_total(url: str, name: str) -> float:
     """The sum of the samples of ``name`` on ``/metrics``, over all its labels."""
     total = 0.0

@@ -14,6 +14,7 @@ import jax
 import msgpack
 import numpy as np
 import pytest
+from e2e.conftest import api_loads_jax
 from jax import export
 
 from jitserve import wire
@@ -249,3 +250,20 @@ def test_a_future_compiled_on_demand_names_its_executable_and_tier(http: httpx.C
         view = http.get(f"/v1/futures/{accepted['future_id']}", params={"wait": 5000}).json()
     assert re.fullmatch(r"[0-9a-f]{64}", view["executable_id"]), view
     assert view["tier"] == "compiled", view
+
+
+def test_the_api_process_never_loads_jax(server_url: str, http: httpx.Client, add_mul: str,
+                                         triple: str) -> None:
+    """Principle 1: what touches a program's content runs in the runtimes. The API process
+    relays bytes and records (``compiler.records``) and never so much as imports jax."""
+    out = _execute(http, add_mul, [X, X], wait=60_000)
+    assert out.status_code == 200, out.text
+    ref = {"future": wire.unpackb(out.content)["future_id"], "output": 0}
+    chained = _execute(http, triple, [ref], wait=60_000)
+    assert chained.status_code == 200, chained.text
+    np.testing.assert_array_equal(wire.unpackb(chained.content)["outputs"][0], (X + X) * 3)
+    assert http.get("/v1/executables").status_code == 200
+    bad = http.post("/v1/programs", content=b"not a program",
+                    headers={"content-type": wire.OCTET_STREAM})
+    assert bad.status_code == 400, bad.text  # decoded, and refused, in a runtime
+    assert api_loads_jax(server_url) == []

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jitserve.compiler.programs import Program
+from jitserve.compiler.records import Program
 from jitserve.service.calls.batching import Batcher, BatchingConfig, NotBatchable, batch_dimension
 from jitserve.service.calls.executables import CallOptions, RemoteExecutable, Resolved
 from jitserve.service.calls.executor import SplitPiece

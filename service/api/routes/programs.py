@@ -11,8 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 
 from jitserve import wire
-from jitserve.compiler.programs import ProgramFormat
-from jitserve.wire import Aval, ErrorCode
+from jitserve.wire import Aval, ErrorCode, ProgramFormat
 
 from ...calls.executables import CallOptions
 from ...calls.models import NAME_PATTERN
