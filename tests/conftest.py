@@ -43,19 +43,11 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def redis_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix (deployment name) of this test's own; its keys are deleted afterwards."""
-    import redis
+    from redis_server import delete_prefix
 
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     yield prefix
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=5)
-    try:
-        keys = list(client.scan_iter(match=f"jitserve:*:{prefix}:*", count=500))
-        if keys:
-            client.delete(*keys)
-    except redis.RedisError:
-        pass  # a test that stopped this Redis has nothing left to clean
-    finally:
-        client.close()
+    delete_prefix(redis_url, prefix)
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["REDIS_SERVER", "RedisServer", "free_port", "make_tls_certs", "wait_for_ping"]
+__all__ = ["REDIS_SERVER", "RedisServer", "delete_prefix", "free_port", "make_tls_certs",
+           "wait_for_ping"]
 
 # The binary; tests that need one fail with this name in the message when it is missing.
 REDIS_SERVER = os.environ.get("JITSERVE_TEST_REDIS_SERVER") or shutil.which("redis-server") \
@@ -34,6 +35,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def delete_prefix(redis_url: str, prefix: str) -> None:
+    """Delete the keys of the deployment ``prefix``, if that Redis is up."""
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=5)
+    try:
+        keys = list(client.scan_iter(match=f"jitserve:*:{prefix}:*", count=500))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError:
+        pass  # a test that stopped this Redis has nothing left to clean
+    finally:
+        client.close()
 
 
 def wait_for_ping(url: str, timeout_s: float = 10.0) -> None:
