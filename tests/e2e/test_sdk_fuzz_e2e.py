@@ -132,9 +132,15 @@ def sdk_walk(c: Client, seed: int, steps: int, crash: Callable[[], None] | None 
         read(len(held) - 1)
         if held:
             held.pop()
-    if spin:  # one for certain, whatever the walk drew; nothing else runs by now
+    # One for certain, whatever the walk drew. An endless run whose outputs the walk
+    # dropped may still be running beside it, on the same runtime, until its own
+    # deadline stops the runtime: this one then ends as that stop's collateral
+    # (runtime_stopped, a loss), so it is called again; each stop ends what ran there.
+    for _ in range(4 if spin else 0):
         held.append((endless(c.device_put(np.ones(8, np.float32))), None))
         read(0)
+        if timeouts:
+            break
     return lost, timeouts  # what it made is garbage from here on
 
 
