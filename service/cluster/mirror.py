@@ -251,13 +251,12 @@ class Mirror(Generic[F]):
         lost reads ``failed`` with ``replica_lost`` (its outputs went with it).
         """
         rid = replica_of(future_id)
-        raw, declared = await self._read(future_id, rid)
+        raw, lost = await self._read(future_id, rid)
         if raw is None:
-            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+            raise _unknown(future_id)
         doc = json.loads(raw)
         if not same_owner(doc.pop("owner", None), owner):
-            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
-        lost = declared or (rid is not None and self._membership.is_lost(rid))
+            raise _unknown(future_id)
         status = doc["status"]
         if lost and rid is not None and (status == FutureStatus.DONE or status not in FINAL):
             doc["status"] = FutureStatus.FAILED.value
@@ -277,18 +276,15 @@ class Mirror(Generic[F]):
         apart, so that reads ``replica_lost`` too (as every id of that replica does: it
         tells nothing).
         """
-        rid = replica_of(future_id)
-        raw, declared = await self._read(future_id, rid)
-        if raw is None:
-            known = declared or (rid is not None and self._membership.is_lost(rid))
-            if not known:
-                raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
-        elif not same_owner(json.loads(raw).get("owner"), owner):
-            raise NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
+        raw, lost = await self._read(future_id, replica_of(future_id))
+        if raw is None and not lost:
+            raise _unknown(future_id)
+        if raw is not None and not same_owner(json.loads(raw).get("owner"), owner):
+            raise _unknown(future_id)
 
     async def _read(self, future_id: str, rid: str | None) -> tuple[bytes | None, bool]:
-        """``future_id``'s metadata as written (``None``: none), and whether its
-        replica ``rid`` is declared lost."""
+        """``future_id``'s metadata as written (``None``: none), and whether its replica
+        ``rid`` is lost: declared so in Redis, or known lost here (it was a peer)."""
         try:
             pipe = self._redis.pipeline(transaction=False)
             pipe.get(self._keys.future(future_id))
@@ -299,7 +295,11 @@ class Mirror(Generic[F]):
             raw, declared = await pipe.execute()
         except (RedisError, OSError) as e:
             raise self._membership.unreachable(e) from None
-        return raw, bool(declared)
+        return raw, bool(declared) or (rid is not None and self._membership.is_lost(rid))
+
+
+def _unknown(future_id: str) -> NotFound:
+    return NotFound(f"no future {future_id!r:.80} (unknown, expired or deleted)")
 
 
 class _Answering(Generic[F]):
