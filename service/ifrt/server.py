@@ -245,8 +245,12 @@ class IfrtService:
                         break
                     responses = await self._relay(session, batch)
                 except _SessionEnded as e:
+                    # Its host buffer calls are still answered, as an ended session's, from
+                    # before the close's first wait (telling its runtime, which may be
+                    # restarting): a call that found no session then would be NOT_FOUND,
+                    # on which jaxlib's client drops the session without saying why.
+                    self.ended[session.id] = session
                     await self._close(session, e.label, str(e))
-                    self.ended[session.id] = session  # its host buffer calls still answered
                     # Each request waiting for an answer, and each one sent after, gets
                     # the reason as its error until the client ends the stream: jaxlib's
                     # client cancels a call itself when the stream ends and then says

@@ -338,3 +338,40 @@ def test_no_request_restarted_a_runtime(ifrt: dict[str, str], program: bytes) ->
         assert read.response_metadata.status.code == 0, read
     finally:
         session.close()
+
+
+def test_a_session_ended_under_a_batch_answers_its_host_buffer_calls_while_it_closes(
+        ifrt: dict[str, str]) -> None:
+    """Last: it restarts the runtime. A run passes its deadline while the session's batch
+    waits on it; the session ends, and while it closes (telling its runtime, which is
+    restarting) its host buffer calls are answered as an ended session's (UNAVAILABLE,
+    with the reason), never NOT_FOUND "no IFRT session": on that, jaxlib's client drops
+    the session, and the program reads "Connection to IFRT proxy server was terminated"
+    without the reason (found by tests/e2e/test_ifrt_walk_e2e.py's walk on other seeds)."""
+    endless = export.export(jax.jit(
+        lambda x: jax.lax.while_loop(lambda c: c.sum() > -1.0, lambda c: c + 1.0, x)))(
+        jax.ShapeDtypeStruct((4,), jnp.float32))
+    session, executable = _started(ifrt["target"], bytes(endless.mlir_module_serialized))
+    lookup = session.channel.unary_stream("/xla.ifrt.proxy.GrpcIfrtService/HostBufferLookup")
+    asked = message(P + "GrpcHostBufferLookupRequest")(session_id=session.id, handle=99)
+    answers: list[tuple[grpc.StatusCode, str]] = []
+    try:
+        session.send(loaded_executable_execute_request={
+            "loaded_executable_handle": executable, "args_handles": [_ARRAYS[0]],
+            "result_array_handle": [40]})
+        ready = session.send(check_value_ready_request={"value_handles": [40]})
+        deadline = time.monotonic() + _ANSWERS_S
+        while ready not in session.got and session.ended is None:  # the run's deadline: 3 s
+            assert time.monotonic() < deadline, "the endless run was never stopped"
+            try:
+                list(lookup(asked.SerializeToString(), timeout=30))
+            except grpc.RpcError as e:
+                answers.append((e.code(), e.details() or ""))
+        ended = session.wait(ready)
+    finally:
+        session.close()
+    assert "passed its deadline" in ended.response_metadata.status.message, ended
+    assert not [a for a in answers if "no IFRT session" in a[1]], answers
+    closing = [a for a in answers if a[0] == grpc.StatusCode.UNAVAILABLE]
+    assert closing and all("passed its deadline" in text for _, text in closing), answers
+    assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
