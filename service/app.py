@@ -150,6 +150,7 @@ class JitserveApp(FastAPI):
                                                          self.console, services.futures,
                                                          services.tenants)
                     self.console.sessions_from(ifrt.describe)  # the console's sessions panel
+                    services.drain.sessions = ifrt  # a SIGTERM waits for them, then ends them
                 self._services = services
                 try:
                     yield
@@ -157,6 +158,9 @@ class JitserveApp(FastAPI):
                     self._services = None
                     if ifrt_server is not None:
                         self.console.sessions_from(None)
+                        # Sessions still open (no drain, or a second signal) hear why first.
+                        await ifrt.end_all("jitserve is shutting down: this session's arrays and "
+                                           "executables are gone; open a new session")
                         await ifrt_server.stop(5)
                     if grpc_server is not None:
                         await grpc_server.stop(5)

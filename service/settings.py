@@ -222,8 +222,9 @@ class Settings(BaseSettings):
     # its futures fail with replica_lost.
     heartbeat_s: float = Field(1.0, gt=0, le=60)
     # On SIGTERM: new executes get 503 and running ones finish; finished results stay
-    # fetchable this long (or until all are fetched), then the process exits and its
-    # remaining futures report replica_lost.
+    # fetchable this long (or until all are fetched), and open IFRT sessions go on this
+    # long (or until they close); then the process exits, its remaining futures report
+    # replica_lost, and its sessions end saying the server shut down.
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @property

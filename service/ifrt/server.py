@@ -22,9 +22,11 @@ its own (``JITSERVE_IFRT_PORT``; off when unset).
   is answered NOT_FOUND.
 
 A session ends when the client closes it, when it sends nothing for
-``JITSERVE_IFRT_SESSION_IDLE_S``, or when its runtime stops (a crash: UNAVAILABLE; an
-execution past ``JITSERVE_EXECUTION_TIMEOUT_S``: DEADLINE_EXCEEDED), with a status
-that says which; the runtime then drops all it held. One log line per session says
+``JITSERVE_IFRT_SESSION_IDLE_S``, when its runtime stops (a crash: UNAVAILABLE; an
+execution past ``JITSERVE_EXECUTION_TIMEOUT_S``: DEADLINE_EXCEEDED), or when the
+server shuts down (UNAVAILABLE: at the end of a SIGTERM's drain, which refuses new
+sessions and gives open ones ``JITSERVE_DRAIN_TIMEOUT_S`` to close, or at once), with
+a status that says which; the runtime then drops all it held. One log line per session says
 who, how long and what it used.
 """
 
@@ -74,6 +76,10 @@ DEVICES_ATTRIBUTE = "jitserve_devices"
 _P = "xla.ifrt.proxy."
 _BATCH_MAX = 256  # requests in one batch to a runtime
 _CHUNK = 4 << 20  # bytes per HostBufferLookup message
+# How long a session the server ended at shutdown still answers its client's requests
+# with why: less than the grace ``grpc.aio.Server.stop`` gives handlers (``stop``).
+_STOP_ANSWER_S = 2.0
+_STOP = (b"", None)  # put in a session's queue to wake it when it should end (``end_all``)
 
 @dataclasses.dataclass(eq=False)
 class _Session:
@@ -98,6 +104,11 @@ class _Session:
     arrays: int = 0  # how many arrays it holds there, as of its last batch
     ended: str | None = None  # why it ended (a label), once it has
     ended_because: str = ""  # and in words
+    # Its client's requests as they come (``IfrtService._read``); ``None`` when the
+    # stream ended, ``_STOP`` when the server asks it to end (``stopping``).
+    queue: asyncio.Queue[tuple[bytes, Any] | None] = dataclasses.field(
+        default_factory=asyncio.Queue)
+    stopping: _SessionEnded | None = None  # the server ends it at the next batch (shutdown)
 
     def event(self, handle: int) -> asyncio.Event:
         event = self.arrived.get(handle)
@@ -167,6 +178,31 @@ class IfrtService:
         self.quotas = ({"device_bytes": quotas.device_bytes, "arrays": quotas.live_futures,
                         "compiles_per_minute": quotas.compiles_per_minute}
                        if settings.auth_enabled else None)
+        self.refusing = False  # the server is shutting down: no new session
+        self._closing: set[asyncio.Future[None]] = set()  # sessions whose runtime drops them
+
+    # -- shutdown (``service.calls.drain.Sessions``) ----------------------------------
+
+    def refuse_new(self) -> None:
+        """Open no more sessions: each is refused with UNAVAILABLE saying the server drains."""
+        self.refusing = True
+
+    def open_count(self) -> int:
+        """Sessions open, or closing (their runtime drops them)."""
+        return len(self.sessions) + len(self._closing)
+
+    async def end_all(self, reason: str) -> None:
+        """End every open session with UNAVAILABLE and ``reason``: an idle one at once, a
+        busy one when its batch at the runtime is answered. Returns once they all closed,
+        or after ``_STOP_ANSWER_S`` (a batch still running then ends with the runtimes)."""
+        self.refusing = True
+        for session in list(self.sessions.values()):
+            if session.stopping is None:
+                session.stopping = _SessionEnded(grpc.StatusCode.UNAVAILABLE, reason, "shutdown")
+                session.queue.put_nowait(_STOP)
+        deadline = time.monotonic() + _STOP_ANSWER_S
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     def compiles_in_minute(self, owner: str) -> int:
         """How many real compiles ``owner``'s sessions started in the last minute."""
@@ -234,7 +270,7 @@ class IfrtService:
                     yield _error_response(op_id, e.code.value[0], str(e))
                 break
             await context.abort(e.code, str(e))
-        queue: asyncio.Queue[tuple[bytes, Any] | None] = asyncio.Queue()
+        queue = session.queue
         reader = asyncio.ensure_future(self._read(requests, queue))
         try:
             while True:
@@ -244,22 +280,25 @@ class IfrtService:
                     if not batch:
                         break
                     responses = await self._relay(session, batch)
-                except _SessionEnded as e:
+                except _SessionEnded as ended:
+                    why = ended
+                    if session.stopping is not None and why.label == "runtime_lost":
+                        why = session.stopping  # the runtimes stop with the server
                     # Its host buffer calls are still answered, as an ended session's, from
                     # before the close's first wait (telling its runtime, which may be
                     # restarting): a call that found no session then would be NOT_FOUND,
                     # on which jaxlib's client drops the session without saying why.
                     self.ended[session.id] = session
-                    await self._close(session, e.label, str(e))
+                    await self._close(session, why.label, str(why))
                     # Each request waiting for an answer, and each one sent after, gets
                     # the reason as its error until the client ends the stream: jaxlib's
                     # client cancels a call itself when the stream ends and then says
                     # only "Connection to IFRT proxy server was terminated", so a
                     # program whose first failing call came after the end would never
                     # read why.
-                    async for response in self._refusals(batch, queue, e):
+                    async for response in self._refusals(batch, queue, why):
                         yield response
-                    await context.abort(e.code, str(e))
+                    await context.abort(why.code, str(why))
                 for response in _awaited_first(responses):
                     yield response
         finally:
@@ -270,13 +309,18 @@ class IfrtService:
     async def _refusals(self, batch: list[tuple[bytes, Any]], queue: asyncio.Queue[Any],
                         e: _SessionEnded) -> AsyncIterator[bytes]:
         """The answers of an ended session: ``batch``'s, then those of each request the
-        client sends, until it ends the stream or sends nothing for the idle time."""
+        client sends, until it ends the stream or sends nothing for the idle time (for
+        ``_STOP_ANSWER_S`` in all when the server shuts down)."""
         for _, request in batch:
             if request is not None:
                 yield _refusal(request, e)
+        wait_s = self.settings.ifrt_session_idle_s
+        until = time.monotonic() + _STOP_ANSWER_S if e.label == "shutdown" else None
         while e.label != "idle":  # an idle client is not waited for again
+            if until is not None:
+                wait_s = until - time.monotonic()
             try:
-                item = await asyncio.wait_for(queue.get(), self.settings.ifrt_session_idle_s)
+                item = await asyncio.wait_for(queue.get(), max(0.0, wait_s))
             except TimeoutError:
                 return
             if item is None:
@@ -285,6 +329,10 @@ class IfrtService:
                 yield _refusal(item[1], e)
 
     async def _open(self, context: grpc.aio.ServicerContext) -> _Session:
+        if self.refusing:
+            raise _SessionEnded(grpc.StatusCode.UNAVAILABLE, (
+                "jitserve is shutting down (draining) and opens no new IFRT session; start the "
+                "program again (behind a load balancer, it reaches another replica)"), "draining")
         metadata = dict(context.invocation_metadata() or ())
         raw = metadata.get(SESSION_METADATA)
         if not isinstance(raw, bytes):
@@ -356,6 +404,8 @@ class IfrtService:
                           queue: asyncio.Queue[tuple[bytes, Any] | None]
                           ) -> list[tuple[bytes, Any]] | None:
         """The requests to send next (at least one), or ``None`` once the client is done."""
+        if session.stopping is not None:
+            raise session.stopping
         try:
             first = await asyncio.wait_for(queue.get(), self.settings.ifrt_session_idle_s)
         except TimeoutError:
@@ -363,6 +413,8 @@ class IfrtService:
                 f"jitserve closed this session: it sent nothing for "
                 f"{self.settings.ifrt_session_idle_s:g} s (JITSERVE_IFRT_SESSION_IDLE_S)"),
                 "idle") from None
+        if first is _STOP and session.stopping is not None:
+            raise session.stopping
         if first is None:
             return None
         # Requests that name host buffers still on their way wait for them here, before
@@ -383,6 +435,8 @@ class IfrtService:
                 if item is None:
                     queue.put_nowait(None)  # seen again after this batch
                     break
+                if item is _STOP:
+                    continue  # ``stopping`` ends the session before the next batch
                 more.append(item)
             if not waited:
                 batch += more
@@ -528,12 +582,22 @@ class IfrtService:
             "and executables are gone; open a new session"), "runtime_lost")
 
     async def _close(self, session: _Session, reason: str, detail: str) -> None:
+        """End ``session``: it holds nothing from now on, and its runtime drops all it held.
+        The runtime's part goes on if the handler is cancelled meanwhile (its client went
+        away while it closed): a close that never reached the runtime would leak there."""
         if self.sessions.pop(session.id, None) is None:
             return
         session.ended, session.ended_because = reason, detail
         self._holds(session, 0, 0)
         self.metrics.ifrt_sessions.dec()
         self.metrics.ifrt_sessions_closed.labels(reason).inc()
+        closing = asyncio.ensure_future(self._release(session, reason, detail))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        await asyncio.shield(closing)
+
+    async def _release(self, session: _Session, reason: str, detail: str) -> None:
+        """Tell ``session``'s runtime to drop it, and log what it used."""
         used: dict[str, Any] = {}
         if session.generation is not None and session.runtime.generation == session.generation:
             with contextlib.suppress(RemoteError):

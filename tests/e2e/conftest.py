@@ -81,6 +81,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s:
 
 
 def _serve(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()) -> Iterator[str]:
+    with server_process(tmp, extra_env, args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()
+                   ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A healthy ``jitserve serve`` (its log in ``tmp/server.log``): its url and process.
+    SIGTERMed (a drain) at the end, and SIGKILLed if it has not exited 20 s later."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items()
@@ -93,7 +102,7 @@ def _serve(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()) -> It
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_healthy(url, proc, log, timeout_s=90)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
