@@ -92,6 +92,9 @@ class _Session:
     opened: float = dataclasses.field(default_factory=time.monotonic)
     generation: int | None = None  # the runtime process that holds it, from its first batch
     host_in: dict[int, _Stored] = dataclasses.field(default_factory=dict)
+    # Host buffers refused (over a limit), by handle: why. The requests that name one
+    # fail with that (their arrays hold the error), not the session.
+    refused: dict[int, str] = dataclasses.field(default_factory=dict)
     host_out: dict[int, Any] = dataclasses.field(default_factory=dict)  # ndarray, or nbytes
     arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
     awaited: set[int] = dataclasses.field(default_factory=set)  # host buffers a request waits for
@@ -449,6 +452,7 @@ class IfrtService:
         sent: list[bytes] = []
         kinds: list[str] = []
         buffers: dict[int, _Stored] = {}
+        refused: dict[int, str] = {}
         executes = compiles = 0
         for i, (data, request) in enumerate(batch):
             kind = request.WhichOneof("request") if request is not None else None
@@ -466,14 +470,16 @@ class IfrtService:
                 if stored is not None:
                     session.held -= stored.size
                     buffers[handle] = stored
+                elif handle in session.refused:
+                    refused[handle] = session.refused.pop(handle)
             executes += kind == "loaded_executable_execute_request"
             compiles += kind == "compile_request"
             sent.append(data)
             kinds.append(kind)
         if sent:
             self.metrics.ifrt_batch_requests.observe(len(sent))
-            responses, host, compiled = await self._to_runtime(session, sent, buffers, executes,
-                                                               compiles)
+            responses, host, compiled = await self._to_runtime(session, sent, buffers, refused,
+                                                               executes, compiles)
             for each in compiled:
                 self._compiled(session, each)
             for handle, desc in host.items():
@@ -493,7 +499,7 @@ class IfrtService:
     async def _wait_for_buffer(self, session: _Session, handle: int) -> bool:
         """Wait until host buffer ``handle`` is here, or for at most
         ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``; whether it had to."""
-        if handle in session.host_in:
+        if handle in session.host_in or handle in session.refused:
             return False
         session.awaited.add(handle)
         try:
@@ -505,8 +511,8 @@ class IfrtService:
         return True
 
     async def _to_runtime(self, session: _Session, requests: list[bytes],
-                          buffers: dict[int, _Stored], executes: int, compiles: int
-                          ) -> tuple[list[bytes], dict[int, Any], list[IfrtCompiled]]:
+                          buffers: dict[int, _Stored], refused: dict[int, str], executes: int,
+                          compiles: int) -> tuple[list[bytes], dict[int, Any], list[IfrtCompiled]]:
         settings = self.settings
         timeout = (executes * settings.execution_timeout_s + compiles * settings.lookup_timeout_s
                    or settings.decode_timeout_s)
@@ -516,6 +522,7 @@ class IfrtService:
                                                          shared=settings.tenant_share_executables),
                                        "requests": requests,
                                        "buffers": {h: b.desc() for h, b in buffers.items()},
+                                       "refused": refused,
                                        "max_run_bytes": settings.execution_bytes_limit}
             if self.quotas is not None:
                 futures = self.futures
@@ -627,16 +634,28 @@ class IfrtService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a host buffer store needs its {STORE_METADATA} metadata")
         session = await self._session_of(meta.session_id, context)
+        if meta.buffer_size < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"host buffer {meta.handle} announces {meta.buffer_size} bytes")
         limit = self.settings.max_body_bytes
-        if meta.buffer_size > limit or meta.buffer_size < 0:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                f"a host buffer of {meta.buffer_size:,} bytes is over this server's limit of "
-                f"{limit:,} (JITSERVE_MAX_BODY_BYTES)"))
-        if session.held + meta.buffer_size > self.settings.ifrt_max_host_bytes:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                f"this session holds {session.held:,} bytes of host buffers no request has used "
-                f"yet; {meta.buffer_size:,} more is over the limit of "
-                f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)"))
+        over = None
+        if meta.buffer_size > limit:
+            over = (f"a host buffer of {meta.buffer_size:,} bytes is over this server's limit of "
+                    f"{limit:,} (JITSERVE_MAX_BODY_BYTES)")
+        elif session.held + meta.buffer_size > self.settings.ifrt_max_host_bytes:
+            over = (f"this session holds {session.held:,} bytes of host buffers no request has "
+                    f"used yet; {meta.buffer_size:,} more is over the limit of "
+                    f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)")
+        if over is not None:
+            # Read and dropped, and the refusal kept for the request that names it: jaxlib's
+            # client gives the whole session up on a failed upload (and then aborts the
+            # program at its next device_put), where a failed request is an error the
+            # program reads on the array.
+            await self._receive(meta.handle, meta.buffer_size, chunks, context, keep=False)
+            if session.ended is None:
+                session.refused[meta.handle] = over
+                session.event(meta.handle).set()
+            return b""
         stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
         if session.ended is None:
             session.host_in[meta.handle] = stored
@@ -647,10 +666,13 @@ class IfrtService:
         return b""
 
     async def _receive(self, handle: int, size: int, chunks: AsyncIterator[bytes],
-                       context: grpc.aio.ServicerContext) -> _Stored:
-        """A host buffer of ``size`` bytes from its chunks, written where it will be read."""
+                       context: grpc.aio.ServicerContext, keep: bool = True) -> _Stored:
+        """A host buffer of ``size`` bytes from its chunks, written where it will be read
+        (``keep=False``: read, its length checked, and dropped)."""
         stored = _Stored(size)
-        if size >= frames.INLINE_MAX_BYTES:
+        if not keep:
+            target = memoryview(bytearray(0))
+        elif size >= frames.INLINE_MAX_BYTES:
             stored.segment = self.runtimes.segments.take(size)
             target = memoryview(stored.segment.map)
         else:
@@ -663,7 +685,8 @@ class IfrtService:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
                         f"host buffer {handle} is longer than the {size} bytes its metadata "
                         "announced"))
-                target[offset:offset + len(piece)] = piece
+                if keep:
+                    target[offset:offset + len(piece)] = piece
                 offset += len(piece)
             if offset != size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (

@@ -131,6 +131,7 @@ class Session:
         # The host buffers of the batch being served (its own: two sessions' batches run
         # on two threads at once).
         self.inbox: Mapping[int, np.ndarray] = {}
+        self.refused: Mapping[int, str] = {}  # and those the server refused, by handle: why
         self.futures: dict[int, IfrtFailure | None] = {}
         self.results: dict[int, IfrtFailure | None] = {}  # execute statuses (FetchExecuteResult)
         self.host_out: dict[int, np.ndarray] = {}  # copy_to_host results until they are read
@@ -200,11 +201,13 @@ class Sessions:
     def serve(self, session_id: int, owner: str, requests: list[bytes],
               buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None,
               scope: str = "", max_run_bytes: int | None = None,
+              refused: Mapping[int, str] | None = None,
               ) -> tuple[list[bytes], dict[int, np.ndarray], list[dict[str, Any]]]:
         """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
         responses, the host buffers their ``copy_to_host_buffer``s made, and what each
         compile found (``protocol.IfrtCompiled``). ``max_run_bytes``: the server's
-        per-run device-memory limit, which executes are checked against."""
+        per-run device-memory limit, which executes are checked against; ``refused``:
+        host buffers the server refused (over a limit), by handle, and why."""
         self.max_run_bytes = max_run_bytes
         session = self.sessions.get(session_id)
         if session is None:
@@ -214,11 +217,11 @@ class Sessions:
         if quotas:
             self.quotas[owner] = quotas
         before = set(session.host_out)
-        session.inbox = buffers
+        session.inbox, session.refused = buffers, refused or {}
         try:
             responses = [self._one(session, data) for data in requests]
         finally:
-            session.inbox = {}
+            session.inbox, session.refused = {}, {}
         made = {h: session.host_out[h] for h in session.host_out.keys() - before}
         compiled, session.compiled = session.compiled, []
         return responses, made, compiled
@@ -378,6 +381,9 @@ class Sessions:
     def _host_buffer(self, session: Session, handle: int) -> np.ndarray:
         buffer = session.inbox.get(handle)
         if buffer is None:
+            why = session.refused.get(handle)
+            if why is not None:
+                raise IfrtFailure(RESOURCE_EXHAUSTED, why)
             raise IfrtFailure(NOT_FOUND, f"host buffer {handle} never arrived")
         return buffer
 

@@ -358,6 +358,8 @@ class IfrtRequest(TypedDict):
     scope: NotRequired[str]  # its executables' keys (``LookupRequest``); "" when shared
     requests: list[bytes]  # serialized ``xla.ifrt.proxy.IfrtRequest``s
     buffers: dict[int, ArrayDesc]  # host buffers the requests name, as uint8 arrays
+    # host buffers the requests name that the server refused (over a limit): why
+    refused: NotRequired[dict[int, str]]
     # the key's quotas (device_bytes, arrays, compiles_per_minute), and what its /v1
     # futures hold of the first two (v1_device_bytes, v1_futures); absent without keys
     quotas: NotRequired[dict[str, int]]

@@ -268,21 +268,47 @@ def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, 
     assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
 
 
-def test_a_session_s_limits_host_bytes_held_and_idle_time(tmp_path_factory: pytest.TempPathFactory
-                                                            ) -> None:
+OVER_THE_BODY_LIMIT = """
+    import jax, jax.numpy as jnp, numpy as np
+    try:  # 4 MiB: over the server's JITSERVE_MAX_BODY_BYTES of 256 KiB
+        print(float(jax.device_put(np.ones(1 << 20, np.float32)).sum()))
+        raise SystemExit("the big array went through")
+    except jax.errors.JaxRuntimeError as e:
+        print("refused:", e)
+    print("after:", float((jnp.ones(3) * 2).sum()))
+"""
+
+
+def test_a_session_s_limits_host_bytes_held_and_idle_time(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """A host buffer over a limit fails the request that names it (its array holds the
+    error), not the session: jaxlib's client gives a session up on a failed upload, and
+    then aborts the program at its next ``device_put``."""
     port = _free_port()
     env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_SESSION_IDLE_S": "2",
-           "JITSERVE_IFRT_MAX_HOST_BYTES": "4096"}
+           "JITSERVE_IFRT_MAX_HOST_BYTES": "4096"}  # and E2E_ENV's 256 KiB body limit
     for url in _serve(tmp_path_factory.mktemp("ifrt-idle"), env):
+        done = run_program({"target": f"127.0.0.1:{port}"}, OVER_THE_BODY_LIMIT, tmp_path,
+                           key=None)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("refused: RESOURCE_EXHAUSTED: array 1 failed earlier: a host buffer of "
+                "4,194,304 bytes is over this server's limit of 262,144 (JITSERVE_MAX_BODY_BYTES)"
+                in done.stdout), done.stdout
+        assert "after: 6.0" in done.stdout, done.stdout
+        closed = metric_total(url, "jitserve_ifrt_sessions_closed_total")
         session = Session(f"127.0.0.1:{port}", key=None)
         try:
             session.store(1, b"\x00" * 3000)  # held: no request has used it
-            with pytest.raises(grpc.RpcError) as full:
-                session.store(2, b"\x00" * 3000)
-            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "JITSERVE_IFRT_MAX_HOST_BYTES" in (full.value.details() or "")
+            session.store(2, b"\x00" * 3000)  # over JITSERVE_IFRT_MAX_HOST_BYTES: refused
+            session.store(3, b"\x00" * (300 << 10))  # over JITSERVE_MAX_BODY_BYTES: refused
+            for handle, limit in ((2, "JITSERVE_IFRT_MAX_HOST_BYTES"),
+                                  (3, "JITSERVE_MAX_BODY_BYTES")):
+                code, text = _status(session.make_array(10 + handle, handle, np.zeros(4, np.float32)))
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and limit in text, text
+            made = session.make_array(11, 1, np.zeros(750, np.float32))  # the session goes on
+            assert _status(made)[0] == 0, made
             deadline = time.monotonic() + 30
-            while metric_total(url, "jitserve_ifrt_sessions_closed_total") < 1:
+            while metric_total(url, "jitserve_ifrt_sessions_closed_total") < closed + 1:
                 assert time.monotonic() < deadline, "the idle session was not closed"
                 time.sleep(0.1)
             with pytest.raises(grpc.RpcError) as ended:
