@@ -99,7 +99,7 @@ class _Session:
     arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
     awaited: set[int] = dataclasses.field(default_factory=set)  # host buffers a request waits for
     requests: int = 0
-    held: int = 0  # bytes of host_in, and of host_out's inline buffers
+    held: int = 0  # bytes of host_in and of stores on their way, and of host_out's inline buffers
     bytes_in: int = 0
     bytes_out: int = 0
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
@@ -644,7 +644,7 @@ class IfrtService:
                     f"{limit:,} (JITSERVE_MAX_BODY_BYTES)")
         elif session.held + meta.buffer_size > self.settings.ifrt_max_host_bytes:
             over = (f"this session holds {session.held:,} bytes of host buffers no request has "
-                    f"used yet; {meta.buffer_size:,} more is over the limit of "
+                    f"used yet (or on their way); {meta.buffer_size:,} more is over the limit of "
                     f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)")
         if over is not None:
             # Read and dropped, and the refusal kept for the request that names it: jaxlib's
@@ -656,13 +656,24 @@ class IfrtService:
                 session.refused[meta.handle] = over
                 session.event(meta.handle).set()
             return b""
-        stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
+        session.held += meta.buffer_size  # from now: stores on their way count too
+        try:
+            stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
+        except BaseException:
+            session.held -= meta.buffer_size
+            raise
         if session.ended is None:
+            replaced = session.host_in.pop(meta.handle, None)  # stored again before its use
+            if replaced is not None:
+                session.held -= replaced.size
+                if replaced.segment is not None:
+                    self.runtimes.segments.give_back(replaced.segment)
             session.host_in[meta.handle] = stored
-            session.held += stored.size
             session.event(meta.handle).set()
-        elif stored.segment is not None:
-            self.runtimes.segments.give_back(stored.segment)
+        else:
+            session.held -= meta.buffer_size
+            if stored.segment is not None:
+                self.runtimes.segments.give_back(stored.segment)
         return b""
 
     async def _receive(self, handle: int, size: int, chunks: AsyncIterator[bytes],
@@ -678,16 +689,26 @@ class IfrtService:
         else:
             target = memoryview(bytearray(size))
         offset = 0
+        wait_s = self.settings.body_timeout_s
+        loop = asyncio.get_running_loop()
         try:
-            async for chunk in chunks:
-                piece = _chunk_data(chunk)
-                if offset + len(piece) > size:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                        f"host buffer {handle} is longer than the {size} bytes its metadata "
-                        "announced"))
-                if keep:
-                    target[offset:offset + len(piece)] = piece
-                offset += len(piece)
+            try:  # a store whose chunks stop coming would hold its segment for ever
+                async with asyncio.timeout(wait_s) as idle:
+                    async for chunk in chunks:
+                        idle.reschedule(loop.time() + wait_s)
+                        piece = _chunk_data(chunk)
+                        if offset + len(piece) > size:
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                                f"host buffer {handle} is longer than the {size} bytes its "
+                                "metadata announced"))
+                        if keep:
+                            target[offset:offset + len(piece)] = piece
+                        offset += len(piece)
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                    f"no bytes of host buffer {handle} came for {wait_s:g} s "
+                    f"(JITSERVE_BODY_TIMEOUT_S), {offset:,} of its {size:,}; send a host "
+                    "buffer without pauses"))
             if offset != size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
                     f"host buffer {handle} has {offset} bytes, not the {size} its metadata "

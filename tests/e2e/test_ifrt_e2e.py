@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,23 @@ class Session:
         if not wait:
             return self.put(**request)
         return self.request(**request)
+
+    def store_started(self, handle: int, size: int, go: threading.Event) -> grpc.Future:
+        """A store of ``size`` zero bytes that sends its first 100 and waits for ``go``
+        before the rest (set it, and it ends; leave it, and the server's body timeout
+        ends it); its future."""
+        meta = message(P + "GrpcHostBufferStoreMetadata")(session_id=self.session_id, handle=handle,
+                                                         buffer_size=size)
+
+        def chunks() -> Iterator[bytes]:
+            yield message(P + "GrpcHostBufferStoreRequest")(data=b"\x00" * 100).SerializeToString()
+            go.wait(300)
+            yield message(P + "GrpcHostBufferStoreRequest")(
+                data=b"\x00" * (size - 100)).SerializeToString()
+
+        store = self.channel.stream_unary("/xla.ifrt.proxy.GrpcIfrtService/HostBufferStore")
+        return store.future(chunks(), metadata=[
+            ("ifrt-proxy-grpc-host-buffer-store-metadata-bin", meta.SerializeToString())])
 
     def close(self) -> None:
         self._queue.put(None)
@@ -286,7 +304,8 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
     then aborts the program at its next ``device_put``."""
     port = _free_port()
     env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_SESSION_IDLE_S": "2",
-           "JITSERVE_IFRT_MAX_HOST_BYTES": "4096"}  # and E2E_ENV's 256 KiB body limit
+           "JITSERVE_IFRT_MAX_HOST_BYTES": "4096",  # and E2E_ENV's 256 KiB body limit
+           "JITSERVE_BODY_TIMEOUT_S": "1"}
     for url in _serve(tmp_path_factory.mktemp("ifrt-idle"), env):
         done = run_program({"target": f"127.0.0.1:{port}"}, OVER_THE_BODY_LIMIT, tmp_path,
                            key=None)
@@ -297,16 +316,30 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
         assert "after: 6.0" in done.stdout, done.stdout
         closed = metric_total(url, "jitserve_ifrt_sessions_closed_total")
         session = Session(f"127.0.0.1:{port}", key=None)
+        go, stalls = threading.Event(), threading.Event()
         try:
             session.store(1, b"\x00" * 3000)  # held: no request has used it
-            session.store(2, b"\x00" * 3000)  # over JITSERVE_IFRT_MAX_HOST_BYTES: refused
+            on_its_way = session.store_started(4, 1000, go)  # counted while it comes
+            _held_becomes(url, 4000)
+            session.store(2, b"\x00" * 100)  # over JITSERVE_IFRT_MAX_HOST_BYTES: refused
             session.store(3, b"\x00" * (300 << 10))  # over JITSERVE_MAX_BODY_BYTES: refused
             for handle, limit in ((2, "JITSERVE_IFRT_MAX_HOST_BYTES"),
                                   (3, "JITSERVE_MAX_BODY_BYTES")):
                 code, text = _status(session.make_array(10 + handle, handle, np.zeros(4, np.float32)))
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and limit in text, text
+            go.set()
+            on_its_way.result(timeout=60)
             made = session.make_array(11, 1, np.zeros(750, np.float32))  # the session goes on
             assert _status(made)[0] == 0, made
+            _held_becomes(url, 1000)  # buffer 4, not used yet
+            # A store whose bytes stop coming ends after JITSERVE_BODY_TIMEOUT_S, and
+            # what it held is free again.
+            stalled = session.store_started(5, 3000, stalls)
+            with pytest.raises(grpc.RpcError) as late:
+                stalled.result(timeout=60)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value
+            assert "JITSERVE_BODY_TIMEOUT_S" in (late.value.details() or ""), late.value
+            _held_becomes(url, 1000)
             deadline = time.monotonic() + 30
             while metric_total(url, "jitserve_ifrt_sessions_closed_total") < closed + 1:
                 assert time.monotonic() < deadline, "the idle session was not closed"
@@ -317,7 +350,20 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
             assert "JITSERVE_IFRT_SESSION_IDLE_S" in (ended.value.details() or "")
             assert metric_total(url, "jitserve_ifrt_sessions") == 0
         finally:
+            go.set()
+            stalls.set()
             session.close()
+
+
+def _held_becomes(url: str, nbytes: int) -> None:
+    """Wait until the one open session holds ``nbytes`` of host buffers (the console says)."""
+    deadline = time.monotonic() + 60
+    while True:
+        sessions = httpx.get(f"{url}/v1/console/sessions", timeout=10).json()["sessions"]
+        if [s["host_bytes_held"] for s in sessions] == [nbytes]:
+            return
+        assert time.monotonic() < deadline, sessions
+        time.sleep(0.05)
 
 
 def _certificates(where: Path) -> tuple[Path, Path, Path]:
