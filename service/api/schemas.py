@@ -687,6 +687,10 @@ class ConsoleSession(BaseModel):
     bytes_in: int
     bytes_out: int
     host_bytes_held: int = Field(description="host buffers waiting here")
+    host_bytes_incoming: int = Field(0, description="host buffers on their way here")
+    stores_held_back: list[int] = Field(
+        default_factory=list, description="host buffers whose stores wait for room "
+                                          "(JITSERVE_IFRT_MAX_HOST_BYTES)")
     device_bytes: int = Field(description="its arrays' device bytes, as of its last batch")
     compiles: dict[str, int] = Field(description="by tier")
     waiting_for_host_buffers: list[int] = Field(

@@ -99,7 +99,10 @@ class _Session:
     arrived: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
     awaited: set[int] = dataclasses.field(default_factory=set)  # host buffers a request waits for
     requests: int = 0
-    held: int = 0  # bytes of host_in and of stores on their way, and of host_out's inline buffers
+    held: int = 0  # bytes of host_in, and of host_out's inline buffers
+    incoming: int = 0  # bytes of stores on their way (``_room_to_receive``)
+    held_back: set[int] = dataclasses.field(default_factory=set)  # stores waiting for room
+    room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set as one ends
     bytes_in: int = 0
     bytes_out: int = 0
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
@@ -239,7 +242,8 @@ class IfrtService:
         return [{"session": f"{s.id:016x}", "owner": s.owner, "runtime": s.runtime.index,
                  "protocol": s.protocol, "age_s": round(now - s.opened, 3),
                  "requests": s.requests, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
-                 "host_bytes_held": s.held, "device_bytes": s.device_bytes,
+                 "host_bytes_held": s.held, "host_bytes_incoming": s.incoming,
+                 "stores_held_back": sorted(s.held_back), "device_bytes": s.device_bytes,
                  "compiles": dict(s.compiles), "waiting_for_host_buffers": sorted(s.awaited)}
                 for s in list(self.sessions.values())]
 
@@ -523,6 +527,8 @@ class IfrtService:
                                        "requests": requests,
                                        "buffers": {h: b.desc() for h, b in buffers.items()},
                                        "refused": refused,
+                                       "host": {"held": session.held,
+                                                "max": settings.ifrt_max_host_bytes},
                                        "max_run_bytes": settings.execution_bytes_limit}
             if self.quotas is not None:
                 futures = self.futures
@@ -644,8 +650,14 @@ class IfrtService:
                     f"{limit:,} (JITSERVE_MAX_BODY_BYTES)")
         elif session.held + meta.buffer_size > self.settings.ifrt_max_host_bytes:
             over = (f"this session holds {session.held:,} bytes of host buffers no request has "
-                    f"used yet (or on their way); {meta.buffer_size:,} more is over the limit of "
+                    f"used yet; {meta.buffer_size:,} more is over the limit of "
                     f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)")
+        elif not await self._room_to_receive(session, meta.handle, meta.buffer_size):
+            over = (f"host buffer {meta.handle} ({meta.buffer_size:,} bytes) waited "
+                    f"{self.settings.ifrt_host_buffer_wait_s:g} s (JITSERVE_IFRT_HOST_BUFFER_WAIT_S) "
+                    f"for the session's other stores on their way ({session.incoming:,} bytes) to "
+                    f"leave room under JITSERVE_IFRT_MAX_HOST_BYTES "
+                    f"({self.settings.ifrt_max_host_bytes:,})")
         if over is not None:
             # Read and dropped, and the refusal kept for the request that names it: jaxlib's
             # client gives the whole session up on a failed upload (and then aborts the
@@ -656,12 +668,13 @@ class IfrtService:
                 session.refused[meta.handle] = over
                 session.event(meta.handle).set()
             return b""
-        session.held += meta.buffer_size  # from now: stores on their way count too
+        session.incoming += meta.buffer_size  # taken by _room_to_receive
         try:
             stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
-        except BaseException:
-            session.held -= meta.buffer_size
-            raise
+        finally:
+            session.incoming -= meta.buffer_size
+            session.room.set()
+            session.room = asyncio.Event()
         if session.ended is None:
             replaced = session.host_in.pop(meta.handle, None)  # stored again before its use
             if replaced is not None:
@@ -669,12 +682,35 @@ class IfrtService:
                 if replaced.segment is not None:
                     self.runtimes.segments.give_back(replaced.segment)
             session.host_in[meta.handle] = stored
+            session.held += stored.size
             session.event(meta.handle).set()
-        else:
-            session.held -= meta.buffer_size
-            if stored.segment is not None:
-                self.runtimes.segments.give_back(stored.segment)
+        elif stored.segment is not None:
+            self.runtimes.segments.give_back(stored.segment)
         return b""
+
+    async def _room_to_receive(self, session: _Session, handle: int, size: int) -> bool:
+        """Wait until ``size`` more bytes of stores on their way fit under the session's
+        ``JITSERVE_IFRT_MAX_HOST_BYTES``, for at most ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``;
+        whether they do. A store takes its whole segment when it starts, so stores that
+        come slowly (each bounded only between its chunks) would otherwise take the
+        host's shared memory; held back, they wait for the others to arrive, which never
+        waits for a request to use them (a program's burst of ``device_put``s goes on)."""
+        limit = self.settings.ifrt_max_host_bytes
+        if session.incoming + size <= limit:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.ifrt_host_buffer_wait_s
+        session.held_back.add(handle)
+        try:
+            while session.incoming + size > limit:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(session.room.wait(), left)
+            return True
+        finally:
+            session.held_back.discard(handle)
 
     async def _receive(self, handle: int, size: int, chunks: AsyncIterator[bytes],
                        context: grpc.aio.ServicerContext, keep: bool = True) -> _Stored:

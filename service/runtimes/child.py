@@ -845,7 +845,7 @@ class RuntimeServer:
             responses, made, compiled = self._sessions.serve(
                 int(m["session"]), str(m.get("owner", "")), list(m["requests"]),
                 unpack_buffers(m.get("buffers", {})), m.get("quotas"), str(m.get("scope", "")),
-                m.get("max_run_bytes"), m.get("refused"))
+                m.get("max_run_bytes"), m.get("refused"), m.get("host"))
             host: dict[int, dict[str, Any]] = {}
             for handle, data in made.items():
                 if data.nbytes < frames.INLINE_MAX_BYTES:

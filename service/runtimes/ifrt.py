@@ -135,6 +135,10 @@ class Session:
         self.futures: dict[int, IfrtFailure | None] = {}
         self.results: dict[int, IfrtFailure | None] = {}  # execute statuses (FetchExecuteResult)
         self.host_out: dict[int, np.ndarray] = {}  # copy_to_host results until they are read
+        self.host_out_bytes = 0  # their bytes
+        # Host bytes the API process holds for it (stored and not used, made and not
+        # read), as the batch being served says: with ``host_out_bytes``, bounded.
+        self.host_held = 0
         self.handles = itertools.count(_SERVER_HANDLES)
         self.compiles = self.executes = 0
         self.compiled: list[dict[str, Any]] = []  # each compile since the last batch
@@ -163,6 +167,7 @@ class Sessions:
         # by key), against the quotas its batches carry: device bytes, arrays, compiles.
         self.quotas: dict[str, Mapping[str, int]] = {}
         self.max_run_bytes: int | None = None  # as the last batch said (``serve``)
+        self.max_host_bytes: int | None = None  # likewise (JITSERVE_IFRT_MAX_HOST_BYTES)
         self.held: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self.compiled_at: dict[str, collections.deque[float]] = collections.defaultdict(
             collections.deque)
@@ -202,13 +207,18 @@ class Sessions:
               buffers: Mapping[int, np.ndarray], quotas: Mapping[str, int] | None = None,
               scope: str = "", max_run_bytes: int | None = None,
               refused: Mapping[int, str] | None = None,
+              host: Mapping[str, int] | None = None,
               ) -> tuple[list[bytes], dict[int, np.ndarray], list[dict[str, Any]]]:
         """Answer ``requests`` (serialized ``IfrtRequest``s) in order; the serialized
         responses, the host buffers their ``copy_to_host_buffer``s made, and what each
         compile found (``protocol.IfrtCompiled``). ``max_run_bytes``: the server's
         per-run device-memory limit, which executes are checked against; ``refused``:
-        host buffers the server refused (over a limit), by handle, and why."""
+        host buffers the server refused (over a limit), by handle, and why; ``host``: the
+        host bytes the API process holds for the session (``held``) and its limit
+        (``max``), which copies to host not read yet are checked against."""
         self.max_run_bytes = max_run_bytes
+        if host:
+            self.max_host_bytes = host.get("max")
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(session_id, owner, scope)
@@ -217,6 +227,7 @@ class Sessions:
         if quotas:
             self.quotas[owner] = quotas
         before = set(session.host_out)
+        session.host_held = int((host or {}).get("held", 0))
         session.inbox, session.refused = buffers, refused or {}
         try:
             responses = [self._one(session, data) for data in requests]
@@ -236,8 +247,9 @@ class Sessions:
         """A host buffer a ``copy_to_host_buffer`` made, handed over once."""
         session = self.sessions.get(session_id)
         buffer = None if session is None else session.host_out.pop(handle, None)
-        if buffer is None:
+        if session is None or buffer is None:
             raise IfrtFailure(NOT_FOUND, f"no host buffer {handle} in this session")
+        session.host_out_bytes -= buffer.nbytes
         return buffer
 
     def close(self, session_id: int) -> dict[str, int]:
@@ -778,14 +790,39 @@ class Sessions:
                 if any(s < 0 for s in strides) or len(strides) != array.ndim:
                     raise IfrtFailure(INVALID_ARGUMENT, f"byte strides {list(strides)} do not fit "
                                       f"{list(array.shape)}")
+                self._host_room(session, span)
                 out = np.zeros(span, np.uint8)
                 np.ndarray(array.shape, array.dtype, buffer=out, strides=strides)[...] = array
-                session.host_out[body.host_buffer_handle] = out
+                self._keep_host(session, body.host_buffer_handle, out)
                 response.copy_to_host_buffer_response.SetInParent()
                 return
-        session.host_out[body.host_buffer_handle] = np.ascontiguousarray(array).reshape(-1).view(
-            np.uint8)
+        self._host_room(session, array.nbytes)
+        self._keep_host(session, body.host_buffer_handle,
+                        np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         response.copy_to_host_buffer_response.SetInParent()
+
+    def _host_room(self, session: Session, nbytes: int) -> None:
+        """Refuse a copy to host that would take what ``session`` has copied and not read
+        (here, and in the API process) past what its arrays hold on the devices plus
+        JITSERVE_IFRT_MAX_HOST_BYTES: a program reads what it copies (``jax.device_get``
+        of all it holds fits), and one that does not would fill this process's memory."""
+        if self.max_host_bytes is None:
+            return
+        pending = session.host_out_bytes + session.host_held
+        room = session.device_bytes + self.max_host_bytes
+        if pending + nbytes > room:
+            raise IfrtFailure(RESOURCE_EXHAUSTED, (
+                f"this session has {pending:,} bytes of host buffers not read (or not used); "
+                f"a copy of {nbytes:,} more is over what its arrays hold on the devices "
+                f"({session.device_bytes:,}) plus {self.max_host_bytes:,} "
+                "(JITSERVE_IFRT_MAX_HOST_BYTES): read the copies it made"))
+
+    def _keep_host(self, session: Session, handle: int, data: np.ndarray) -> None:
+        replaced = session.host_out.pop(handle, None)
+        if replaced is not None:
+            session.host_out_bytes -= replaced.nbytes
+        session.host_out[handle] = data
+        session.host_out_bytes += data.nbytes
 
     def _delete_array(self, session: Session, body: Any, response: Any) -> None:
         failure = None

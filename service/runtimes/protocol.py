@@ -360,6 +360,9 @@ class IfrtRequest(TypedDict):
     buffers: dict[int, ArrayDesc]  # host buffers the requests name, as uint8 arrays
     # host buffers the requests name that the server refused (over a limit): why
     refused: NotRequired[dict[int, str]]
+    # the host bytes the API process holds for the session (held) and its limit (max,
+    # JITSERVE_IFRT_MAX_HOST_BYTES), which copies to host not read yet are checked against
+    host: NotRequired[dict[str, int]]
     # the key's quotas (device_bytes, arrays, compiles_per_minute), and what its /v1
     # futures hold of the first two (v1_device_bytes, v1_futures); absent without keys
     quotas: NotRequired[dict[str, int]]

@@ -151,11 +151,9 @@ def test_each_session_sees_only_its_own_arrays(ifrt: dict[str, str]) -> None:
         assert _status(alice.make_array(5, 11, values))[0] == 0
         read = alice.request(copy_to_host_buffer_request={"array_handle": 5, "host_buffer_handle": 12})
         assert _status(read)[0] == 0
-        lookup = alice.channel.unary_stream("/xla.ifrt.proxy.GrpcIfrtService/HostBufferLookup")
-        chunks = lookup(message(P + "GrpcHostBufferLookupRequest")(
-            session_id=alice.session_id, handle=12).SerializeToString())
-        data = b"".join(message(P + "GrpcHostBufferLookupResponse").FromString(c).data for c in chunks)
+        data = _read(alice, 12)
         assert np.frombuffer(data, np.float32).tolist() == values.tolist()
+        lookup = alice.channel.unary_stream("/xla.ifrt.proxy.GrpcIfrtService/HostBufferLookup")
         # Bob names Alice's handle: his session has no such array.
         code, text = _status(bob.request(copy_to_host_buffer_request={"array_handle": 5,
                                                                       "host_buffer_handle": 13}))
@@ -318,20 +316,46 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
         session = Session(f"127.0.0.1:{port}", key=None)
         go, stalls = threading.Event(), threading.Event()
         try:
+            # Stores on their way are bounded too: one that does not fit waits for the
+            # others to arrive (never for a request to use them), then comes.
+            first = session.store_started(4, 1000, go)
+            _wait_for_sessions(url, lambda s: s["host_bytes_incoming"] == 1000)
+            whole = threading.Event()
+            whole.set()
+            behind = session.store_started(6, 3500, whole)
+            _wait_for_sessions(url, lambda s: s["stores_held_back"] == [6]
+                               and s["host_bytes_incoming"] == 1000)
+            go.set()
+            first.result(timeout=60)
+            behind.result(timeout=60)
+            for handle, n in ((4, 250), (6, 875)):
+                assert _status(session.make_array(10 + handle, handle, np.zeros(n, np.float32)))[0] == 0
             session.store(1, b"\x00" * 3000)  # held: no request has used it
-            on_its_way = session.store_started(4, 1000, go)  # counted while it comes
-            _held_becomes(url, 4000)
-            session.store(2, b"\x00" * 100)  # over JITSERVE_IFRT_MAX_HOST_BYTES: refused
+            session.store(2, b"\x00" * 3000)  # over JITSERVE_IFRT_MAX_HOST_BYTES: refused
             session.store(3, b"\x00" * (300 << 10))  # over JITSERVE_MAX_BODY_BYTES: refused
             for handle, limit in ((2, "JITSERVE_IFRT_MAX_HOST_BYTES"),
                                   (3, "JITSERVE_MAX_BODY_BYTES")):
                 code, text = _status(session.make_array(10 + handle, handle, np.zeros(4, np.float32)))
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and limit in text, text
-            go.set()
-            on_its_way.result(timeout=60)
             made = session.make_array(11, 1, np.zeros(750, np.float32))  # the session goes on
             assert _status(made)[0] == 0, made
-            _held_becomes(url, 1000)  # buffer 4, not used yet
+            _wait_for_sessions(url, lambda s: s["host_bytes_held"] == 0)
+            # Copies to host not read count too: past what the session's arrays hold on
+            # the devices (1000 + 3500 + 3000) plus JITSERVE_IFRT_MAX_HOST_BYTES, a copy
+            # is refused.
+            for copy in (200, 201, 202):
+                assert _status(session.request(copy_to_host_buffer_request={
+                    "array_handle": 11, "host_buffer_handle": copy}))[0] == 0
+            code, text = _status(session.request(copy_to_host_buffer_request={
+                "array_handle": 11, "host_buffer_handle": 203}))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], text
+            assert "JITSERVE_IFRT_MAX_HOST_BYTES" in text and "read the copies" in text, text
+            assert len(_read(session, 200)) == 3000  # read: room for another
+            assert _status(session.request(copy_to_host_buffer_request={
+                "array_handle": 11, "host_buffer_handle": 203}))[0] == 0
+            for copy in (201, 202, 203):
+                assert len(_read(session, copy)) == 3000
+            _wait_for_sessions(url, lambda s: s["host_bytes_held"] == 0)
             # A store whose bytes stop coming ends after JITSERVE_BODY_TIMEOUT_S, and
             # what it held is free again.
             stalled = session.store_started(5, 3000, stalls)
@@ -339,7 +363,7 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
                 stalled.result(timeout=60)
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value
             assert "JITSERVE_BODY_TIMEOUT_S" in (late.value.details() or ""), late.value
-            _held_becomes(url, 1000)
+            _wait_for_sessions(url, lambda s: s["host_bytes_incoming"] == 0)
             deadline = time.monotonic() + 30
             while metric_total(url, "jitserve_ifrt_sessions_closed_total") < closed + 1:
                 assert time.monotonic() < deadline, "the idle session was not closed"
@@ -355,15 +379,12 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
             session.close()
 
 
-def _held_becomes(url: str, nbytes: int) -> None:
-    """Wait until the one open session holds ``nbytes`` of host buffers (the console says)."""
-    deadline = time.monotonic() + 60
-    while True:
-        sessions = httpx.get(f"{url}/v1/console/sessions", timeout=10).json()["sessions"]
-        if [s["host_bytes_held"] for s in sessions] == [nbytes]:
-            return
-        assert time.monotonic() < deadline, sessions
-        time.sleep(0.05)
+def _read(session: Session, handle: int) -> bytes:
+    """Host buffer ``handle`` of ``session`` (a ``HostBufferLookup``)."""
+    lookup = session.channel.unary_stream("/xla.ifrt.proxy.GrpcIfrtService/HostBufferLookup")
+    chunks = lookup(message(P + "GrpcHostBufferLookupRequest")(
+        session_id=session.session_id, handle=handle).SerializeToString())
+    return b"".join(message(P + "GrpcHostBufferLookupResponse").FromString(c).data for c in chunks)
 
 
 def _certificates(where: Path) -> tuple[Path, Path, Path]:
