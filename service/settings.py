@@ -60,9 +60,9 @@ class Settings(BaseSettings):
     # How long a request waits for a host buffer the client has not finished sending.
     ifrt_host_buffer_wait_s: float = Field(60.0, gt=0)
     # Bytes of host buffers one session may have waiting in the API process (sent, not
-    # yet used by a request; or made, not yet read): past it, a store is refused. Stores
-    # on their way may hold as much again (one past it waits), and copies to host not
-    # read yet as much as its arrays hold on the devices plus this.
+    # yet used by a request; or made, not yet read), and its stores on their way: a store
+    # past either waits for room (JITSERVE_IFRT_HOST_BUFFER_WAIT_S), then is refused.
+    # Copies to host not read yet may hold what its arrays hold on the devices plus this.
     ifrt_max_host_bytes: int = Field(2 * GiB, gt=0)
     # TLS for the IFRT port (PEM files): set both, or neither (plaintext, for loopback
     # and private networks). Clients reach it as grpcs://host:port (docs/ifrt.md).

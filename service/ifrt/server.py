@@ -19,7 +19,9 @@ its own (``JITSERVE_IFRT_PORT``; off when unset).
 - ``HostBufferStore``/``Lookup``/``Delete`` move array bytes. Stored buffers wait here
   until the request that names them goes, and cross to the runtime in shared memory;
   a request whose buffer does not arrive within ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``
-  is answered NOT_FOUND.
+  is answered NOT_FOUND. What waits here, and what is on its way, is bounded
+  (``JITSERVE_IFRT_MAX_HOST_BYTES``): a store past it waits for room, which the batch
+  before the request that names it makes (``_room_to_receive``, ``_relay``).
 
 A session ends when the client closes it, when it sends nothing for
 ``JITSERVE_IFRT_SESSION_IDLE_S``, when its runtime stops (a crash: UNAVAILABLE; an
@@ -102,7 +104,16 @@ class _Session:
     held: int = 0  # bytes of host_in, and of host_out's inline buffers
     incoming: int = 0  # bytes of stores on their way (``_room_to_receive``)
     held_back: set[int] = dataclasses.field(default_factory=set)  # stores waiting for room
-    room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set as one ends
+    room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set as room frees
+    # Requests held for the next batch: the first names a store that waits for the room
+    # the batch before it makes (``_relay``).
+    carry: list[tuple[bytes, Any]] = dataclasses.field(default_factory=list)
+    admitted: set[int] = dataclasses.field(default_factory=set)  # held-back stores let through
+
+    def freed(self) -> None:
+        """Wake the stores waiting for room (``IfrtService._room_to_receive``)."""
+        self.room.set()
+        self.room = asyncio.Event()
     bytes_in: int = 0
     bytes_out: int = 0
     compiles: dict[str, int] = dataclasses.field(default_factory=dict)  # by tier
@@ -413,22 +424,25 @@ class IfrtService:
         """The requests to send next (at least one), or ``None`` once the client is done."""
         if session.stopping is not None:
             raise session.stopping
-        try:
-            first = await asyncio.wait_for(queue.get(), self.settings.ifrt_session_idle_s)
-        except TimeoutError:
-            raise _SessionEnded(grpc.StatusCode.ABORTED, (
-                f"jitserve closed this session: it sent nothing for "
-                f"{self.settings.ifrt_session_idle_s:g} s (JITSERVE_IFRT_SESSION_IDLE_S)"),
-                "idle") from None
-        if first is _STOP and session.stopping is not None:
-            raise session.stopping
-        if first is None:
-            return None
+        if session.carry:
+            more, session.carry = session.carry, []
+        else:
+            try:
+                first = await asyncio.wait_for(queue.get(), self.settings.ifrt_session_idle_s)
+            except TimeoutError:
+                raise _SessionEnded(grpc.StatusCode.ABORTED, (
+                    f"jitserve closed this session: it sent nothing for "
+                    f"{self.settings.ifrt_session_idle_s:g} s (JITSERVE_IFRT_SESSION_IDLE_S)"),
+                    "idle") from None
+            if first is _STOP and session.stopping is not None:
+                raise session.stopping
+            if first is None:
+                return None
+            more = [first]
         # Requests that name host buffers still on their way wait for them here, before
         # the batch is closed: what the client sends meanwhile (the call that uses the
         # arrays, its ready check) then goes with them, not a runtime round trip later.
         batch: list[tuple[bytes, Any]] = []
-        more = [first]
         while more:
             waited = False
             for _, request in more:
@@ -467,8 +481,23 @@ class IfrtService:
                     if request is None else "the request names no operation")
                 self.metrics.ifrt_requests.labels("garbled", "INVALID_ARGUMENT").inc()
                 continue
-            for handle in _host_buffers_named(request, kind):
+            named = _host_buffers_named(request, kind)
+            for handle in named:
                 await self._wait_for_buffer(session, handle)
+            if any(h in session.held_back for h in named):
+                if i:  # the requests before it go, and their buffers make room for its store
+                    session.carry = batch[i:]
+                    answers = answers[:i]
+                    break
+                # Nothing before it: what is held waits for requests after it (or for none),
+                # so its stores come past the bound (by this one request's buffers at most).
+                session.admitted.update(h for h in named if h in session.held_back)
+                session.freed()
+                for handle in named:
+                    while handle in session.held_back:
+                        await session.event(handle).wait()
+                    await self._wait_for_buffer(session, handle)
+            for handle in named:
                 stored = session.host_in.pop(handle, None)
                 session.arrived.pop(handle, None)
                 if stored is not None:
@@ -480,6 +509,8 @@ class IfrtService:
             compiles += kind == "compile_request"
             sent.append(data)
             kinds.append(kind)
+        if buffers:
+            session.freed()
         if sent:
             self.metrics.ifrt_batch_requests.observe(len(sent))
             responses, host, compiled = await self._to_runtime(session, sent, buffers, refused,
@@ -497,13 +528,13 @@ class IfrtService:
             for kind, response in zip(kinds, responses):
                 self.metrics.ifrt_requests.labels(kind.removesuffix("_request"),
                                                   _status_of(response)).inc()
-        session.requests += len(batch)
+        session.requests += len(answers)
         return [a for a in answers if a is not None]
 
     async def _wait_for_buffer(self, session: _Session, handle: int) -> bool:
         """Wait until host buffer ``handle`` is here, or for at most
         ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``; whether it had to."""
-        if handle in session.host_in or handle in session.refused:
+        if handle in session.host_in or handle in session.refused or handle in session.held_back:
             return False
         session.awaited.add(handle)
         try:
@@ -648,16 +679,16 @@ class IfrtService:
         if meta.buffer_size > limit:
             over = (f"a host buffer of {meta.buffer_size:,} bytes is over this server's limit of "
                     f"{limit:,} (JITSERVE_MAX_BODY_BYTES)")
-        elif session.held + meta.buffer_size > self.settings.ifrt_max_host_bytes:
-            over = (f"this session holds {session.held:,} bytes of host buffers no request has "
-                    f"used yet; {meta.buffer_size:,} more is over the limit of "
-                    f"{self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)")
+        elif meta.buffer_size > self.settings.ifrt_max_host_bytes:
+            over = (f"a host buffer of {meta.buffer_size:,} bytes is over this session's limit "
+                    f"of {self.settings.ifrt_max_host_bytes:,} (JITSERVE_IFRT_MAX_HOST_BYTES)")
         elif not await self._room_to_receive(session, meta.handle, meta.buffer_size):
             over = (f"host buffer {meta.handle} ({meta.buffer_size:,} bytes) waited "
                     f"{self.settings.ifrt_host_buffer_wait_s:g} s (JITSERVE_IFRT_HOST_BUFFER_WAIT_S) "
-                    f"for the session's other stores on their way ({session.incoming:,} bytes) to "
-                    f"leave room under JITSERVE_IFRT_MAX_HOST_BYTES "
-                    f"({self.settings.ifrt_max_host_bytes:,})")
+                    f"for room under JITSERVE_IFRT_MAX_HOST_BYTES "
+                    f"({self.settings.ifrt_max_host_bytes:,}): this session holds "
+                    f"{session.held:,} bytes of host buffers no request has used yet, and "
+                    f"{session.incoming:,} more are on their way")
         if over is not None:
             # Read and dropped, and the refusal kept for the request that names it: jaxlib's
             # client gives the whole session up on a failed upload (and then aborts the
@@ -673,12 +704,12 @@ class IfrtService:
             stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
         finally:
             session.incoming -= meta.buffer_size
-            session.room.set()
-            session.room = asyncio.Event()
+            session.freed()
         if session.ended is None:
             replaced = session.host_in.pop(meta.handle, None)  # stored again before its use
             if replaced is not None:
                 session.held -= replaced.size
+                session.freed()
                 if replaced.segment is not None:
                     self.runtimes.segments.give_back(replaced.segment)
             session.host_in[meta.handle] = stored
@@ -696,21 +727,30 @@ class IfrtService:
         host's shared memory; held back, they wait for the others to arrive, which never
         waits for a request to use them (a program's burst of ``device_put``s goes on)."""
         limit = self.settings.ifrt_max_host_bytes
-        if session.incoming + size <= limit:
+
+        def fits() -> bool:
+            return (session.held + size <= limit and session.incoming + size <= limit
+                    or handle in session.admitted)
+
+        if fits():
             return True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.ifrt_host_buffer_wait_s
         session.held_back.add(handle)
+        waiting = session.arrived.pop(handle, None)
+        if waiting is not None:  # a batch waits for this buffer: it goes without the request
+            waiting.set()
         try:
-            while session.incoming + size > limit:
+            while not fits() and session.ended is None:
                 left = deadline - loop.time()
                 if left <= 0:
                     return False
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.room.wait(), left)
-            return True
+            return session.ended is None
         finally:
             session.held_back.discard(handle)
+            session.admitted.discard(handle)
 
     async def _receive(self, handle: int, size: int, chunks: AsyncIterator[bytes],
                        context: grpc.aio.ServicerContext, keep: bool = True) -> _Stored:
@@ -770,8 +810,9 @@ class IfrtService:
                                        self.settings.ifrt_host_buffer_wait_s)
         desc = session.host_out.pop(handle, None)
         session.arrived.pop(-handle, None)
-        if desc is not None:
-            session.held -= len(desc.get("data", b""))
+        if desc is not None and "data" in desc:
+            session.held -= len(desc["data"])
+            session.freed()
         if desc is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no host buffer {handle} in this session")
         if "nbytes" not in desc:  # small: it came with the batch's answer
@@ -813,6 +854,7 @@ class IfrtService:
         stored = session.host_in.pop(request.handle, None)
         made = session.host_out.pop(request.handle, None)
         session.held -= (stored.size if stored else 0) + len((made or {}).get("data", b""))
+        session.freed()
         if stored is not None and stored.segment is not None:
             self.runtimes.segments.give_back(stored.segment)
         return bytes(message(_P + "GrpcHostBufferDeleteResponse")().SerializeToString())

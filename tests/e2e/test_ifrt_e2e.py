@@ -292,6 +292,10 @@ OVER_THE_BODY_LIMIT = """
     except jax.errors.JaxRuntimeError as e:
         print("refused:", e)
     print("after:", float((jnp.ones(3) * 2).sum()))
+    # Eight arrays of 4,000 bytes at once, over the session's JITSERVE_IFRT_MAX_HOST_BYTES
+    # of 4096 together: each store waits for the one before to be used.
+    tree = jax.device_put([np.full(1000, i, np.float32) for i in range(8)])
+    print("tree:", [float(x.sum()) for x in tree])
 """
 
 
@@ -312,12 +316,13 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
                 "4,194,304 bytes is over this server's limit of 262,144 (JITSERVE_MAX_BODY_BYTES)"
                 in done.stdout), done.stdout
         assert "after: 6.0" in done.stdout, done.stdout
+        assert f"tree: {[1000.0 * i for i in range(8)]}" in done.stdout, done.stdout
         closed = metric_total(url, "jitserve_ifrt_sessions_closed_total")
         session = Session(f"127.0.0.1:{port}", key=None)
         go, stalls = threading.Event(), threading.Event()
         try:
-            # Stores on their way are bounded too: one that does not fit waits for the
-            # others to arrive (never for a request to use them), then comes.
+            # Stores on their way count too: one that does not fit beside them (and what
+            # is held) waits until it does, then comes.
             first = session.store_started(4, 1000, go)
             _wait_for_sessions(url, lambda s: s["host_bytes_incoming"] == 1000)
             whole = threading.Event()
@@ -327,33 +332,38 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
                                and s["host_bytes_incoming"] == 1000)
             go.set()
             first.result(timeout=60)
+            assert _status(session.make_array(14, 4, np.zeros(250, np.float32)))[0] == 0
             behind.result(timeout=60)
-            for handle, n in ((4, 250), (6, 875)):
-                assert _status(session.make_array(10 + handle, handle, np.zeros(n, np.float32)))[0] == 0
+            assert _status(session.make_array(16, 6, np.zeros(875, np.float32)))[0] == 0
             session.store(1, b"\x00" * 3000)  # held: no request has used it
-            session.store(2, b"\x00" * 3000)  # over JITSERVE_IFRT_MAX_HOST_BYTES: refused
+            session.store(2, b"\x00" * 5000)  # over JITSERVE_IFRT_MAX_HOST_BYTES alone: refused
             session.store(3, b"\x00" * (300 << 10))  # over JITSERVE_MAX_BODY_BYTES: refused
             for handle, limit in ((2, "JITSERVE_IFRT_MAX_HOST_BYTES"),
                                   (3, "JITSERVE_MAX_BODY_BYTES")):
                 code, text = _status(session.make_array(10 + handle, handle, np.zeros(4, np.float32)))
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and limit in text, text
+            # A store that does not fit beside what is held waits until a request uses it.
+            behind = session.store_started(7, 3000, whole)
+            _wait_for_sessions(url, lambda s: s["stores_held_back"] == [7])
             made = session.make_array(11, 1, np.zeros(750, np.float32))  # the session goes on
             assert _status(made)[0] == 0, made
+            behind.result(timeout=60)
+            assert _status(session.make_array(17, 7, np.zeros(750, np.float32)))[0] == 0
             _wait_for_sessions(url, lambda s: s["host_bytes_held"] == 0)
             # Copies to host not read count too: past what the session's arrays hold on
-            # the devices (1000 + 3500 + 3000) plus JITSERVE_IFRT_MAX_HOST_BYTES, a copy
-            # is refused.
-            for copy in (200, 201, 202):
+            # the devices (1000 + 3500 + 3000 + 3000) plus JITSERVE_IFRT_MAX_HOST_BYTES, a
+            # copy is refused.
+            for copy in (200, 201, 202, 203):
                 assert _status(session.request(copy_to_host_buffer_request={
                     "array_handle": 11, "host_buffer_handle": copy}))[0] == 0
             code, text = _status(session.request(copy_to_host_buffer_request={
-                "array_handle": 11, "host_buffer_handle": 203}))
+                "array_handle": 11, "host_buffer_handle": 204}))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], text
             assert "JITSERVE_IFRT_MAX_HOST_BYTES" in text and "read the copies" in text, text
             assert len(_read(session, 200)) == 3000  # read: room for another
             assert _status(session.request(copy_to_host_buffer_request={
-                "array_handle": 11, "host_buffer_handle": 203}))[0] == 0
-            for copy in (201, 202, 203):
+                "array_handle": 11, "host_buffer_handle": 204}))[0] == 0
+            for copy in (201, 202, 203, 204):
                 assert len(_read(session, copy)) == 3000
             _wait_for_sessions(url, lambda s: s["host_bytes_held"] == 0)
             # A store whose bytes stop coming ends after JITSERVE_BODY_TIMEOUT_S, and
