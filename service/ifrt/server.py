@@ -314,7 +314,10 @@ class IfrtService:
                     # only "Connection to IFRT proxy server was terminated", so a
                     # program whose first failing call came after the end would never
                     # read why.
-                    async for response in self._refusals(batch, queue, why):
+                    # (A batch that failed holds the requests it carried; one never made
+                    # leaves them in ``carry``.)
+                    pending, session.carry = batch or session.carry, []
+                    async for response in self._refusals(pending, queue, why):
                         yield response
                     await context.abort(why.code, str(why))
                 for response in _awaited_first(responses):
