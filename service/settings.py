@@ -10,6 +10,7 @@ Every knob has a default that runs on a fresh machine with no Redis. Outside
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -64,6 +65,12 @@ class Settings(BaseSettings):
     # past either waits for room (JITSERVE_IFRT_HOST_BUFFER_WAIT_S), then is refused.
     # Copies to host not read yet may hold what its arrays hold on the devices plus this.
     ifrt_max_host_bytes: int = Field(2 * GiB, gt=0)
+    # Sessions open at once, all keys together: one more is refused when it opens
+    # (RESOURCE_EXHAUSTED). Unset: as many as half the host's memory holds at
+    # JITSERVE_IFRT_MAX_HOST_BYTES each (at least 4), so that what sessions may hold in
+    # this process stays under it. With keys, each key gets a fair share
+    # (JITSERVE_TENANT_MAX_IFRT_SESSIONS).
+    ifrt_max_sessions: int | None = Field(None, gt=0)
     # TLS for the IFRT port (PEM files): set both, or neither (plaintext, for loopback
     # and private networks). Clients reach it as grpcs://host:port (docs/ifrt.md).
     ifrt_tls_cert: Path | None = None
@@ -180,13 +187,15 @@ class Settings(BaseSettings):
 
     # Tenants: scoping and quotas
     # Per API key, with keys on (service/calls/quotas.py, docs/service.md "Tenants"). Unset:
-    # live futures and device bytes get a fair share of the totals above (divided by
-    # the number of keys), executables l1_max_entries, program bytes programs_max_bytes.
+    # live futures, device bytes and IFRT sessions get a fair share of the totals above
+    # (divided by the number of keys), executables l1_max_entries, program bytes
+    # programs_max_bytes.
     tenant_max_live_futures: int | None = Field(None, gt=0)
     tenant_max_device_bytes: int | None = Field(None, gt=0)
     tenant_compiles_per_minute: int = Field(120, gt=0)
     tenant_max_executables: int | None = Field(None, gt=0)
     tenant_max_program_bytes: int | None = Field(None, gt=0)
+    tenant_max_ifrt_sessions: int | None = Field(None, gt=0)
     # Share of the compile workers one key's compiles may hold at once (rounded up).
     tenant_compile_share: float = Field(0.5, gt=0, le=1)
     # Let API keys share compiled executables (one compile per signature for all keys).
@@ -247,6 +256,18 @@ class Settings(BaseSettings):
         """``max_device_bytes``: as set or derived (``runtimes.device_limits``, which the
         server applies when it starts), else 8 GiB."""
         return self.max_device_bytes or 8 * GiB
+
+    @property
+    def ifrt_sessions_limit(self) -> int:
+        """``ifrt_max_sessions``, or as many sessions as half the host's memory holds at
+        ``ifrt_max_host_bytes`` each, at least 4."""
+        if self.ifrt_max_sessions:
+            return self.ifrt_max_sessions
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            memory = 0
+        return max(4, memory // 2 // self.ifrt_max_host_bytes)
 
     @property
     def execution_bytes_limit(self) -> int:

@@ -7,13 +7,15 @@ With API keys on (``JITSERVE_API_KEYS``) every key is a tenant, and each tenant 
     compiles_per_minute  real XLA compiles (not cache hits)    JITSERVE_TENANT_COMPILES_PER_MINUTE
     executables          distinct executables it compiled/ran  JITSERVE_TENANT_MAX_EXECUTABLES
     program_bytes        bytes of the programs it uploaded     JITSERVE_TENANT_MAX_PROGRAM_BYTES
+    ifrt_sessions        IFRT proxy sessions open at once      JITSERVE_TENANT_MAX_IFRT_SESSIONS
 
 Past one, the call is a 429 ``too_many_requests`` with ``Retry-After`` and
-``error.quota`` naming the quota (``QuotaExceeded``); other tenants are unaffected.
-The server's own limits (``JITSERVE_MAX_LIVE_FUTURES``, ...) stay its total. Unset,
-the live-futures and device-bytes quotas are a fair share of those totals (the total
-divided by the number of keys), so keys that keep to their quotas never reach the
-total. Without API keys there is one tenant and no quotas: the totals alone apply.
+``error.quota`` naming the quota (``QuotaExceeded``); other tenants are unaffected
+(IFRT sessions get ``RESOURCE_EXHAUSTED`` naming it). The server's own limits
+(``JITSERVE_MAX_LIVE_FUTURES``, ...) stay its total. Unset, the live-futures,
+device-bytes and sessions quotas are a fair share of those totals (the total divided
+by the number of keys), so keys that keep to their quotas never reach the total.
+Without API keys there is one tenant and no quotas: the totals alone apply.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Quotas:
         or ran, for its own programs).
       program_bytes: most bytes of programs one tenant may hold (sum of their sizes).
       compile_slots: most blocking lookups (compiles) one tenant may run at once.
+      ifrt_sessions: most IFRT proxy sessions one tenant may have open at once.
     """
 
     live_futures: int
@@ -56,6 +59,7 @@ class Quotas:
     executables: int
     program_bytes: int
     compile_slots: int
+    ifrt_sessions: int = _NO_LIMIT
 
     @classmethod
     def from_settings(cls, settings: Settings, compile_workers: int) -> Quotas:
@@ -70,7 +74,9 @@ class Quotas:
             compiles_per_minute=settings.tenant_compiles_per_minute,
             executables=settings.tenant_max_executables or settings.l1_max_entries,
             program_bytes=settings.tenant_max_program_bytes or settings.programs_max_bytes,
-            compile_slots=max(1, math.ceil(compile_workers * settings.tenant_compile_share)))
+            compile_slots=max(1, math.ceil(compile_workers * settings.tenant_compile_share)),
+            ifrt_sessions=settings.tenant_max_ifrt_sessions or max(
+                1, settings.ifrt_sessions_limit // keys))
 
     @classmethod
     def unlimited(cls) -> Quotas:

@@ -15,7 +15,9 @@ its own (``JITSERVE_IFRT_PORT``; off when unset).
   queue while a batch is at the runtime and go as the next batch (``Op.IFRT``), so a
   client that pipelines is answered at the runtime's pace, not a round trip's. A
   request whose host buffer is still on its way holds its batch open until it comes,
-  so the requests sent behind it (the call that uses the array) go along.
+  so the requests sent behind it (the call that uses the array) go along. Sessions
+  open at once are bounded, in all (``JITSERVE_IFRT_MAX_SESSIONS``) and per key
+  (``JITSERVE_TENANT_MAX_IFRT_SESSIONS``): one more is refused as it opens.
 - ``HostBufferStore``/``Lookup``/``Delete`` move array bytes. Stored buffers wait here
   until the request that names them goes, and cross to the runtime in shared memory;
   a request whose buffer does not arrive within ``JITSERVE_IFRT_HOST_BUFFER_WAIT_S``
@@ -195,6 +197,7 @@ class IfrtService:
         self.quotas = ({"device_bytes": quotas.device_bytes, "arrays": quotas.live_futures,
                         "compiles_per_minute": quotas.compiles_per_minute}
                        if settings.auth_enabled else None)
+        self.sessions_per_key = quotas.ifrt_sessions if settings.auth_enabled else None
         self.refusing = False  # the server is shutting down: no new session
         self._closing: set[asyncio.Future[None]] = set()  # sessions whose runtime drops them
 
@@ -380,6 +383,7 @@ class IfrtService:
             owner = authenticate(key, self.settings) or ""
         except Unauthorized as e:
             raise _SessionEnded(grpc.StatusCode.UNAUTHENTICATED, str(e), "unauthenticated") from None
+        self._room_for_a_session(owner)
         devices = self._devices_asked(attributes)
         session_id = secrets.randbits(63) or 1
         runtime = self.runtimes.place(owner or None, f"{session_id:016x}", devices)
@@ -391,6 +395,21 @@ class IfrtService:
                  extra={"fields": {"ifrt_session": f"{session_id:016x}", "owner": owner[:12],
                                    "runtime": runtime.index}})
         return session
+
+    def _room_for_a_session(self, owner: str) -> None:
+        """Refuse a new session past the server's limit on open sessions, or past its key's."""
+        total = self.settings.ifrt_sessions_limit
+        if len(self.sessions) >= total:
+            raise _SessionEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"this server has {len(self.sessions)} IFRT sessions open, its limit "
+                f"(JITSERVE_IFRT_MAX_SESSIONS={total}); try again when one has ended"),
+                "too_many_sessions")
+        quota = self.sessions_per_key
+        mine = sum(s.owner == owner for s in self.sessions.values())
+        if quota is not None and mine >= quota:
+            raise _SessionEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"quota ifrt_sessions: this key has {mine} IFRT sessions open; its quota is "
+                f"{quota} (JITSERVE_TENANT_MAX_IFRT_SESSIONS): end one first"), "too_many_sessions")
 
     def _devices_asked(self, attributes: Any) -> int:
         """The devices a session's client asked for (``DEVICES_ATTRIBUTE``), else the most

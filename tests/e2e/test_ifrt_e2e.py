@@ -31,9 +31,13 @@ P = "xla.ifrt.proxy."
 SESSION = "/xla.ifrt.proxy.GrpcIfrtService/IfrtSession"
 
 
+# Sessions open at once: per key, and in all (``test_sessions_open_at_once_are_bounded``).
+SESSION_LIMITS = {"JITSERVE_TENANT_MAX_IFRT_SESSIONS": "2", "JITSERVE_IFRT_MAX_SESSIONS": "3"}
+
+
 @pytest.fixture(scope="module")
 def ifrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    yield from serve_ifrt(tmp_path_factory)
+    yield from serve_ifrt(tmp_path_factory, SESSION_LIMITS)
 
 
 # -- the wire ------------------------------------------------------------------------
@@ -61,8 +65,8 @@ class Session:
             ("ifrt-proxy-grpc-ifrt-session-metadata-bin", opening.SerializeToString())])
         self.op = 0
         self._answered: set[int] = set()
-        init = self.request(init_request={})
-        self.session_id = init.init_response.session_id
+        self.opened = self.request(init_request={})  # a refused session's answer says why
+        self.session_id = self.opened.init_response.session_id
 
     def send(self, data: bytes) -> Any:
         """Send raw bytes as a request; the next answer (garbage has no op id)."""
@@ -197,6 +201,67 @@ def test_requests_behind_a_host_buffer_on_its_way_go_to_the_runtime_with_it(
             assert metric_total(url, "jitserve_ifrt_batch_requests_sum") == requests + 2
     finally:
         session.close()
+
+
+def test_sessions_open_at_once_are_bounded_per_key_and_in_all(ifrt: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    """Two sessions per key, three in all (``SESSION_LIMITS``): one more is refused as it
+    opens, naming the limit, and an unmodified program fails to start saying so; once
+    one has ended, a new one opens."""
+    target, url = ifrt["target"], ifrt["url"]
+    _until(lambda: metric_total(url, "jitserve_ifrt_sessions") == 0)  # earlier tests' ended
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    opened: list[Session] = []
+    try:
+        opened += [Session(target, KEYS[0]), Session(target, KEYS[0])]
+        assert [_status(s.opened)[0] for s in opened] == [0, 0]
+        third = Session(target, KEYS[0])
+        third.close()
+        code, text = _status(third.opened)
+        assert code == exhausted and "quota ifrt_sessions: this key has 2 IFRT sessions open; " \
+            "its quota is 2 (JITSERVE_TENANT_MAX_IFRT_SESSIONS)" in text, text
+        # jaxlib's client tries again until its connect timeout (2 s here), then raises.
+        program = run_program(ifrt, "import jax\nprint(jax.devices())\n", tmp_path, key=KEYS[0],
+                              env={"JITSERVE_IFRT_CONNECT_TIMEOUT_S": "2"})
+        assert program.returncode != 0 and "RESOURCE_EXHAUSTED" in program.stderr
+        assert "quota ifrt_sessions" in program.stderr, program.stderr[-2000:]
+        # The other key has its own two, but the server holds three in all.
+        opened.append(Session(target, KEYS[1]))
+        assert _status(opened[-1].opened)[0] == 0
+        past = Session(target, KEYS[1])
+        past.close()
+        code, text = _status(past.opened)
+        assert code == exhausted and "this server has 3 IFRT sessions open, its limit " \
+            "(JITSERVE_IFRT_MAX_SESSIONS=3)" in text, text
+        # A program started meanwhile starts once a session has ended, within its timeout.
+        refused = 'jitserve_ifrt_sessions_closed_total{reason="too_many_sessions"}'
+        before = metric_total(url, refused)
+        path = tmp_path / "waits.py"
+        path.write_text("import jax\nprint(float(jax.numpy.ones(3).sum()))\n")
+        waits = subprocess.Popen([sys.executable, str(path)], text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env={**program_env(ifrt, KEYS[0]),
+                                                              "JITSERVE_IFRT_CONNECT_TIMEOUT_S": "120"})
+        try:
+            _until(lambda: metric_total(url, refused) > before)  # it is refused, and tries again
+            opened.pop(0).close()
+            out, err = waits.communicate(timeout=150)
+        finally:
+            waits.kill()
+        assert waits.returncode == 0 and out.strip() == "3.0" and err == "", err[-2000:]
+        _until(lambda: metric_total(url, "jitserve_ifrt_sessions") == 2)
+        opened.append(Session(target, KEYS[1]))
+        assert _status(opened[-1].opened)[0] == 0
+    finally:
+        for session in opened:
+            session.close()
+    assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+def _until(condition: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
 
 
 def _wait_for_sessions(url: str, ready: Any, timeout: float = 60.0) -> None:

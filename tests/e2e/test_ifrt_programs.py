@@ -29,13 +29,16 @@ from e2e.conftest import _free_port, _serve, metric_total, wait_ready
 KEYS = ("ifrt-alice-key-0123456789", "ifrt-bob-key-0123456789")
 
 
-def serve_ifrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A server with the IFRT proxy on: its HTTP url and its IFRT target."""
+def serve_ifrt(tmp_path_factory: pytest.TempPathFactory,
+               extra: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """A server with the IFRT proxy on (and the settings in ``extra``): its HTTP url and
+    its IFRT target."""
     port = _free_port()
     env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_API_KEYS": ",".join(KEYS),
            "JITSERVE_RUNTIMES": "2", "JITSERVE_EXECUTION_TIMEOUT_S": "3",
            "JITSERVE_IFRT_HOST_BUFFER_WAIT_S": "2", "JITSERVE_MAX_BODY_BYTES": str(64 << 20),
-           "JITSERVE_MAX_EXECUTION_BYTES": str(512 << 20), "JITSERVE_LOG_LEVEL": "info"}
+           "JITSERVE_MAX_EXECUTION_BYTES": str(512 << 20), "JITSERVE_LOG_LEVEL": "info",
+           **(extra or {})}
     for url in _serve(tmp_path_factory.mktemp("ifrt"), env):
         wait_ready(url)
         yield {"url": url, "target": f"127.0.0.1:{port}"}

@@ -8,6 +8,7 @@ tests/e2e/test_tenants_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import jax
@@ -193,6 +194,16 @@ def test_quota_defaults_share_the_totals_between_keys() -> None:
     s = Settings(env="test", api_keys=keys, tenant_max_live_futures=7, tenant_compile_share=1.0)
     q = Quotas.from_settings(s, compile_workers=2)
     assert q.live_futures == 7 and q.compile_slots == 2
+    # IFRT sessions: a fair share of the server's limit, which is, unset, as many as half
+    # the host's memory holds at JITSERVE_IFRT_MAX_HOST_BYTES each (at least 4).
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    s = Settings(env="test", api_keys=keys, ifrt_max_host_bytes=memory // 40)
+    assert s.ifrt_sessions_limit == 20 and Quotas.from_settings(s, 2).ifrt_sessions == 5
+    assert Settings(env="test", ifrt_max_host_bytes=memory).ifrt_sessions_limit == 4
+    s = Settings(env="test", api_keys=keys, ifrt_max_sessions=9, tenant_max_ifrt_sessions=3)
+    assert s.ifrt_sessions_limit == 9 and Quotas.from_settings(s, 2).ifrt_sessions == 3
+    assert Quotas.from_settings(Settings(env="test", api_keys=keys, ifrt_max_sessions=2),
+                                2).ifrt_sessions == 1
 
 
 def test_tenants_index_scopes_and_counts_program_bytes() -> None:
