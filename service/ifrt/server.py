@@ -721,7 +721,7 @@ class IfrtService:
                 session.refused[meta.handle] = over
                 session.event(meta.handle).set()
             return b""
-        session.incoming += meta.buffer_size  # taken by _room_to_receive
+        session.incoming += meta.buffer_size  # on its way: counted by _room_to_receive
         try:
             stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
         finally:
