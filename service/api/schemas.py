@@ -691,6 +691,9 @@ class ConsoleSession(BaseModel):
     stores_held_back: list[int] = Field(
         default_factory=list, description="host buffers whose stores wait for room "
                                           "(JITSERVE_IFRT_MAX_HOST_BYTES)")
+    requests_queued: int = Field(0, description="requests read, waiting for the next batch")
+    request_bytes_queued: int = Field(0, description="their bytes (at most 64 MiB and one "
+                                                     "request: past it the stream waits)")
     device_bytes: int = Field(description="its arrays' device bytes, as of its last batch")
     compiles: dict[str, int] = Field(description="by tier")
     waiting_for_host_buffers: list[int] = Field(

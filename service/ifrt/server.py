@@ -84,6 +84,53 @@ _CHUNK = 4 << 20  # bytes per HostBufferLookup message
 # with why: less than the grace ``grpc.aio.Server.stop`` gives handlers (``stop``).
 _STOP_ANSWER_S = 2.0
 _STOP = (b"", None)  # put in a session's queue to wake it when it should end (``end_all``)
+# Requests read from a session's stream and not yet sent to its runtime: past this many
+# bytes in its queue, and again in the batch being made, the stream is read no further
+# until they go (gRPC's flow control holds the client back), so a client that sends
+# faster than its runtime answers cannot fill this process's memory.
+_QUEUED_MAX_BYTES = 64 << 20
+_QUEUED_MAX = 4 * _BATCH_MAX
+
+
+class _Requests:
+    """A session's requests as they came, waiting for the batch that sends them: a queue
+    (``None`` ends it) whose reader waits for ``room`` once it holds ``_QUEUED_MAX``
+    requests or ``_QUEUED_MAX_BYTES``."""
+
+    def __init__(self) -> None:
+        self._items: asyncio.Queue[tuple[bytes, Any] | None] = asyncio.Queue()
+        self.bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def put_nowait(self, item: tuple[bytes, Any] | None) -> None:
+        self._items.put_nowait(item)
+        self.bytes += len(item[0]) if item is not None else 0
+        if self.bytes >= _QUEUED_MAX_BYTES or self._items.qsize() >= _QUEUED_MAX:
+            self._room.clear()
+
+    async def room(self) -> None:
+        """Until the queue is under its bounds."""
+        await self._room.wait()
+
+    async def get(self) -> tuple[bytes, Any] | None:
+        return self._took(await self._items.get())
+
+    def get_nowait(self) -> tuple[bytes, Any] | None:
+        return self._took(self._items.get_nowait())
+
+    def empty(self) -> bool:
+        return self._items.empty()
+
+    def qsize(self) -> int:
+        return self._items.qsize()
+
+    def _took(self, item: tuple[bytes, Any] | None) -> tuple[bytes, Any] | None:
+        self.bytes -= len(item[0]) if item is not None else 0
+        if self.bytes < _QUEUED_MAX_BYTES and self._items.qsize() < _QUEUED_MAX:
+            self._room.set()
+        return item
+
 
 @dataclasses.dataclass(eq=False)
 class _Session:
@@ -125,8 +172,7 @@ class _Session:
     ended_because: str = ""  # and in words
     # Its client's requests as they come (``IfrtService._read``); ``None`` when the
     # stream ended, ``_STOP`` when the server asks it to end (``stopping``).
-    queue: asyncio.Queue[tuple[bytes, Any] | None] = dataclasses.field(
-        default_factory=asyncio.Queue)
+    queue: _Requests = dataclasses.field(default_factory=_Requests)
     stopping: _SessionEnded | None = None  # the server ends it at the next batch (shutdown)
 
     def event(self, handle: int) -> asyncio.Event:
@@ -257,7 +303,8 @@ class IfrtService:
                  "protocol": s.protocol, "age_s": round(now - s.opened, 3),
                  "requests": s.requests, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
                  "host_bytes_held": s.held, "host_bytes_incoming": s.incoming,
-                 "stores_held_back": sorted(s.held_back), "device_bytes": s.device_bytes,
+                 "stores_held_back": sorted(s.held_back), "requests_queued": s.queue.qsize(),
+                 "request_bytes_queued": s.queue.bytes, "device_bytes": s.device_bytes,
                  "compiles": dict(s.compiles), "waiting_for_host_buffers": sorted(s.awaited)}
                 for s in list(self.sessions.values())]
 
@@ -330,7 +377,7 @@ class IfrtService:
             self.ended.pop(session.id, None)
             reader.cancel()
 
-    async def _refusals(self, batch: list[tuple[bytes, Any]], queue: asyncio.Queue[Any],
+    async def _refusals(self, batch: list[tuple[bytes, Any]], queue: _Requests,
                         e: _SessionEnded) -> AsyncIterator[bytes]:
         """The answers of an ended session: ``batch``'s, then those of each request the
         client sends, until it ends the stream or sends nothing for the idle time (for
@@ -426,8 +473,9 @@ class IfrtService:
                 "devices (GET /v1/devices)"), "refused")
         return int(text)
 
-    async def _read(self, requests: AsyncIterator[bytes], queue: asyncio.Queue[Any]) -> None:
-        """Parse the client's requests as they come; ``None`` when the stream ends."""
+    async def _read(self, requests: AsyncIterator[bytes], queue: _Requests) -> None:
+        """Parse the client's requests as they come, while ``queue`` has room; ``None``
+        when the stream ends."""
         try:
             async for data in requests:
                 try:
@@ -435,14 +483,14 @@ class IfrtService:
                 except Exception:  # noqa: BLE001 - garbage: answered, never crashed on
                     request = None
                 queue.put_nowait((data, request))
+                await queue.room()
         except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
             pass
         finally:
             queue.put_nowait(None)
 
     async def _next_batch(self, session: _Session,
-                          queue: asyncio.Queue[tuple[bytes, Any] | None]
-                          ) -> list[tuple[bytes, Any]] | None:
+                          queue: _Requests) -> list[tuple[bytes, Any]] | None:
         """The requests to send next (at least one), or ``None`` once the client is done."""
         if session.stopping is not None:
             raise session.stopping
@@ -465,6 +513,7 @@ class IfrtService:
         # the batch is closed: what the client sends meanwhile (the call that uses the
         # arrays, its ready check) then goes with them, not a runtime round trip later.
         batch: list[tuple[bytes, Any]] = []
+        size = sum(len(data) for data, _ in more)  # bounded as the queue is
         while more:
             waited = False
             for _, request in more:
@@ -473,7 +522,8 @@ class IfrtService:
                     waited = await self._wait_for_buffer(session, handle) or waited
             batch += more
             more = []
-            while len(batch) + len(more) < _BATCH_MAX and not queue.empty():
+            while (len(batch) + len(more) < _BATCH_MAX and size < _QUEUED_MAX_BYTES
+                   and not queue.empty()):
                 item = queue.get_nowait()
                 if item is None:
                     queue.put_nowait(None)  # seen again after this batch
@@ -481,6 +531,7 @@ class IfrtService:
                 if item is _STOP:
                     continue  # ``stopping`` ends the session before the next batch
                 more.append(item)
+                size += len(item[0])
             if not waited:
                 batch += more
                 break

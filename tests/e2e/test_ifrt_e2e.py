@@ -73,6 +73,13 @@ class Session:
         self._queue.put(data)
         return self._next()
 
+    def send_ahead(self, data: bytes) -> None:
+        """Send raw bytes as a request, without reading an answer (``next_answer`` does)."""
+        self._queue.put(data)
+
+    def next_answer(self) -> Any:
+        return self._next()
+
     def answer(self, op: int | None = None) -> Any:
         """The answer to request ``op`` (the oldest unanswered one sent by ``put``, by
         default): answers come in any order, matched by ``op_id``, as jaxlib's client
@@ -255,6 +262,40 @@ def test_sessions_open_at_once_are_bounded_per_key_and_in_all(ifrt: dict[str, st
         for session in opened:
             session.close()
     assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+def test_a_client_that_sends_faster_than_its_runtime_answers_is_held_back(
+        ifrt: dict[str, str]) -> None:
+    """Requests read and not yet sent on are bounded (64 MiB, then the server reads the
+    stream no further and gRPC holds the client back), so sending ahead cannot fill the
+    API process's memory: behind a request that waits 2 s for a host buffer that never
+    comes, 200 requests of 1 MiB wait in the client, not the server. Then every one is
+    answered, and the session goes on."""
+    session = Session(ifrt["target"])
+    try:
+        made = session.make_array(60, 990, np.zeros(3, np.float32), wait=False)  # never stored
+        for _ in range(200):
+            session.send_ahead(b"\xff" * (1 << 20))  # not an IfrtRequest: answered as such
+        queued = []
+
+        def waiting(entry: dict[str, Any]) -> bool:
+            queued.append(entry["request_bytes_queued"])
+            return entry["waiting_for_host_buffers"] != [990]
+
+        _wait_for_sessions(ifrt["url"], waiting)
+        assert 32 << 20 <= max(queued) <= (64 + 1) << 20, max(queued)
+        answers = [session.next_answer() for _ in range(201)]
+        [answer] = [a for a in answers if a.response_metadata.op_id == made]
+        code, text = _status(answer)
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and "never arrived" in text
+        answers.remove(answer)
+        assert {_status(a) for a in answers} == {
+            (grpc.StatusCode.INVALID_ARGUMENT.value[0],
+             "the request is not an IfrtRequest jitserve can read")}
+        session._answered.add(made)
+        assert _status(session.request(init_request={}))[0] == 0
+    finally:
+        session.close()
 
 
 def _until(condition: Any, timeout: float = 60.0) -> None:
