@@ -16,17 +16,22 @@ inputs of a run; the place a fetch's outputs go), and keeps them for reuse
 segment's pages than to copy into them (0.3 s against 0.03 s per 256 MiB where
 measured). A runtime only maps the segments it is given. Names are checked
 against their pattern before a file is opened, and the segments of a pool are
-removed when it stops.
+removed when it stops. A pool's process that is killed first (SIGKILL, the OOM
+killer) cannot remove them: a lock file marks each pool's segments as in use while
+it lives, and the next pool made on the host removes those of pools whose process
+is gone (``new_prefix``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -215,15 +220,64 @@ def unlink(name: str) -> None:
         pass
 
 
+# The lock files of this process's pools (``new_prefix``), by prefix: flocked while open.
+_HELD: dict[str, int] = {}
+# A lock file younger than this may be one its pool has made and not locked yet.
+_LOCK_GRACE_S = 10.0
+
+
 def new_prefix() -> str:
-    """The segment-name prefix of one pool (``remove_all`` cleans up after it)."""
-    return f"jitserve-{secrets.token_hex(4)}"
+    """The segment-name prefix of one new pool (``remove_all`` cleans up after it).
+
+    Its lock file, ``<prefix>.lock``, stays flocked while the pool lives; the kernel
+    drops the lock when the process ends, however it ends. First, the segments of
+    pools whose lock is free (their process ended without ``remove_all``) are removed.
+    """
+    _remove_orphans()
+    while True:
+        prefix = f"jitserve-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(SHM_DIR / f"{prefix}.lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _HELD[prefix] = fd
+        return prefix
 
 
 def remove_all(prefix: str) -> None:
-    """Unlink every segment that still carries ``prefix``."""
+    """Unlink every segment that still carries ``prefix``, and its lock file."""
     for path in SHM_DIR.glob(f"{prefix}-*"):
         unlink(path.name)
+    fd = _HELD.pop(prefix, None)
+    if fd is not None:
+        unlink(f"{prefix}.lock")
+        os.close(fd)
+
+
+def _remove_orphans() -> None:
+    """Remove the segments, and lock files, of pools whose lock no process holds."""
+    for lock in SHM_DIR.glob("jitserve-*.lock"):
+        prefix = lock.name.removesuffix(".lock")
+        if prefix in _HELD or not re.fullmatch(r"jitserve-[0-9a-f]{8}", prefix):
+            continue
+        try:
+            if time.time() - lock.stat().st_mtime < _LOCK_GRACE_S:
+                continue
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its pool lives
+            os.close(fd)
+            continue
+        try:
+            for path in SHM_DIR.glob(f"{prefix}-*"):
+                unlink(path.name)
+            unlink(lock.name)
+        finally:
+            os.close(fd)
 
 
 def layout(nbytes: Sequence[int], inline_max: int = INLINE_MAX_BYTES

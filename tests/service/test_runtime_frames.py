@@ -1,8 +1,12 @@
-"""Arrays across the process boundary (``service.runtimes.frames``), without processes."""
+"""Arrays across the process boundary (``service.runtimes.frames``), without runtimes."""
 
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -81,6 +85,44 @@ def test_remove_all_cleans_up_after_a_pool() -> None:
     assert len(_segments(prefix)) == 3
     frames.remove_all(prefix)
     assert _segments(prefix) == []
+    assert not (frames.SHM_DIR / f"{prefix}.lock").exists()
+
+
+_POOL = """
+from jitserve.service.runtimes import frames
+prefix = frames.new_prefix()
+frames.Segment.create(prefix, 4096)
+print(prefix, flush=True)
+input()
+"""
+
+
+def test_segments_of_a_pool_whose_process_was_killed_go_with_the_next_pool() -> None:
+    """A process SIGKILLed (or OOM-killed) before its cleanup leaves its segments in
+    /dev/shm: the next pool made on the host removes them, and not those of pools
+    whose processes live, in this process or another."""
+    procs = [subprocess.Popen([sys.executable, "-c", _POOL], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    live = frames.new_prefix()
+    try:
+        frames.Segment.create(live, 4096)
+        killed, other = (p.stdout.readline().strip() for p in procs if p.stdout)
+        procs[0].kill()
+        procs[0].wait()
+        old = time.time() - 60  # past the grace a lock file just made gets
+        for prefix in (killed, other, live):
+            assert len(_segments(prefix)) == 1
+            os.utime(frames.SHM_DIR / f"{prefix}.lock", (old, old))
+        frames.remove_all(frames.new_prefix())
+        assert _segments(killed) == [] and not (frames.SHM_DIR / f"{killed}.lock").exists()
+        assert len(_segments(other)) == 1 and len(_segments(live)) == 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()  # and closes its pipes
+        frames.remove_all(live)
+    frames.remove_all(frames.new_prefix())
+    assert _segments(other) == []  # its process is gone now too
 
 
 def test_inputs_of_64_kib_go_by_small_segments(cache) -> None:
