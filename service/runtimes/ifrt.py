@@ -290,6 +290,10 @@ class Sessions:
                 getattr(response, kind.removesuffix("_request") + "_response").SetInParent()
         except Exception as e:  # noqa: BLE001 - every failure is the request's answer
             failure = e if isinstance(e, IfrtFailure) else _classify(e)
+            # Kept as a new exception: the raised one's traceback holds the frames that
+            # raised it, their host buffers (a 256 MiB segment's mapping) among them, for
+            # as long as the handles keep the failure, and in a cycle after.
+            failure = IfrtFailure(failure.code, str(failure), failure.root)
             for handle in _result_handles(request, kind):
                 self._put(session, handle, failure)
             if kind == "loaded_executable_execute_request" and body.result_status_handle:

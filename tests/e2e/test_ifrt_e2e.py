@@ -390,6 +390,40 @@ def test_bad_input_on_the_wire_is_an_error_status_never_a_crash(ifrt: dict[str, 
     assert httpx.get(f"{ifrt['url']}/healthz", timeout=10).status_code == 200
 
 
+def test_a_failed_request_lets_go_of_its_host_buffer(ifrt: dict[str, str]) -> None:
+    """A failed request's error stays on its handles, and its host buffer goes: the
+    runtime unmaps a big buffer's shared memory once the batch is answered. (The error's
+    traceback held the frames that read the buffer, and so its mapping, until a garbage
+    collection: a runtime near its memory cap then failed the next sessions' buffers.)"""
+    session = Session(ifrt["target"])
+    try:
+        session.store(31, np.zeros(3 << 20, np.float32).tobytes())  # 12 MiB: shared memory
+        code, text = _status(session.make_array(32, 31, np.zeros(5, np.float32)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "12582912 bytes" in text, text
+        assert "failed earlier" in _status(session.request(
+            check_value_ready_request={"value_handles": [32]}))[1]
+        index = next(s["runtime"] for s in _sessions(ifrt["url"])
+                     if s["session"] == f"{session.session_id:016x}")
+        pid = next(r["pid"] for r in httpx.get(f"{ifrt['url']}/readyz", timeout=10).json()["runtimes"]
+                   if r["index"] == index)
+        mapped = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                  if "/dev/shm/jitserve-" in line]
+        big = [line for line in mapped if _span(line) > 4 << 20]  # SegmentMaps keeps small ones
+        assert big == [], big
+    finally:
+        session.close()
+
+
+def _span(maps_line: str) -> int:
+    start, end = maps_line.split()[0].split("-")
+    return int(end, 16) - int(start, 16)
+
+
+def _sessions(url: str) -> list[dict[str, Any]]:
+    return list(httpx.get(f"{url}/v1/console/sessions", timeout=10,
+                          headers={"Authorization": f"Bearer {KEYS[0]}"}).json()["sessions"])
+
+
 OVER_THE_BODY_LIMIT = """
     import jax, jax.numpy as jnp, numpy as np
     try:  # 4 MiB: over the server's JITSERVE_MAX_BODY_BYTES of 256 KiB
