@@ -647,8 +647,10 @@ class IfrtService:
         except RuntimeLost as e:
             raise self._lost(session, e) from None
         except RemoteError as e:
-            raise _SessionEnded(grpc.StatusCode.INTERNAL, f"jitserve's runtime refused the "
-                                f"batch: {e}", "refused") from None
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.code == "out_of_memory"
+                    else grpc.StatusCode.INTERNAL)
+            raise _SessionEnded(code, f"jitserve's runtime refused the batch: {e}",
+                                "refused") from None
         finally:  # the runtime has copied what it kept (or is gone)
             for stored in buffers.values():
                 if stored.segment is not None:
@@ -902,6 +904,9 @@ class IfrtService:
                     "into": {"shm": segment.name, "offsets": [0]}},
                     timeout_s=self.settings.decode_timeout_s)
             except RemoteError as e:
+                if e.code == "out_of_memory":  # the runtime could not map the segment
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"host buffer {handle} could not be read: {e}")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"host buffer {handle} is gone: {e}")
             if [d.get("shm") for d in reply["arrays"]] != [segment.name]:
                 await context.abort(grpc.StatusCode.INTERNAL, "a runtime answered a read elsewhere")

@@ -32,6 +32,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import itertools
 import logging
 import math
@@ -440,7 +441,8 @@ class RuntimeServer:
         from jitserve.compiler.errors import first_line
 
         text = first_line(e)
-        if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
+        if ("RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError)
+                or isinstance(e, OSError) and e.errno == errno.ENOMEM):  # a mmap past the cap
             limit = (f" (this runtime's limit is {self.memory_limit:,} bytes, "
                      "JITSERVE_RUNTIME_MAX_MEMORY_BYTES)" if self.memory_limit else "")
             return "out_of_memory", f"out of memory{limit}: {text}"
@@ -841,11 +843,20 @@ class RuntimeServer:
 
         from .ifrt import unpack_buffers
 
+        # A host buffer this runtime cannot map (its address space is used up) fails the
+        # requests that name it, as a buffer the server refused does, not the batch.
+        buffers: dict[int, Any] = {}
+        refused = dict(m.get("refused") or {})
+        for handle, desc in (m.get("buffers") or {}).items():
+            try:
+                buffers.update(unpack_buffers({handle: desc}))
+            except (OSError, MemoryError) as e:
+                refused[handle] = f"host buffer {handle}: {self._classify(e)[1]}"
         with self._ifrt_locks[int(m["session"])]:
             responses, made, compiled = self._sessions.serve(
-                int(m["session"]), str(m.get("owner", "")), list(m["requests"]),
-                unpack_buffers(m.get("buffers", {})), m.get("quotas"), str(m.get("scope", "")),
-                m.get("max_run_bytes"), m.get("refused"), m.get("host"))
+                int(m["session"]), str(m.get("owner", "")), list(m["requests"]), buffers,
+                m.get("quotas"), str(m.get("scope", "")), m.get("max_run_bytes"), refused,
+                m.get("host"))
             host: dict[int, dict[str, Any]] = {}
             for handle, data in made.items():
                 if data.nbytes < frames.INLINE_MAX_BYTES:

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from e2e.conftest import metric_total, wait_ready
+from e2e.conftest import _free_port, metric_total, wait_ready
+from e2e.test_ifrt_programs import run_program
 from jax import export, lax
 
 from jitserve import wire
@@ -191,12 +193,16 @@ def test_delete_cancels_a_lone_running_execution(start_server) -> None:
     assert metric_total(url, 'jitserve_runtime_restarts_total{reason="cancel"}') == 1
 
 
-def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server) -> None:
+def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server,
+                                                              tmp_path: Path) -> None:
     # Device-bytes limits set past the cap: left unset, they would be derived from it
     # and refuse the program before it runs (test_memory_e2e).
+    port = _free_port()
     url = start_server({"JITSERVE_RUNTIME_MAX_MEMORY_BYTES": str(3 << 30),
                         "JITSERVE_MAX_DEVICE_BYTES": str(8 << 30),
-                        "JITSERVE_MAX_EXECUTION_BYTES": str(8 << 30)})
+                        "JITSERVE_MAX_EXECUTION_BYTES": str(8 << 30),
+                        "JITSERVE_IFRT_PORT": str(port), "JITSERVE_MAX_BODY_BYTES": str(3 << 30),
+                        "JITSERVE_IFRT_MAX_HOST_BYTES": str(3 << 30)})
     c = Caller(url)
     # 4 GiB of output: within the device-bytes limits (8 GiB), past the runtime's cap.
     huge = c.upload(_export(lambda x: jnp.full((1 << 30,), x), F32))
@@ -207,6 +213,27 @@ def test_a_program_over_the_runtime_memory_cap_fails_clearly(start_server) -> No
     assert httpx.get(f"{url}/healthz").status_code == 200
     wait_ready(url)
     assert c.value(c.execute(c.upload(DOUBLE), 5)) == 10
+
+    # Through the IFRT proxy: a host buffer the runtime cannot even map (its address
+    # space would pass the cap) fails the array made from it, naming the cap, and the
+    # session goes on. (It ended the session, INTERNAL, before.)
+    used = max(int(next(line.split()[1] for line in
+                        Path(f"/proc/{r['pid']}/status").read_text().splitlines()
+                        if line.startswith("VmSize:"))) * 1024 for r in _runtimes(url))
+    size = (3 << 30) - used + (64 << 20)
+    program = run_program({"target": f"127.0.0.1:{port}"}, f"""
+        import jax, jax.numpy as jnp, numpy as np
+        try:
+            print(float(jax.device_put(np.ones({size}, np.uint8)).sum()))
+        except jax.errors.JaxRuntimeError as e:
+            print("refused:", e)
+        print("after:", float((jnp.ones(3) * 2).sum()))
+    """, tmp_path, key=None)
+    assert program.returncode == 0, program.stderr[-3000:]
+    assert "refused: RESOURCE_EXHAUSTED" in program.stdout, program.stdout
+    assert "out of memory (this runtime's limit is 3,221,225,472 bytes, " \
+        "JITSERVE_RUNTIME_MAX_MEMORY_BYTES)" in program.stdout
+    assert program.stdout.splitlines()[-1] == "after: 6.0"
 
 
 def test_runtimes_have_no_network_without_redis(server_url: str) -> None:
