@@ -53,7 +53,7 @@ import numpy as np
 from . import frames
 from .devices import Group
 from .pipes import LoopReader, PipeWriter
-from .protocol import Config, DecodeAnswer, FetchRequest, Kind, Op, Root
+from .protocol import EXIT_OUT_OF_MEMORY, Config, DecodeAnswer, FetchRequest, Kind, Op, Root
 
 __all__ = ["Buffer", "NotStarted", "RemoteError", "Runtime", "RuntimeLost", "RuntimePool"]
 
@@ -707,6 +707,9 @@ def _exit_reason(code: int | None, killed_for: str | None, late_op: Op = Op.RUN)
                 "SIGABRT": " (XLA or a kernel failed a check, or it ran out of memory)",
                 "SIGSEGV": " (a kernel read memory it must not)"}.get(name, "")
         return f"crashed with {name}{hint}"
+    if code == EXIT_OUT_OF_MEMORY:
+        return ("ran out of memory outside any request: its address-space cap "
+                "(JITSERVE_RUNTIME_MAX_MEMORY_BYTES) is too small for jax and XLA")
     return f"exited with status {code}"
 
 

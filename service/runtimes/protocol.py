@@ -62,7 +62,8 @@ serves on. A handler's failure is its request's ``error`` (``unknown_program``,
 ``future_expired``, a compiler error's code, ``out_of_memory``,
 ``execution_failed``); the runtime serves on. A runtime that exits answers nothing
 more: the API process fails what it had in flight, with the reason it read from
-the exit status (docs/runtimes.md).
+the exit status (docs/runtimes.md). A runtime that runs out of memory outside any
+request (starting, under too small a cap) exits with ``EXIT_OUT_OF_MEMORY``.
 
 **Who may send what.** Only the API process sends ``Config`` and requests; only a
 runtime sends replies, and only to requests it was sent (``ready`` and ``started``
@@ -78,14 +79,17 @@ from __future__ import annotations
 import enum
 from typing import Any, NotRequired, TypeAlias, TypedDict
 
+# The exit status of a runtime that ran out of memory outside any request.
+EXIT_OUT_OF_MEMORY = 86
+
 __all__ = [
-    "ArgDesc", "ArrayDesc", "AvalDoc", "Config", "DecodeAnswer", "DecodeRequest", "DeviceDoc",
-    "ExecutableDoc", "Failure", "FetchAnswer", "FetchInto", "FetchRequest", "ForgetAnswer",
-    "ForgetRequest", "FreeRequest", "IfrtAnswer", "IfrtCloseAnswer", "IfrtCloseRequest", "IfrtCompiled",
-    "IfrtReadAnswer", "IfrtReadRequest", "IfrtRequest", "Kind", "LookupAnswer", "LookupRequest",
-    "Op", "ProgramAnswer",
-    "ProgramDoc", "ProgramRequest", "PutAnswer", "PutRequest", "Ready", "Reply", "RunAnswer",
-    "Root", "RunRequest", "SplitAnswer", "StatsAnswer", "StatsRequest",
+    "EXIT_OUT_OF_MEMORY", "ArgDesc", "ArrayDesc", "AvalDoc", "Config", "DecodeAnswer",
+    "DecodeRequest", "DeviceDoc", "ExecutableDoc", "Failure", "FetchAnswer", "FetchInto",
+    "FetchRequest", "ForgetAnswer", "ForgetRequest", "FreeRequest", "IfrtAnswer", "IfrtCloseAnswer",
+    "IfrtCloseRequest", "IfrtCompiled", "IfrtReadAnswer", "IfrtReadRequest", "IfrtRequest", "Kind",
+    "LookupAnswer", "LookupRequest", "Op", "ProgramAnswer", "ProgramDoc", "ProgramRequest",
+    "PutAnswer", "PutRequest", "Ready", "Reply", "RunAnswer", "Root", "RunRequest", "SplitAnswer",
+    "StatsAnswer", "StatsRequest",
 ]
 
 

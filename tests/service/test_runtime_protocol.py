@@ -12,6 +12,7 @@ id no request has is dropped.
 from __future__ import annotations
 
 import ast
+import errno
 import hashlib
 import os
 import subprocess
@@ -183,3 +184,23 @@ def test_a_reply_whose_id_no_request_has_is_dropped(rid: Any, kind: str) -> None
     runtime = RuntimePool(1, config, {}).runtimes[0]  # never started: nothing in flight
     runtime._dispatch({"id": rid, "kind": kind})
     assert runtime.in_flight() == []
+
+
+def test_a_runtime_out_of_memory_outside_any_request_exits_saying_so() -> None:
+    """Under too small an address-space cap a runtime cannot load jax's libraries or
+    start its threads: it exits with ``EXIT_OUT_OF_MEMORY``, which the pool reports
+    naming the cap, not as a bare exit status. (The settings refuse a cap under 1 GiB,
+    and 1 GiB starts, so no real runtime shows it here.)"""
+    from jitserve.service.runtimes.child import _out_of_memory
+    from jitserve.service.runtimes.pool import _exit_reason
+    from jitserve.service.runtimes.protocol import EXIT_OUT_OF_MEMORY
+
+    assert _out_of_memory(RuntimeError("can't start new thread"))
+    assert _out_of_memory(OSError(errno.ENOMEM, "Cannot allocate memory"))
+    assert _out_of_memory(ImportError("libjax_common.so: failed to map segment from shared object"))
+    assert _out_of_memory(MemoryError())
+    assert not _out_of_memory(RuntimeError("dictionary changed size during iteration"))
+    assert not _out_of_memory(OSError(errno.EBADF, "Bad file descriptor"))
+    reason = _exit_reason(EXIT_OUT_OF_MEMORY, None)
+    assert "ran out of memory" in reason and "JITSERVE_RUNTIME_MAX_MEMORY_BYTES" in reason
+    assert _exit_reason(1, None) == "exited with status 1"
