@@ -567,8 +567,10 @@ class IfrtService:
                 session.admitted.update(h for h in named if h in session.held_back)
                 session.freed()
                 for handle in named:
-                    while handle in session.held_back:
-                        await session.event(handle).wait()
+                    while handle in session.held_back:  # until its store goes on (or ends)
+                        await session.room.wait()
+                    # Then for its bytes, as for any store: a bounded wait, since a store
+                    # let through may still stall or be cancelled.
                     await self._wait_for_buffer(session, handle)
             for handle in named:
                 stored = session.host_in.pop(handle, None)
@@ -826,6 +828,7 @@ class IfrtService:
         finally:
             session.held_back.discard(handle)
             session.admitted.discard(handle)
+            session.freed()  # wakes a batch waiting for it to leave held_back (``_relay``)
 
     async def _receive(self, handle: int, size: int, chunks: AsyncIterator[bytes],
                        context: grpc.aio.ServicerContext, keep: bool = True) -> _Stored:

@@ -447,7 +447,7 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
     port = _free_port()
     env = {"JITSERVE_IFRT_PORT": str(port), "JITSERVE_IFRT_SESSION_IDLE_S": "2",
            "JITSERVE_IFRT_MAX_HOST_BYTES": "4096",  # and E2E_ENV's 256 KiB body limit
-           "JITSERVE_BODY_TIMEOUT_S": "1"}
+           "JITSERVE_BODY_TIMEOUT_S": "1", "JITSERVE_IFRT_HOST_BUFFER_WAIT_S": "10"}
     for url in _serve(tmp_path_factory.mktemp("ifrt-idle"), env):
         done = run_program({"target": f"127.0.0.1:{port}"}, OVER_THE_BODY_LIMIT, tmp_path,
                            key=None)
@@ -514,6 +514,21 @@ def test_a_session_s_limits_host_bytes_held_and_idle_time(
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value
             assert "JITSERVE_BODY_TIMEOUT_S" in (late.value.details() or ""), late.value
             _wait_for_sessions(url, lambda s: s["host_bytes_incoming"] == 0)
+            # A store held back, let through for the request that names it, whose bytes
+            # then stop: that request is answered (the buffer never arrived, after
+            # JITSERVE_IFRT_HOST_BUFFER_WAIT_S), and the session goes on. It waited for
+            # ever, and the session with it.
+            session.store(1, b"\x00" * 3000)  # held
+            cut = session.store_started(8, 3000, stalls)
+            _wait_for_sessions(url, lambda s: s["stores_held_back"] == [8])
+            code, text = _status(session.make_array(18, 8, np.zeros(750, np.float32)))
+            assert code == grpc.StatusCode.NOT_FOUND.value[0] and "never arrived" in text, text
+            with pytest.raises(grpc.RpcError) as late:
+                cut.result(timeout=60)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, late.value
+            assert _status(session.make_array(19, 1, np.zeros(750, np.float32)))[0] == 0
+            _wait_for_sessions(url, lambda s: s["host_bytes_held"] == 0
+                               and s["host_bytes_incoming"] == 0 and s["stores_held_back"] == [])
             deadline = time.monotonic() + 30
             while metric_total(url, "jitserve_ifrt_sessions_closed_total") < closed + 1:
                 assert time.monotonic() < deadline, "the idle session was not closed"
