@@ -56,7 +56,7 @@ from .cluster import Cluster
 from .console import Console
 from .errors import install_error_handlers
 from .metrics import Metrics, RequestMetricsMiddleware
-from .runtimes import Runtime, RuntimePool, device_limits, make_pool
+from .runtimes import Runtime, RuntimePool, device_limits, frames, make_pool
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["JitserveApp", "create_app", "make_compiler", "serving", "start_pool"]
 
 log = logging.getLogger("jitserve")
+# Less shared memory than this is said at start: a 256 MiB array, in and out, with the
+# segments kept for reuse, takes most of it (a container's is 64 MiB unless set).
+_SHM_WARN_BYTES = 1 << 30
 
 
 def make_compiler(settings: Settings) -> Compiler:
@@ -344,3 +347,10 @@ def _log_startup(settings: Settings, pool: RuntimePool, catalog: Catalog) -> Non
                                "device": device, "runtimes": len(pool.runtimes),
                                "tiers": tiers, "auth": settings.auth_enabled,
                                "limits": limits}})
+    shm = frames.shared_memory_bytes()
+    if shm < _SHM_WARN_BYTES:
+        log.warning("shared memory (%s) is %s MiB: arrays bigger than its free space are "
+                    "refused (503 unavailable; RESOURCE_EXHAUSTED through the IFRT proxy). "
+                    "Give the server %s GiB or more: docker run --shm-size, compose shm_size, "
+                    "a Memory emptyDir on /dev/shm in Kubernetes (docs/deploy.md)",
+                    frames.SHM_DIR, shm >> 20, _SHM_WARN_BYTES >> 30)

@@ -44,6 +44,8 @@ from jitserve.compiler import CacheUnavailable
 from jitserve.compiler.errors import CompilerError
 from jitserve.wire import ErrorCode, WireError
 
+from .memory import SharedMemoryFull
+
 if TYPE_CHECKING:
     from .metrics import Metrics
 
@@ -173,6 +175,8 @@ def refusal_body(exc: Exception) -> dict[str, Any] | None:
         return error_body(ErrorCode.UNAVAILABLE.value, f"the shared cache is unavailable: {exc}")
     if isinstance(exc, WireError):
         return error_body(ErrorCode.BAD_REQUEST.value, f"bad request body: {exc}")
+    if isinstance(exc, SharedMemoryFull):
+        return error_body(ErrorCode.UNAVAILABLE.value, str(exc))
     return None
 
 
@@ -206,6 +210,12 @@ async def _compiler_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _cache_unavailable(request: Request, exc: Exception) -> JSONResponse:
     return await _service_error(request, Unavailable(f"the shared cache is unavailable: {exc}"))
+
+
+async def _shared_memory_full(request: Request, exc: Exception) -> JSONResponse:
+    # The server's configuration, not the request: said to the operator as well.
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return await _service_error(request, Unavailable(str(exc)))
 
 
 async def _wire_error(request: Request, exc: Exception) -> JSONResponse:
@@ -301,7 +311,8 @@ def install_error_handlers(app: FastAPI, metrics: Metrics,
     """
     refusals: list[tuple[type[Exception], Callable[[Request, Exception], Awaitable[Response]]]] = [
         (ServiceError, _service_error), (CompilerError, _compiler_error),
-        (CacheUnavailable, _cache_unavailable), (WireError, _wire_error),
+        (CacheUnavailable, _cache_unavailable), (SharedMemoryFull, _shared_memory_full),
+        (WireError, _wire_error),
         (RequestValidationError, _validation_error)]
     for cls, handler in refusals:
         app.add_exception_handler(cls, handler if on_refused is None

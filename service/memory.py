@@ -39,8 +39,8 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["MIN_BOUND", "HeapTrimmer", "freeze_startup_objects", "limit_arenas",
-           "retain_freed_memory", "trim"]
+__all__ = ["MIN_BOUND", "HeapTrimmer", "SharedMemoryFull", "freeze_startup_objects",
+           "limit_arenas", "retain_freed_memory", "trim"]
 
 logger = logging.getLogger("jitserve.memory")
 
@@ -51,6 +51,11 @@ _INT_MAX = 2**31 - 1  # mallopt takes an int
 # glibc's own ceiling of its dynamic mmap threshold: a smaller bound would keep
 # less than glibc does by default, at the price of a system call per block.
 MIN_BOUND = 32 << 20
+
+
+class SharedMemoryFull(MemoryError):
+    """No room in the shared-memory filesystem (``/dev/shm``) for a segment that would
+    carry arrays between the API process and a runtime (``runtimes.frames``)."""
 
 
 class _MallInfo2(ctypes.Structure):

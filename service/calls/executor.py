@@ -56,6 +56,7 @@ from jitserve.compiler.errors import LimitExceeded
 from jitserve.compiler.records import Program
 from jitserve.wire import INLINE_OUTPUTS_BYTES, FutureStatus
 
+from ..memory import SharedMemoryFull
 from ..metrics import Metrics
 from ..runtimes import (
     Buffer,
@@ -621,7 +622,13 @@ class Executor:
             self._futures.fail(fut, code, message, **_rooted(root))
 
     def _broken(self, fut: Future, e: Exception) -> None:
-        """Fail ``fut`` for an error of the executor's own (logged: it is a bug)."""
+        """Fail ``fut`` for an error of the executor's own (logged: it is a bug), or for
+        no room in shared memory for its arrays (the server's configuration)."""
+        if isinstance(e, SharedMemoryFull):
+            log.warning("a run failed: %s", e)
+            if not fut.status.is_final:
+                self._futures.fail(fut, "unavailable", str(e))
+            return
         log.error("the executor failed a run unexpectedly", exc_info=e)
         if not fut.status.is_final:
             self._futures.fail(fut, "future_failed",

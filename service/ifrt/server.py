@@ -57,6 +57,7 @@ from ..calls.quotas import Quotas
 from ..calls.tenants import Tenants, scope_of
 from ..console import CompileRecord, Console
 from ..errors import Unauthorized
+from ..memory import SharedMemoryFull
 from ..metrics import Metrics
 from ..runtimes import frames
 from ..runtimes.pool import RemoteError, Runtime, RuntimeLost, RuntimePool
@@ -779,6 +780,13 @@ class IfrtService:
         session.incoming += meta.buffer_size  # on its way: counted by _room_to_receive
         try:
             stored = await self._receive(meta.handle, meta.buffer_size, chunks, context)
+        except SharedMemoryFull as e:  # the server's configuration: refused as over a limit
+            log.warning("IFRT session %016x: %s", session.id, e)
+            await self._receive(meta.handle, meta.buffer_size, chunks, context, keep=False)
+            if session.ended is None:
+                session.refused[meta.handle] = f"host buffer {meta.handle}: {e}"
+                session.event(meta.handle).set()
+            return b""
         finally:
             session.incoming -= meta.buffer_size
             session.freed()
@@ -899,7 +907,12 @@ class IfrtService:
                 yield chunk
             return
         size = int(desc["nbytes"])
-        segment = self.runtimes.segments.take(size)
+        try:
+            segment = self.runtimes.segments.take(size)
+        except SharedMemoryFull as e:
+            log.warning("IFRT session %016x: %s", session.id, e)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"host buffer {handle} could not be read: {e}")
         try:
             try:
                 reply = await session.runtime.request(Op.IFRT_READ, {

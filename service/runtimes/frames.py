@@ -24,6 +24,7 @@ is gone (``new_prefix``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -43,9 +44,11 @@ import numpy as np
 from jitserve import wire
 from jitserve.compiler._worker import Pipe
 
+from ..memory import SharedMemoryFull
+
 __all__ = ["INLINE_MAX_BYTES", "Pipe", "SHARED_FROM_BYTES", "Segment", "SegmentCache",
-           "SegmentMaps", "frame", "frame_size", "header", "layout", "pack", "pack_arrays",
-           "unpack", "unpack_arrays", "write_arrays"]
+           "SegmentMaps", "SharedMemoryFull", "frame", "frame_size", "header", "layout", "pack",
+           "pack_arrays", "shared_memory_bytes", "unpack", "unpack_arrays", "write_arrays"]
 
 INLINE_MAX_BYTES = 1 << 20
 # A run's inputs from this size up go by shared memory even under INLINE_MAX_BYTES
@@ -113,6 +116,7 @@ class Segment:
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(size, 1))
+            _reserve(fd, max(size, 1))
             mapping = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             os.unlink(SHM_DIR / name)
@@ -211,6 +215,31 @@ class SegmentMaps(dict[str, Any]):
             while len(self) >= self._count:
                 self.pop(next(iter(self)), None)  # the oldest
             super().__setitem__(name, mapping)
+
+
+def shared_memory_bytes() -> int:
+    """The size of the filesystem segments are made in (``SHM_DIR``)."""
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_blocks * stat.f_frsize
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Give the segment its pages now, or fail: a mapping of a file past what its
+    filesystem holds kills the process that writes it (SIGBUS), and a container's
+    ``/dev/shm`` is 64 MiB unless it is given more."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it: as before
+            return
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        stat = os.statvfs(SHM_DIR)
+        raise SharedMemoryFull(
+            f"no room for {size:,} bytes of shared memory in {SHM_DIR} ({stat.f_bavail * stat.f_frsize:,}"
+            f" of {stat.f_blocks * stat.f_frsize:,} bytes free), which big arrays cross by: "
+            "give the server more (docker run --shm-size, compose shm_size, a Memory "
+            "emptyDir on /dev/shm in Kubernetes; docs/deploy.md)") from None
 
 
 def unlink(name: str) -> None:

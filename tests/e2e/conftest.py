@@ -86,17 +86,18 @@ def _serve(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()) -> It
 
 
 @contextlib.contextmanager
-def server_process(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = ()
-                   ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def server_process(tmp: Path, extra_env: dict[str, str], args: Sequence[str] = (),
+                   wrapper: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A healthy ``jitserve serve`` (its log in ``tmp/server.log``): its url and process.
-    SIGTERMed (a drain) at the end, and SIGKILLed if it has not exited 20 s later."""
+    SIGTERMed (a drain) at the end, and SIGKILLed if it has not exited 20 s later.
+    ``wrapper``: a command that runs the server's (its arguments), and becomes it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("JITSERVE_") and k != "REDIS_URL"}
     env.update(E2E_ENV, **extra_env)
-    cmd = [SERVER_PYTHON, "-m", "jitserve.service", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--cache-dir", str(tmp / "cache"), *args]
+    cmd = [*wrapper, SERVER_PYTHON, "-m", "jitserve.service", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--cache-dir", str(tmp / "cache"), *args]
     log = tmp / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -373,3 +374,60 @@ def test_what_the_server_made_to_start_is_left_out_of_full_collections(
     samples = _metrics(http)
     assert samples["jitserve_gc_frozen_objects"] > 10_000, samples["jitserve_gc_frozen_objects"]
     assert 'python_gc_collections_total{generation="2"}' in samples
+
+
+# A /dev/shm of its own for the server: a container's is 64 MiB unless it is given more.
+_SMALL_SHM = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+              'mount -t tmpfs -o size=48m tmpfs /dev/shm && exec "$@"', "sh"]
+
+_OVER_THE_SHM = """
+    import jax, jax.numpy as jnp, numpy as np
+    for name, make in (("put", lambda: jax.device_put(np.ones(16 << 20, np.float32)).sum()),
+                       ("get", lambda: np.asarray(jnp.zeros(16 << 20, jnp.float32) + 1)[0])):
+        try:
+            print(name, float(make()))
+        except jax.errors.JaxRuntimeError as e:
+            print(name, "refused:", e)
+    print("after:", float((jnp.ones(3) * 2).sum()))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private /dev/shm needs a mount namespace (root)")
+def test_arrays_past_a_small_dev_shm_are_refused_never_a_crash(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """With a /dev/shm of 48 MiB, a 64 MiB array could not cross to a runtime: the API
+    process that wrote its segment died of SIGBUS. Now each way it is refused, naming
+    shared memory and what to set, over REST and through the IFRT proxy, and the
+    server goes on (and said at start that its shared memory is small)."""
+    from e2e.conftest import _free_port, server_process
+    from e2e.test_ifrt_programs import run_program
+
+    from jitserve.client import Client
+    from jitserve.client.errors import APIError, FutureError
+
+    port = _free_port()
+    where = tmp_path_factory.mktemp("small-shm")
+    with server_process(where, {"JITSERVE_IFRT_PORT": str(port),
+                                "JITSERVE_MAX_BODY_BYTES": str(256 << 20)},
+                        wrapper=_SMALL_SHM) as (url, proc):
+        assert "shared memory (/dev/shm) is 48 MiB" in (where / "server.log").read_text()
+        big = np.ones(16 << 20, np.float32)  # 64 MiB
+        with Client(url) as client:
+            with pytest.raises(APIError) as put:
+                client.device_put(big)
+            assert put.value.status_code == 503 and put.value.code == "unavailable"
+            assert "no room for 67,108,864 bytes of shared memory in /dev/shm" in str(put.value)
+            double = client.jit(lambda a: a * 2)
+            with pytest.raises(FutureError, match="no room for 67,108,864 bytes of shared memory"):
+                np.asarray(double(big))
+            with pytest.raises(APIError, match="shared memory") as fetch:
+                np.asarray(client.jit(lambda s: jnp.full((16 << 20,), s))(np.float32(2)))
+            assert fetch.value.status_code == 503
+            assert np.asarray(double(np.ones(4, np.float32))).tolist() == [2.0] * 4
+        program = run_program({"target": f"127.0.0.1:{port}"}, _OVER_THE_SHM, tmp_path, key=None)
+        assert program.returncode == 0, program.stderr[-3000:]
+        lines = program.stdout.splitlines()
+        assert lines[0].startswith("put refused: RESOURCE_EXHAUSTED") and "shared memory" in lines[0]
+        assert lines[1].startswith("get refused: RESOURCE_EXHAUSTED") and "shared memory" in lines[1]
+        assert lines[2] == "after: 6.0", lines
+        assert proc.poll() is None and httpx.get(f"{url}/healthz", timeout=10).status_code == 200
