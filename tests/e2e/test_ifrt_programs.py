@@ -214,7 +214,7 @@ READS = """
     host = np.random.default_rng(0).random(12 << 20, dtype=np.float32)  # 48 MiB
     x = jax.device_put(host)
     faults = []
-    for k in range(3):
+    for k in range(5):
         y = x + k
         y.block_until_ready()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -229,8 +229,11 @@ def test_big_reads_reuse_the_memory_the_reads_before_freed(ifrt: dict[str, str],
                                                            tmp_path: Path) -> None:
     # jaxlib's client copies a read twice into blocks of its size, on a thread of its
     # own; glibc gives such blocks fresh pages each time unless the backend keeps freed
-    # memory for reuse (client/ifrt_plugin.py). Counted in page faults, not time: the
-    # third read reuses what the first freed.
+    # memory for reuse (client/ifrt_plugin.py). Counted in page faults, not time: from
+    # the third read on, reads reuse what the reads before freed. Which of jaxlib's
+    # threads copies a read varies with the machine's load, and a read on a thread
+    # whose arena holds nothing freed faults afresh (one of three reads did, in CI
+    # beside other tests): so the best of reads three to five.
     # Off when told, and when local XLA shares the process (its threads keep their arenas).
     ways = {"default": {}, "off": {"JITSERVE_IFRT_RETAIN_FREED_BYTES": "0"},
             "beside cpu": {"JAX_PLATFORMS": "jitserve,cpu"}}
@@ -239,9 +242,9 @@ def test_big_reads_reuse_the_memory_the_reads_before_freed(ifrt: dict[str, str],
         done = run_program(ifrt, READS, tmp_path, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         reads[way] = json.loads(done.stdout)
-    first, _, third = reads["default"]
-    assert third * 4 < first, reads
-    assert reads["off"][2] > third * 4 and reads["beside cpu"][2] > third * 4, reads
+    first, reused = reads["default"][0], min(reads["default"][2:])
+    assert reused * 4 < first, reads
+    assert min(reads["off"][2:]) > reused * 4 and min(reads["beside cpu"][2:]) > reused * 4, reads
 
 
 def test_a_bad_retain_setting_is_refused_naming_it(ifrt: dict[str, str], tmp_path: Path) -> None:
