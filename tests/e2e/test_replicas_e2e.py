@@ -774,6 +774,15 @@ def test_a_future_whose_replica_died_before_writing_it_fails_replica_lost(
         doomed.wait_ready()
         program = _export(lambda x: x - 1, jax.ShapeDtypeStruct((3,), np.float32))
         pid = _upload(doomed.url, program)
+        # b must have known the replica for its loss to be known there: Redis restarts
+        # empty, and an id of a replica no one saw is an id of no replica (404). b learns
+        # its peers at its heartbeats, or when it fetches from one, as here; the test
+        # once killed Redis between two of b's heartbeats, before b had seen it.
+        seen = _execute(doomed.url, pid, [np.ones(3, np.float32)], wait=30_000)
+        assert seen.status_code == 200, seen.text
+        fetched = httpx.get(f"{b.url}/v1/futures/{wire.unpackb(seen.content)['future_id']}/result",
+                            headers=AUTH, timeout=60)
+        assert fetched.status_code == 200, fetched.text
         cluster["redis"].kill()
         deadline = time.monotonic() + 30
         while httpx.get(f"{doomed.url}/readyz", timeout=10).json().get("cluster") != "degraded":
