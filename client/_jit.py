@@ -120,6 +120,14 @@ def _resolve_argnums(fn: Callable[..., Any], nums: tuple[int, ...],
     return tuple(sorted(out_nums)), frozenset(out_names)
 
 
+@functools.cache
+def _tracer_type() -> type[Any]:
+    """jax's ``Tracer``: an argument of a call made inside a jax transformation."""
+    import jax
+
+    return jax.core.Tracer
+
+
 def _donated_leaves(flags: Any, tree: Any) -> tuple[bool, ...]:
     """Per leaf of ``tree``, the flag of the argument it belongs to (``flags`` is a prefix of ``tree``)."""
     import jax
@@ -209,6 +217,13 @@ class _RemoteFunctionBase:
             leaf._check_live()  # a deleted array raises RuntimeError before anything is traced
             a, impl = leaf.aval, leaf.key_type.impl if leaf.key_type else None
             return _Input(leaf, (tuple(a.shape), a.dtype, bool(a.weak_type), impl), impl)
+        if isinstance(leaf, _tracer_type()):
+            raise TypeError(
+                f"{self._name} was called with a jax tracer ({leaf.aval.str_short()}) as an "
+                "argument: a function of client.jit runs on the jitserve server and takes "
+                "concrete arrays, so it cannot be called inside jax.jit, jax.grad, jax.vmap "
+                "or another jax transformation. Apply the transformation inside it instead, "
+                "as in client.jit(jax.grad(fn)) or client.jit(jax.vmap(fn))")
         value, spec, key = local_input(local_value(leaf))
         impl = key.impl if key else None
         return _Input(value, (tuple(spec.shape), spec.dtype.name, bool(spec.weak_type), impl),

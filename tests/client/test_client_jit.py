@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -143,6 +143,18 @@ def test_unhashable_static_argument(client: Client) -> None:
     f = client.jit(lambda x, opts: x, static_argnums=1)
     with pytest.raises(ValueError, match="Non-hashable static arguments"):
         f(X, {"a": 1})
+
+
+@pytest.mark.parametrize("transform", [
+    lambda f: jax.jit(f), lambda f: jax.grad(lambda x: f(x).sum()), lambda f: jax.vmap(f),
+    lambda f: functools.partial(jax.eval_shape, f)], ids=["jit", "grad", "vmap", "eval_shape"])
+def test_a_call_inside_a_jax_transformation_says_to_put_the_transformation_inside(
+        client: Client, server: FakeServer, transform: Callable[[Any], Any]) -> None:
+    f = client.jit(lambda x: x * 2)
+    with pytest.raises(TypeError, match=r"<lambda> was called with a jax tracer \(float32\[.*"
+                                        r"client.jit\(jax.grad\(fn\)\)"):
+        transform(f)(X)
+    assert not server.requests  # refused before anything is traced or sent
 
 
 @pytest.fixture(params=[False, True], ids=["x32", "x64"])
