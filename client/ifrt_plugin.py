@@ -23,6 +23,8 @@ backend and sets the client up:
   loopback or a private network (docs/ifrt.md).
 - At exit the session is ended cleanly before the interpreter tears down: otherwise
   jaxlib's client logs an error per live executable and aborts the process.
+- ``Device.memory_stats()`` answers ``None`` (jaxlib's client has no way to ask the
+  server, and raises), as a local device without statistics does.
 - Big transfers reuse the memory the last ones freed, up to
   ``JITSERVE_IFRT_RETAIN_FREED_BYTES`` (1 GiB; ``0``: glibc's defaults), instead of
   fresh pages each time (``_reuse_transfer_memory``).
@@ -121,6 +123,7 @@ def _make_client() -> Any:
     for name in _ALIASES.get(client.platform, (client.platform,)):
         xla_bridge._backends.setdefault(name, client)
     _pass_strided_inputs_whole()
+    _memory_stats_unknown()
     atexit.register(_end_session)
     return client
 
@@ -202,6 +205,29 @@ def _pass_strided_inputs_whole() -> None:
 
     batched_device_put._jitserve = True  # type: ignore[attr-defined]
     pxla.batched_device_put = batched_device_put
+
+
+def _memory_stats_unknown() -> None:
+    """``Device.memory_stats()`` of this backend's devices answers ``None``, as jax's does
+    for a device that keeps no statistics (a local CPU's): jaxlib's client raises
+    ("MemoryStats is only supported for addressable PjRt devices") and has no request
+    that would ask the server, so a program that logs its memory would die of it."""
+    try:
+        from jaxlib import _jax
+        original = _jax.Device.memory_stats
+    except (ImportError, AttributeError):  # another jaxlib's layout: its own answer, then
+        return
+    if getattr(original, "_jitserve", False):
+        return
+
+    def memory_stats(self: Any) -> Any:
+        if getattr(self, "client", None) is _client:
+            return None
+        return original(self)
+
+    memory_stats._jitserve = True  # type: ignore[attr-defined]
+    memory_stats.__doc__ = original.__doc__
+    _jax.Device.memory_stats = memory_stats
 
 
 @contextlib.contextmanager

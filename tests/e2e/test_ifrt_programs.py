@@ -107,6 +107,7 @@ NUMERICS = """
                        and np.array_equal(np.asarray(others[-1] + 0), big * 8))
     donated = jax.jit(lambda a: a + 1, donate_argnums=0)(jnp.ones(4))
     out["donated"] = np.asarray(donated).tolist()
+    out["memory_stats"] = jax.devices()[0].memory_stats()  # None, as a local CPU's
     print(json.dumps(out))
 """
 
