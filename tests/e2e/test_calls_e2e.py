@@ -67,6 +67,9 @@ def test_a_batch_chains_its_calls_and_refuses_each_bad_one_alone(http: httpx.Cli
         None, None, "signature_mismatch", "future_failed", None, "bad_request", "not_found"]
     assert "expected float32[4], got float32[3]" in entries[2]["error"]["message"]
     assert "call 2 of this batch was refused" in entries[3]["error"]["message"]
+    assert "{'call': 0..4, 'output': k}" in entries[5]["error"]["message"]
+    first = _calls(http, [{"program_id": pid, "args": [{"call": 0, "output": 0}]}]).json()["calls"]
+    assert "the first call has none" in first[0]["error"]["message"], first
     np.testing.assert_array_equal(_value(http, entries[0]["future_id"]), a * 2 + 1)
     np.testing.assert_array_equal(_value(http, entries[4]["future_id"]), a * 8 + 7)
     # Call 4 donated call 1's output: it is released, as an execute's donation does.

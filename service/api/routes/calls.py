@@ -178,8 +178,9 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
             source, output = arg.get("call"), arg.get("output")
             if (type(source) is not int or type(output) is not int or set(arg) != {"call", "output"}
                     or not 0 <= source < index or output < 0):
-                raise BadRequest(f"argument {n}: a call reference names an earlier call of this "
-                                 f"batch ({{'call': 0..{index - 1}, 'output': k}}), got {arg!r:.100}")
+                what = (f"an earlier call of this batch ({{'call': 0..{index - 1}, 'output': k}})"
+                        if index else "an earlier call of this batch, and the first call has none")
+                raise BadRequest(f"argument {n}: a call reference names {what}, got {arg!r:.100}")
             earlier = started[source]
             if earlier is None:
                 raise FutureFailed(f"argument {n}: call {source} of this batch was refused, so "
