@@ -223,10 +223,40 @@ def _unary(op: Callable[[Any], Any]) -> Callable[..., Any]:
     return method
 
 
+def _method(name: str) -> Callable[..., Any]:
+    """``jax.Array``'s method ``name``, as numpy's method of the fetched value."""
+    def method(self: _RemoteBase, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._local(), name)(*map(local_value, args),
+                                            **{k: local_value(v) for k, v in kwargs.items()})
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"As ``jax.Array.{name}``: numpy's ``ndarray.{name}`` of the fetched value."
+    return method
+
+
+def _function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A method of ``jax.Array`` as numpy function ``fn`` of the fetched value: where
+    numpy's method of the same name works in place (``sort``), or is gone (``ptp``)."""
+    def method(self: _RemoteBase, *args: Any, **kwargs: Any) -> Any:
+        return fn(self._local(), *map(local_value, args),
+                  **{k: local_value(v) for k, v in kwargs.items()})
+
+    method.__name__ = method.__qualname__ = fn.__name__
+    method.__doc__ = f"As ``jax.Array.{fn.__name__}``: ``numpy.{fn.__name__}`` of the fetched value."
+    return method
+
+
+def _viewed(view: Callable[[Any], Any], name: str) -> Any:
+    """``jax.Array``'s property ``name``, of the fetched value."""
+    return property(lambda self: view(self._local()),
+                    doc=f"As ``jax.Array.{name}``, of the fetched value (numpy).")
+
+
 class _RemoteBase:
     """What sync and async remote arrays share: identity, metadata, lifetime, operators.
 
-    Indexing, arithmetic and comparisons fetch the value and apply numpy (see
+    Indexing, arithmetic, comparisons and ``jax.Array``'s array methods (``astype``,
+    ``reshape``, ``sum``, ``T``...) fetch the value and apply numpy (see
     ``RemoteArray``); ``_local`` is how each kind gets the value.
     """
 
@@ -396,6 +426,35 @@ class _RemoteBase:
     __neg__, __pos__ = _unary(operator.neg), _unary(operator.pos)
     __abs__, __invert__ = _unary(operator.abs), _unary(operator.invert)
     __hash__ = None  # type: ignore[assignment]  # unhashable, like jax and numpy arrays
+
+    # jax.Array's array methods, on the fetched value, as numpy computes them; not the
+    # ones that say where an array lives (``devices``, ``addressable_shards``, ``at``).
+    all, any, argmax, argmin = (_method(n) for n in ("all", "any", "argmax", "argmin"))
+    argpartition, argsort, astype, byteswap = (_method(n) for n in (
+        "argpartition", "argsort", "astype", "byteswap"))
+    choose, clip, compress, conj = (_method(n) for n in ("choose", "clip", "compress", "conj"))
+    conjugate, copy, cumprod, cumsum = (_method(n) for n in (
+        "conjugate", "copy", "cumprod", "cumsum"))
+    diagonal, dot, flatten, max, mean = (_method(n) for n in (
+        "diagonal", "dot", "flatten", "max", "mean"))
+    min, nonzero, prod, ravel, repeat = (_method(n) for n in (
+        "min", "nonzero", "prod", "ravel", "repeat"))
+    reshape, round, searchsorted, squeeze = (_method(n) for n in (
+        "reshape", "round", "searchsorted", "squeeze"))
+    std, sum, swapaxes, take, trace = (_method(n) for n in (
+        "std", "sum", "swapaxes", "take", "trace"))
+    transpose, var, view = (_method(n) for n in ("transpose", "var", "view"))
+    sort, ptp = _function(np.sort), _function(np.ptp)
+    T = _viewed(lambda v: v.T, "T")
+    mT = _viewed(lambda v: np.swapaxes(v, -1, -2), "mT")
+    real = _viewed(lambda v: v.real, "real")
+    imag = _viewed(lambda v: v.imag, "imag")
+    flat = _viewed(lambda v: v.flat, "flat")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element (known without fetching, but of a key array)."""
+        return int(self.dtype.itemsize) if self.key_type is None else int(self._local().itemsize)
 
 
 def _as_requested(a: np.ndarray, dtype: Any, copy: bool | None) -> np.ndarray:

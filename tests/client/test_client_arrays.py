@@ -75,6 +75,45 @@ def test_indexing_and_arithmetic_apply_numpy(offline: Client) -> None:
         np.testing.assert_array_equal(got, want)
 
 
+def test_jax_array_s_methods_apply_numpy_to_the_value(offline: Client) -> None:
+    y, s = fetched(offline, X, S)
+    cases = [
+        (y.T, X.T), (y.mT, X.T), (y.astype(np.int32), X.astype(np.int32)),
+        (y.reshape(2, 6), X.reshape(2, 6)), (y.ravel(), X.ravel()), (y.flatten(), X.ravel()),
+        (y.sum(), X.sum()), (y.sum(axis=0), X.sum(axis=0)), (y.mean(1), X.mean(1)),
+        (y.std(), X.std()), (y.var(), X.var()), (y.min(), 0), (y.max(axis=1), X.max(axis=1)),
+        (y.prod(), X.prod()), (y.argmax(), 11), (y.argmin(), 0), (y.any(), True), (y.all(), False),
+        (y.cumsum(), X.cumsum()), (y.cumprod(axis=1), X.cumprod(axis=1)),
+        (y.clip(2, 5), X.clip(2, 5)), (y.round(), X.round()), (y.dot(X.T), X @ X.T),
+        (y.dot(y.T), X @ X.T), (y.take([0, 5]), X.take([0, 5])), (y.squeeze(), X),
+        (y.swapaxes(0, 1), X.T), (y.transpose(), X.T), (y.diagonal(), X.diagonal()),
+        (y.trace(), X.trace()), (y.repeat(2, axis=0), X.repeat(2, axis=0)),
+        (y.sort(axis=0), np.sort(X, axis=0)), (y.argsort(axis=1), X.argsort(axis=1)),
+        (y.ptp(), np.ptp(X)), (y.real, X), (y.imag, X * 0), (y.conj(), X), (y.copy(), X),
+        (y.view(np.int32), X.view(np.int32)), (y.nonzero()[0], X.nonzero()[0]),
+        (y.ravel().searchsorted(5.5), 6), (np.asarray(list(y.flat)), X.ravel()),
+        (y.byteswap(), X.byteswap()),
+        (s.astype(np.float16), S.astype(np.float16)),
+    ]
+    for got, want in cases:
+        assert isinstance(got, np.ndarray | np.generic)
+        np.testing.assert_array_equal(got, want)
+    assert y.itemsize == 4 and y.copy().flags.writeable  # a copy is the caller's own
+    assert y.sort.__doc__ and "numpy.sort" in y.sort.__doc__ and "ndarray.sum" in y.sum.__doc__
+
+
+def test_remote_arrays_have_jax_array_s_methods_but_where_it_lives() -> None:
+    """What ``jax.Array`` has that a remote array has not: what says where an array lives
+    among this process's devices, and ``at`` (jax's indexed updates). A method a new jax
+    adds fails here until it is decided."""
+    placement = {"addressable_data", "addressable_shards", "at", "committed", "device",
+                 "devices", "format", "global_shards", "is_fully_addressable",
+                 "is_fully_replicated", "on_device_size_in_bytes", "to_device", "traceback",
+                 "unsafe_buffer_pointer"}
+    public = {n for n in dir(jax.Array) if not n.startswith("_")}
+    assert public - placement - set(dir(RemoteArray)) == set()
+
+
 def test_jax_functions_take_remote_arrays(offline: Client) -> None:
     y, s = fetched(offline, X, S)
     assert float(jnp.sum(y)) == X.sum()
