@@ -451,10 +451,28 @@ class _RemoteBase:
     imag = _viewed(lambda v: v.imag, "imag")
     flat = _viewed(lambda v: v.flat, "flat")
 
+    def __copy__(self) -> Any:
+        """The value, here: a copy must outlive this array, and an async one cannot be
+        made on the server without an ``await`` (``RemoteArray`` makes its copies there)."""
+        return np.array(self._local())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self.__copy__()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its value, as a ``jax.Array`` is: the server's output and the client
+        that holds it stay in this process."""
+        return _unpickled, (self._local(),)
+
     @property
     def itemsize(self) -> int:
         """Bytes of one element (known without fetching, but of a key array)."""
         return int(self.dtype.itemsize) if self.key_type is None else int(self._local().itemsize)
+
+
+def _unpickled(value: Any) -> Any:
+    """A pickled remote array: its value."""
+    return value
 
 
 def _as_requested(a: np.ndarray, dtype: Any, copy: bool | None) -> np.ndarray:
@@ -523,6 +541,16 @@ class RemoteArray(_RemoteBase):
 
     def _local(self) -> Any:
         return self.result()
+
+    def __copy__(self) -> RemoteArray:
+        """A new array of the same value, made on the server, as copying a ``jax.Array``
+        makes a new one on its device: deleting, donating or dropping either leaves the
+        other (a second handle on the same output would free it with the first)."""
+        self._check_live()
+        return self._client._placer(self.sharding)(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RemoteArray:
+        return self.__copy__()
 
     def is_ready(self) -> bool:
         """Whether the value is computed (done, failed or cancelled), without waiting for it."""

@@ -6,6 +6,9 @@ keeps arrays on the server; the async client does the same awaitably.
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
 import re
 
 import httpx
@@ -132,3 +135,38 @@ async def test_big_answer_async(server_url: str) -> None:
         x = np.arange(512.0)
         got = await (await ac.jit(lambda v: jnp.broadcast_to(v, (1024, 512)) + 1)(x)).result()
     np.testing.assert_array_equal(got, np.broadcast_to(x + 1, (1024, 512)))
+
+
+def test_copies_outlive_their_originals_and_pickles_are_values(client: Client) -> None:
+    """``copy.copy`` and ``copy.deepcopy`` make new arrays on the server, as copying a
+    ``jax.Array`` makes a new one: a kept copy (``best = copy.deepcopy(params)``)
+    outlives the original's collection, deletion and donation. A second handle on the
+    same output would have freed it with the first."""
+    f = client.jit(lambda v: v * 2)
+    x = np.arange(6.0).reshape(2, 3)
+    y = f(x)
+    twin = copy.copy(y)
+    assert isinstance(twin, RemoteArray) and twin.future_id != y.future_id
+    del twin
+    gc.collect()
+    np.testing.assert_array_equal(np.asarray(y), x * 2)  # alive: the copy freed its own
+    params = {"w": f(x), "b": f(x[0]), "key": client.jit(lambda k: k)(jax.random.key(3))}
+    best = copy.deepcopy(params)
+    step = client.jit(lambda p: {**p, "w": p["w"] + 1, "b": p["b"] + 1}, donate_argnums=0)
+    params = step(params)
+    np.testing.assert_array_equal(np.asarray(best["w"]), x * 2)  # kept through the donation
+    np.testing.assert_array_equal(np.asarray(params["w"]), x * 2 + 1)
+    pickled = pickle.loads(pickle.dumps(best))  # values, as a jax.Array pickles as its value
+    assert type(pickled["w"]) is np.ndarray and pickled["w"].tolist() == (x * 2).tolist()
+    assert jax.random.key_data(pickled["key"]).tolist() == jax.random.key_data(
+        jax.random.key(3)).tolist()
+
+
+async def test_async_copies_are_values(server_url: str) -> None:
+    async with AsyncClient(server_url, timeout=120) as ac:
+        y = await ac.jit(lambda v: v + 1)(np.arange(3.0))
+        with pytest.raises(TypeError, match="not fetched yet"):
+            copy.copy(y)
+        await y.result()
+        kept = copy.deepcopy(y)
+        assert type(kept) is np.ndarray and kept.flags.writeable and kept.tolist() == [1, 2, 3]
