@@ -23,6 +23,8 @@ backend and sets the client up:
   loopback or a private network (docs/ifrt.md).
 - At exit the session is ended cleanly before the interpreter tears down: otherwise
   jaxlib's client logs an error per live executable and aborts the process.
+- jax's persistent compilation cache leaves this backend alone (jaxlib's client cannot
+  serialize executables; the server caches them).
 - ``Device.memory_stats()`` answers ``None`` (jaxlib's client has no way to ask the
   server, and raises), as a local device without statistics does.
 - Big transfers reuse the memory the last ones freed, up to
@@ -124,6 +126,7 @@ def _make_client() -> Any:
         xla_bridge._backends.setdefault(name, client)
     _pass_strided_inputs_whole()
     _memory_stats_unknown()
+    _no_local_executable_cache()
     atexit.register(_end_session)
     return client
 
@@ -228,6 +231,22 @@ def _memory_stats_unknown() -> None:
     memory_stats._jitserve = True  # type: ignore[attr-defined]
     memory_stats.__doc__ = original.__doc__
     _jax.Device.memory_stats = memory_stats
+
+
+def _no_local_executable_cache() -> None:
+    """jax's persistent compilation cache (``jax_compilation_cache_dir``) skips this
+    backend, as it skips any backend that cannot serialize its executables: jaxlib's
+    client cannot ("IFRT service executable does not support `Serialize`"), so with the
+    cache configured every compile warned of a failed write. The server caches the
+    executables itself, for every session. jax reads the answer from the backend's
+    ``supports_executable_serialization``, which jaxlib's clients do not define."""
+    try:
+        from jaxlib import _jax
+        if getattr(_jax.Client, "supports_executable_serialization", None) is None:
+            _jax.Client.supports_executable_serialization = property(
+                lambda self: self is not _client)
+    except (ImportError, AttributeError, TypeError):  # another jaxlib: jax's default, then
+        pass
 
 
 @contextlib.contextmanager
