@@ -87,6 +87,8 @@ class AsyncClient(BaseClient):
         self._http = lean_cookies(httpx.AsyncClient(
             base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx(),
             transport=transport or async_transport()))
+        # The event loop this client serves: its connections and its sender belong to it.
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Releases are sent from a thread (see ReleaseQueue), so over a blocking client.
         self._release_http = lean_cookies(httpx.Client(
             base_url=self.base_url, headers=self._headers(), timeout=self.timeout.to_httpx()))
@@ -132,10 +134,24 @@ class AsyncClient(BaseClient):
             raise ProtocolError(f"answer ended after {pos} of {len(buf)} bytes")
         return buf
 
+    def _check_loop(self) -> None:
+        """Refuse an event loop other than the one this client first ran in, naming the
+        fix: httpx's connections and the sender's task belong to that loop, and failed
+        in another ('Event loop is closed') with the batch's traceback logged."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            was = "a closed event loop" if self._loop.is_closed() else "another event loop"
+            raise RuntimeError(f"this AsyncClient was first used in {was}, and its "
+                               "connections belong to it: make an AsyncClient in each "
+                               "event loop (each asyncio.run), as with httpx.AsyncClient")
+
     async def _drive(self, op: Op[T]) -> T:
         value: Any = None
         exc: JitserveError | None = None
         try:
+            self._check_loop()
             while True:
                 try:
                     step = drive_step(op, value, exc)

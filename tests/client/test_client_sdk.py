@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -554,3 +555,13 @@ def test_docstring_examples(module: str) -> None:
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_an_async_client_refuses_a_second_event_loop_naming_the_fix() -> None:
+    """httpx's connections and the sender's task belong to the loop the client first ran
+    in; another loop (a second ``asyncio.run``) failed with 'Event loop is closed'."""
+    c = amock(reply({"status": "ok"}))
+    assert asyncio.run(c.health()) == {"status": "ok"}
+    with pytest.raises(RuntimeError, match="first used in a closed event loop.*make an "
+                                           "AsyncClient in each event loop"):
+        asyncio.run(c.health())
