@@ -20,7 +20,7 @@ from jitserve.client._ahead import Submit, _Queued
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _FutureState, _RemoteBase, local_value
 from jitserve.client._trace import Compiled, local_input, trace
-from jitserve.client.errors import NotFound
+from jitserve.client.errors import NotFound, PayloadTooLarge
 
 __all__ = ["AsyncRemoteFunction", "JIT_FORMATS", "RemoteFunction"]
 
@@ -327,7 +327,15 @@ class _RemoteFunctionBase:
         if client._knows_program(compiled.program_id):
             return
         if not check or (yield from client._op_get_program(compiled.program_id)) is None:
-            yield from client._op_upload(compiled.program, self._format)
+            try:
+                yield from client._op_upload(compiled.program, self._format)
+            except PayloadTooLarge as e:
+                raise PayloadTooLarge(
+                    f"{e.message}: {self._name}'s program is {len(compiled.program):,} bytes. "
+                    "The arrays a function closes over are constants of its program: pass "
+                    "big ones as arguments (device_put them once to keep them on the server)",
+                    status_code=e.status_code, code=e.code, details=e.details,
+                    request=e.request, response=e.response) from None
         client._remember_program(compiled.program_id)
 
     def _op_execute(self, compiled: Compiled, values: list[Any], donate: list[int]) -> Op[_Execution]:

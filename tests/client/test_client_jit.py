@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from client_fakes import FAST, FakeServer, executes, held
+from client_fakes import FAST, FakeServer, error, executes, held
 
 from jitserve.client import (
     AsyncClient,
@@ -20,6 +20,7 @@ from jitserve.client import (
     AsyncRemoteFunction,
     Client,
     NotFound,
+    PayloadTooLarge,
     ProgramError,
     RemoteArray,
     RemoteFunction,
@@ -155,6 +156,22 @@ def test_a_call_inside_a_jax_transformation_says_to_put_the_transformation_insid
                                         r"client.jit\(jax.grad\(fn\)\)"):
         transform(f)(X)
     assert not server.requests  # refused before anything is traced or sent
+
+
+def test_a_program_over_the_server_s_size_says_its_constants_are_the_cause(
+        client: Client, server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "_post_programs", lambda request: error(
+        413, "payload_too_large", f"request body is {len(request.content):,} bytes, over the "
+        "limit of 1,024 bytes (JITSERVE_MAX_PROGRAM_BYTES)"))
+    table = np.arange(4096, dtype=np.float32)
+
+    def lookup(i: Any) -> Any:
+        return jnp.asarray(table)[i]  # a constant of the program: 16 KiB of it
+
+    with pytest.raises(PayloadTooLarge, match=r"over the limit of 1,024 bytes .*: lookup's "
+                                              r"program is [\d,]+ bytes\. The arrays a function "
+                                              r"closes over are constants of its program"):
+        client.jit(lookup)(np.int32(3))
 
 
 @pytest.fixture(params=[False, True], ids=["x32", "x64"])
