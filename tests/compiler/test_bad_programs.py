@@ -251,7 +251,8 @@ LIMITED: dict[str, tuple[Limits, Callable[[], bytes], tuple[str, ...]]] = {
     "nesting_export": (Limits(max_nesting=3), lambda: _export(_nested, F32_4), ("nest", "3")),
     "tensor_bytes": (Limits(max_tensor_bytes=1000), lambda: _text(jnp.sin, MAT.update(shape=(16, 16))),
                      ("16x16", "bytes")),
-    "program_bytes": (Limits(max_program_bytes=100), lambda: _text(jnp.sin, F32_4), ("100",)),
+    "program_bytes": (Limits(max_program_bytes=100), lambda: _text(jnp.sin, F32_4),
+                      ("limit of 100", "JITSERVE_MAX_PROGRAM_BYTES", "closes over")),
     "inputs": (Limits(max_inputs=3), lambda: _text(lambda *xs: sum(xs), *[F32_4] * 5), ("inputs", "3")),
     "jaxpr_eqns": (Limits(jaxpr=JaxprLimits(max_eqns=2)), lambda: encode_function(_mlp, MAT, MAT),
                    ("eqn 2", "more than 2 equations")),
@@ -263,6 +264,15 @@ def test_limits(make_compiler: Callable[..., Compiler], name: str) -> None:
     limits, make, words = LIMITED[name]
     c = make_compiler(limits=limits)
     _assert_refused(_refused(c, make(), None), LimitExceeded, *words)
+
+
+def test_a_module_over_the_program_bytes_is_refused_as_it_is_parsed() -> None:
+    """The IFRT proxy's compiles parse StableHLO themselves (``parse_module``)."""
+    from jitserve.compiler import stablehlo
+
+    with pytest.raises(LimitExceeded, match=r"over the limit of 100 \(JITSERVE_MAX_PROGRAM_BYTES"):
+        stablehlo.parse_module(_text(jnp.sin, F32_4), stablehlo.new_context(),
+                               Limits(max_program_bytes=100))
 
 
 def test_jaxpr_limits_come_from_the_compiler_limits(make_compiler: Callable[..., Compiler]) -> None:
