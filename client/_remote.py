@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.util
 import logging
 import operator
 import sys
@@ -542,14 +543,17 @@ class RemoteArray(_RemoteBase):
     def _local(self) -> Any:
         return self.result()
 
-    def __copy__(self) -> RemoteArray:
+    def __copy__(self) -> Any:
         """A new array of the same value, made on the server, as copying a ``jax.Array``
         makes a new one on its device: deleting, donating or dropping either leaves the
-        other (a second handle on the same output would free it with the first)."""
+        other (a second handle on the same output would free it with the first). Without
+        jax (``pip install jitserve`` alone), which makes the copy's program, the value."""
         self._check_live()
+        if importlib.util.find_spec("jax") is None:
+            return super().__copy__()
         return self._client._placer(self.sharding)(self)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> RemoteArray:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return self.__copy__()
 
     def is_ready(self) -> bool:

@@ -3,6 +3,7 @@ compile progress, and the error a failed compile arrives as."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import threading
@@ -112,6 +113,20 @@ def test_remote_arrays_have_jax_array_s_methods_but_where_it_lives() -> None:
                  "unsafe_buffer_pointer"}
     public = {n for n in dir(jax.Array) if not n.startswith("_")}
     assert public - placement - set(dir(RemoteArray)) == set()
+
+
+def test_without_jax_a_copy_is_the_value(offline: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server makes a copy with a jitted identity, which needs jax; a client installed
+    without it (``pip install jitserve``) copies the value instead."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jax" else real(name, *a))
+    y, = fetched(offline, X)
+    kept = copy.deepcopy({"y": y})["y"]
+    assert type(kept) is np.ndarray and kept.flags.writeable and kept.tolist() == X.tolist()
+    assert not y.is_deleted()
 
 
 def test_jax_functions_take_remote_arrays(offline: Client) -> None:
