@@ -498,9 +498,10 @@ class RemoteArray(_RemoteBase):
     ``shape``, ``dtype``, ``ndim``, ``size`` and ``nbytes`` are known at once.
     Everything that needs the value fetches it (once for all outputs of the
     future) and computes here: ``np.asarray``, ``jnp`` functions, indexing,
-    arithmetic and comparisons (with numpy: ``y + 1`` is a numpy array),
-    ``float()``, ``item()``. To compute on the server, do it inside a jitted
-    function.
+    arithmetic, comparisons and ``jax.Array``'s array methods (with numpy: ``y + 1``
+    and ``y.mean()`` are numpy values), ``float()``, ``item()``. To compute on the
+    server, do it inside a jitted function. ``copy.copy`` and ``copy.deepcopy`` make
+    new arrays on the server; ``pickle`` writes the value.
 
     An output of typed PRNG keys has the key dtype and shape; its value is a jax
     key array. The output is released on the server when this object is
