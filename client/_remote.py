@@ -14,6 +14,7 @@ array is then deleted, and using it raises ``RuntimeError``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -224,27 +225,28 @@ def _unary(op: Callable[[Any], Any]) -> Callable[..., Any]:
     return method
 
 
-def _method(name: str) -> Callable[..., Any]:
-    """``jax.Array``'s method ``name``, as numpy's method of the fetched value."""
+def _on_value(fn: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]:
+    """A method of remote arrays: ``fn`` of the fetched value (and the values of remote
+    arguments)."""
     def method(self: _RemoteBase, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._local(), name)(*map(local_value, args),
-                                            **{k: local_value(v) for k, v in kwargs.items()})
+        return fn(self._local(), *map(local_value, args),
+                  **{k: local_value(v) for k, v in kwargs.items()})
 
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"As ``jax.Array.{name}``: numpy's ``ndarray.{name}`` of the fetched value."
+    method.__doc__ = f"As ``jax.Array.{name}``: {doc} of the fetched value."
     return method
+
+
+def _method(name: str) -> Callable[..., Any]:
+    """``jax.Array``'s method ``name``, as numpy's method of the fetched value."""
+    return _on_value(lambda value, *a, **k: getattr(value, name)(*a, **k), name,
+                     f"numpy's ``ndarray.{name}``")
 
 
 def _function(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A method of ``jax.Array`` as numpy function ``fn`` of the fetched value: where
     numpy's method of the same name works in place (``sort``), or is gone (``ptp``)."""
-    def method(self: _RemoteBase, *args: Any, **kwargs: Any) -> Any:
-        return fn(self._local(), *map(local_value, args),
-                  **{k: local_value(v) for k, v in kwargs.items()})
-
-    method.__name__ = method.__qualname__ = fn.__name__
-    method.__doc__ = f"As ``jax.Array.{fn.__name__}``: ``numpy.{fn.__name__}`` of the fetched value."
-    return method
+    return _on_value(fn, fn.__name__, f"``numpy.{fn.__name__}``")
 
 
 def _viewed(view: Callable[[Any], Any], name: str) -> Any:
@@ -455,7 +457,8 @@ class _RemoteBase:
     def __copy__(self) -> Any:
         """The value, here: a copy must outlive this array, and an async one cannot be
         made on the server without an ``await`` (``RemoteArray`` makes its copies there)."""
-        return np.array(self._local())
+        value = self._local()
+        return value.copy() if isinstance(value, np.ndarray) else copy.copy(value)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return self.__copy__()

@@ -52,11 +52,7 @@ def decode_program(data: bytes, format: str | None, *, platform: str, limits: Li
     op or custom call, a size over ``limits``, an export for other platforms, or a
     sharded program for more than ``devices`` devices (``TooManyDevices``).
     """
-    if len(data) > limits.max_program_bytes:
-        raise LimitExceeded(
-            f"program is {len(data):,} bytes, over the limit of {limits.max_program_bytes:,} "
-            "(JITSERVE_MAX_PROGRAM_BYTES; the arrays a function closes over are constants of "
-            "its program: pass big ones as arguments)")
+    limits.check_program_bytes(data)
     fmt = _format(format) if format else _detect(data)
     decoder = {ProgramFormat.JAX_EXPORT: _decode_export, ProgramFormat.STABLEHLO: _decode_stablehlo,
                ProgramFormat.JAXPR: _decode_jaxpr}[fmt]

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from jitserve.compiler.errors import SignatureMismatch
+from jitserve.compiler.errors import LimitExceeded, SignatureMismatch
 from jitserve.compiler.jaxpr import JaxprLimits
 from jitserve.wire import Aval, ProgramFormat
 
@@ -108,6 +108,15 @@ class Limits:
     max_tensor_bytes: int = 16 << 30
     max_inputs: int = 4096
     jaxpr: JaxprLimits = JaxprLimits()
+
+    def check_program_bytes(self, data: bytes) -> None:
+        """Refuse ``data`` over ``max_program_bytes`` (``LimitExceeded``), naming the setting
+        and the usual cause, before anything parses it."""
+        if len(data) > self.max_program_bytes:
+            raise LimitExceeded(
+                f"program is {len(data):,} bytes, over the limit of {self.max_program_bytes:,} "
+                "(JITSERVE_MAX_PROGRAM_BYTES; the arrays a function closes over are constants "
+                "of its program: pass big ones as arguments)")
 
 
 @dataclasses.dataclass(frozen=True)

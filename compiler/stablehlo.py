@@ -29,7 +29,6 @@ from jaxlib.mlir.dialects import stablehlo as hlo
 from jitserve.compiler.errors import (
     CompilerError,
     InvalidProgram,
-    LimitExceeded,
     SignatureMismatch,
     message_of,
 )
@@ -66,11 +65,7 @@ def new_context() -> ir.Context:
 
 def parse_module(data: bytes, ctx: ir.Context, limits: Limits) -> ir.Module:
     """Parse MLIR text, MLIR bytecode or a VHLO portable artifact. Untrusted input."""
-    if len(data) > limits.max_program_bytes:
-        raise LimitExceeded(f"program is {len(data):,} bytes, over the limit of "
-                            f"{limits.max_program_bytes:,} (JITSERVE_MAX_PROGRAM_BYTES; the arrays "
-                            "a function closes over are constants of its program: pass big ones "
-                            "as arguments)")
+    limits.check_program_bytes(data)
     try:
         if data.startswith(MLIR_BYTECODE_MAGIC):
             if b"StableHLO_v" in data[:64]:
