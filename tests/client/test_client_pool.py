@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -30,13 +31,30 @@ class Server:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # When set, each answer waits until this many requests are in (all at once).
     together: threading.Barrier | None = None
-    idle_s: float = 0.3  # how long a kept-alive connection may idle before the server closes it
+    open: set[socket.socket] = field(default_factory=set)  # the connections it holds
+    closed: int = 0
+
+    def close_idle(self) -> None:
+        """Close every connection, as a server does to kept-alive ones at its idle timeout
+        (call it with no request in flight). Closed by the test, not by a timer, so
+        that no request races a close on a slow machine."""
+        with self.lock:
+            held = list(self.open)
+        for sock in held:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # its handler reads the end and finishes
+            except OSError:
+                pass
+        deadline = time.monotonic() + 30
+        while self.closed < self.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.closed == self.connections
 
 
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    """Answers every POST after 20 ms (or once ``together`` requests are in); closes
-    a connection idle for ``idle_s`` (0.3 s)."""
+    """Answers every POST after 20 ms (or once ``together`` requests are in); keeps
+    connections open until ``close_idle``."""
     for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                  "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
@@ -44,11 +62,21 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = 60  # a handler never outlives a test by much
+
         def setup(self) -> None:
-            self.timeout = state.idle_s  # the server closes idle keep-alive connections
             super().setup()
             with state.lock:
                 state.connections += 1
+                state.open.add(self.connection)
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                with state.lock:
+                    state.open.discard(self.connection)
+                    state.closed += 1
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             if self.headers.get("transfer-encoding") == "chunked":
@@ -99,10 +127,6 @@ async def _burst(client: httpx.AsyncClient, url: str, n: int) -> None:
 
 async def test_64_in_flight_share_connections_across_bursts(server: Server) -> None:
     server.together = threading.Barrier(64)  # 64 requests at once, on 64 connections
-    # Kept open between bursts, however slow this machine is: a connection the server
-    # closes just as the next burst reuses it fails that request (a keep-alive race
-    # no client avoids, and not what this test is about). Seen on a loaded machine.
-    server.idle_s = 60
     transport = async_transport()
     assert transport is not None
     async with httpx.AsyncClient(transport=transport) as client:
@@ -155,7 +179,7 @@ async def test_a_connection_the_server_closed_is_not_reused(server: Server) -> N
     async with httpx.AsyncClient(transport=transport) as client:
         await _burst(client, server.url, 4)
         opened = server.connections
-        await asyncio.sleep(0.8)  # the server closes the idle connections
+        server.close_idle()
         await _burst(client, server.url, 4)
         assert server.connections > opened  # new connections, and no failed request
 
@@ -167,7 +191,7 @@ def test_sync_pool_reuses_and_recovers(server: Server) -> None:
         for i in range(5):
             assert client.post(server.url, content=b"x%d" % i).content == b"x%d" % i
         assert server.connections == 1
-        time.sleep(0.8)
+        server.close_idle()
         assert client.post(server.url, content=b"again").content == b"again"
         assert server.connections == 2
 
