@@ -247,31 +247,43 @@ def test_keys_are_under_the_versioned_prefix(make_tiers: MakeTiers, raw: redis.R
     assert raw.get(rkey(redis_prefix, "prog", program_id)) == blob
 
 
+def _wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+# The TTL tests wait on Redis's own clock (``PTTL``), not fixed sleeps: a read lands
+# with at least a second of its TTL left however slow this machine is.
+_TTL_S = 2.0
+
+
 def test_ttl_expires_and_hits_refresh_it(make_tiers: MakeTiers, raw: redis.Redis,
                                          redis_prefix: str) -> None:
-    tiers, key = make_tiers(ttl_s=0.6), a_key()
+    tiers, key = make_tiers(ttl_s=_TTL_S), a_key()
     tier = tiers.executables
     tier.put(key, fake_entry(key))
     exe, meta = (rkey(redis_prefix, kind, key) for kind in ("exe", "meta"))
-    assert 0 < raw.pttl(exe) <= 600 and 0 < raw.pttl(meta) <= 600
-    time.sleep(0.4)
+    assert 0 < raw.pttl(exe) <= 2000 and 0 < raw.pttl(meta) <= 2000
+    _wait_until(lambda: raw.pttl(exe) <= 1500)
     assert tier.get(key) is not None  # a hit pushes the expiry out again
-    assert raw.pttl(exe) > 400
-    time.sleep(0.8)
+    assert raw.pttl(exe) > 1500 and raw.pttl(meta) > 1500
+    _wait_until(lambda: not raw.exists(exe, meta))
     assert tier.get(key) is None and tiers.catalog.metadata(key) is None
 
 
 def test_program_ttl_is_refreshed_by_reads(make_tiers: MakeTiers, raw: redis.Redis,
                                           redis_prefix: str) -> None:
-    programs = make_tiers(ttl_s=0.6).programs
+    programs = make_tiers(ttl_s=_TTL_S).programs
     program_id, blob = program_blob()
     programs.put(program_id, blob)
     name = rkey(redis_prefix, "prog", program_id)
-    assert 0 < raw.pttl(name) <= 600
-    time.sleep(0.4)
+    assert 0 < raw.pttl(name) <= 2000
+    _wait_until(lambda: raw.pttl(name) <= 1500)
     assert programs.get(program_id) == blob
-    assert raw.pttl(name) > 400
-    time.sleep(0.8)
+    assert raw.pttl(name) > 1500
+    _wait_until(lambda: not raw.exists(name))
     assert programs.get(program_id) is None and not programs.contains(program_id)
 
 
@@ -593,13 +605,6 @@ def test_waiter_gives_up_after_wait_s(make_compiler: Callable[..., Compiler],
 
 
 # -- Redis failures -------------------------------------------------------------------------
-
-
-def _wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_unreachable_at_start_then_comes_up(make_tiers: MakeTiers, tmp_path: Path) -> None:
