@@ -431,7 +431,7 @@ class _RemoteBase:
     __hash__ = None  # type: ignore[assignment]  # unhashable, like jax and numpy arrays
 
     # jax.Array's array methods, on the fetched value, as numpy computes them; not the
-    # ones that say where an array lives (``devices``, ``addressable_shards``, ``at``).
+    # ones that say where an array lives (``devices``, ``addressable_shards``).
     all, any, argmax, argmin = (_method(n) for n in ("all", "any", "argmax", "argmin"))
     argpartition, argsort, astype, byteswap = (_method(n) for n in (
         "argpartition", "argsort", "astype", "byteswap"))
@@ -453,6 +453,26 @@ class _RemoteBase:
     real = _viewed(lambda v: v.real, "real")
     imag = _viewed(lambda v: v.imag, "imag")
     flat = _viewed(lambda v: v.flat, "flat")
+
+    @property
+    def at(self) -> Any:
+        """As ``jax.Array.at``: jax's indexed updates (``y.at[0].set(1)``) of the fetched
+        value, whose results are local jax arrays, as ``jnp``'s results of remote
+        arrays are. In a jitted function, ``at`` runs on the server."""
+        import jax.numpy as jnp
+
+        return jnp.asarray(self._local()).at
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """DLPack of a copy of the fetched value, on the CPU (``__dlpack_device__``), so
+        that ``np.from_dlpack``, ``jnp.from_dlpack`` and ``torch.from_dlpack`` take a
+        remote array; a key array has none, as in jax. A copy: the fetched value is
+        read-only (every reader of this array shares it), and a consumer may write to
+        what it is handed (jax asks for a DLPack version that cannot say read-only)."""
+        return np.array(self).__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # DLPack's kDLCPU, device 0: the value is fetched here
 
     def __copy__(self) -> Any:
         """The value, here: a copy must outlive this array, and an async one cannot be
@@ -721,6 +741,13 @@ def register_with_jax() -> None:
     are jax internals, the same from jax 0.8 to 0.11; if they move, only
     ``jnp.asarray(y)`` and operators with jax arrays keep working, and this says so
     once in the log.
+
+    ``jax.random``'s functions tell a typed key from raw ``uint32`` key data by
+    ``isinstance(key, jax.Array)``, so a remote array of typed keys looked like key
+    data to them ("invalid PRNG key data"), and jax 0.8 wrapped remote raw key data
+    itself into a key array that failed on first use. Their one check of a key
+    (``_check_prng_key``, the same from jax 0.8 to 0.11) now takes a remote key as its
+    fetched value (a jax key array, or numpy key data), as ``jnp`` takes any remote array.
     """
     try:
         from jax._src import core, dtypes
@@ -731,3 +758,26 @@ def register_with_jax() -> None:
             lambda x: dtypes.canonicalize_value(x._local()))
     except (ImportError, AttributeError) as e:
         logger.warning("jax functions will not take remote arrays (jnp.asarray(y) will): %s", e)
+    _let_jax_random_take_remote_keys()
+
+
+def _let_jax_random_take_remote_keys() -> None:
+    import jax
+
+    # jax._src.random (0.8, 0.9) or jax._src.random.core (0.10 on)
+    module = sys.modules.get(getattr(jax.random.split, "__module__", ""))
+    check = getattr(module, "_check_prng_key", None)
+    if check is None or getattr(check, "takes_remote_keys", False):
+        if check is None:
+            logger.warning("jax.random functions will not take remote keys "
+                           "(jax.random.split(y.result()) will): jax moved its key check")
+        return
+
+    @functools.wraps(check)
+    def _check_prng_key(name: str, key: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(key, _RemoteBase):  # raw key data too: jax 0.8 wrapped the array itself
+            key = key._local()
+        return check(name, key, *args, **kwargs)
+
+    _check_prng_key.takes_remote_keys = True  # type: ignore[attr-defined]
+    module._check_prng_key = _check_prng_key  # type: ignore[union-attr]

@@ -105,9 +105,8 @@ def test_jax_array_s_methods_apply_numpy_to_the_value(offline: Client) -> None:
 
 def test_remote_arrays_have_jax_array_s_methods_but_where_it_lives() -> None:
     """What ``jax.Array`` has that a remote array has not: what says where an array lives
-    among this process's devices, and ``at`` (jax's indexed updates). A method a new jax
-    adds fails here until it is decided."""
-    placement = {"addressable_data", "addressable_shards", "at", "committed", "device",
+    among this process's devices. A method a new jax adds fails here until it is decided."""
+    placement = {"addressable_data", "addressable_shards", "committed", "device",
                  "devices", "format", "global_shards", "is_fully_addressable",
                  "is_fully_replicated", "on_device_size_in_bytes", "to_device", "traceback",
                  "unsafe_buffer_pointer"}

@@ -162,6 +162,43 @@ def test_copies_outlive_their_originals_and_pickles_are_values(client: Client) -
         jax.random.key(3)).tolist()
 
 
+def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
+    """What a training script does outside its jitted step, on what the step returned: a
+    remote key split or drawn from by ``jax.random`` (which took a typed remote key for
+    key data: "invalid PRNG key data"), ``y.at[i].set(v)``, ``from_dlpack``. Each works
+    on the fetched value, as ``jnp`` does, and matches jax."""
+    key = client.jit(lambda k: k)(jax.random.key(7))
+    keys = client.jit(lambda k: jax.random.split(k, 3))(jax.random.key(7))
+    local = jax.random.key(7)
+
+    def data(k):  # noqa: ANN001, ANN202
+        return np.asarray(jax.random.key_data(k))
+
+    np.testing.assert_array_equal(data(jax.random.split(key)), data(jax.random.split(local)))
+    np.testing.assert_array_equal(data(jax.random.fold_in(key, 5)),
+                                  data(jax.random.fold_in(local, 5)))
+    np.testing.assert_array_equal(jax.random.normal(key, (4,)), jax.random.normal(local, (4,)))
+    np.testing.assert_array_equal(data(keys), data(jax.random.split(local, 3)))
+    with pytest.raises(ValueError, match="accepts a single key"):  # jax's own check
+        jax.random.normal(keys, (2,))
+    raw = client.jit(lambda k: k)(jax.random.PRNGKey(7))  # raw uint32 data, as before
+    np.testing.assert_array_equal(jax.random.uniform(raw, (3,)),
+                                  jax.random.uniform(jax.random.PRNGKey(7), (3,)))
+
+    y = client.jit(lambda v: v * 2)(np.arange(4.0))
+    updated = y.at[1].add(10.0)
+    assert isinstance(updated, jax.Array) and updated.tolist() == [0, 12, 4, 6]
+    assert y.tolist() == [0, 2, 4, 6]  # an update makes a new array
+    assert y.__dlpack_device__() == (1, 0)
+    for took in (np.from_dlpack(y), jnp.from_dlpack(y)):
+        np.testing.assert_array_equal(took, np.arange(4.0) * 2)
+    mine = np.from_dlpack(y)
+    mine[0] = 99.0  # the consumer's own copy: the array's value is unchanged
+    assert y.tolist() == [0, 2, 4, 6]
+    with pytest.raises(TypeError, match="PRNGKey dtype"):  # as a local key array
+        np.from_dlpack(key)
+
+
 async def test_async_copies_are_values(server_url: str) -> None:
     async with AsyncClient(server_url, timeout=120) as ac:
         y = await ac.jit(lambda v: v + 1)(np.arange(3.0))
