@@ -398,8 +398,18 @@ class _RemoteBase:
     def __index__(self) -> int:
         return operator.index(self._local())
 
+    def __str__(self) -> str:
+        """The value, as jax prints an array (``print(loss)``, ``f"{loss}"``). ``repr``
+        says where the array is instead, and never waits: a debugger or a traceback's
+        locals show it as it is. An ``AsyncRemoteArray`` not fetched yet prints its
+        ``repr`` (printing cannot ``await``)."""
+        return str(self._printed())
+
+    def _printed(self) -> Any:
+        return self._local()
+
     def __format__(self, spec: str) -> str:
-        return format(self._local(), spec) if spec else repr(self)
+        return format(self._local(), spec) if spec else str(self)
 
     def item(self, *args: Any) -> Any:
         """The value of one element as a Python scalar, as ``numpy.ndarray.item``."""
@@ -683,6 +693,9 @@ class AsyncRemoteArray(_RemoteBase):
         if value is None:
             raise TypeError(f"{self!r} is not fetched yet: `await x.result()` first")
         return self._as_value(value)
+
+    def _printed(self) -> Any:
+        return self._local() if self._cached() is not None or self.is_deleted() else repr(self)
 
     async def is_ready(self) -> bool:
         """Whether the value is computed (done, failed or cancelled), without waiting for it."""

@@ -186,6 +186,9 @@ def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
                                   jax.random.uniform(jax.random.PRNGKey(7), (3,)))
 
     y = client.jit(lambda v: v * 2)(np.arange(4.0))
+    loss = client.jit(lambda v: (v ** 2).mean())(y)
+    # print(loss) and f"loss {loss}" show the value, as for a jax array
+    assert str(loss) == f"{loss}" == str(jnp.mean(jnp.arange(4.0) ** 2 * 4)) == "14.0"
     updated = y.at[1].add(10.0)
     assert isinstance(updated, jax.Array) and updated.tolist() == [0, 12, 4, 6]
     assert y.tolist() == [0, 2, 4, 6]  # an update makes a new array
@@ -204,6 +207,8 @@ async def test_async_copies_are_values(server_url: str) -> None:
         y = await ac.jit(lambda v: v + 1)(np.arange(3.0))
         with pytest.raises(TypeError, match="not fetched yet"):
             copy.copy(y)
+        assert str(y) == f"{y}" == repr(y)  # printing cannot wait for it
         await y.result()
+        assert str(y) == f"{y}" == str(np.arange(3.0) + 1) != repr(y)
         kept = copy.deepcopy(y)
         assert type(kept) is np.ndarray and kept.flags.writeable and kept.tolist() == [1, 2, 3]
