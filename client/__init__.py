@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from jitserve import wire
 from jitserve.client import errors
+from jitserve.client._aot import MemoryAnalysis, RemoteCompiled, RemoteLowered
 from jitserve.client._async import AsyncClient
 from jitserve.client._jit import AsyncRemoteFunction, RemoteFunction
 from jitserve.client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
@@ -71,6 +72,7 @@ __all__ = [
     "HostCallbackError",
     "JitserveError",
     "JitserveTimeout",
+    "MemoryAnalysis",
     "NOT_GIVEN",
     "NotFound",
     "NotGiven",
@@ -79,7 +81,9 @@ __all__ = [
     "ProgramInfo",
     "ProtocolError",
     "RemoteArray",
+    "RemoteCompiled",
     "RemoteFunction",
+    "RemoteLowered",
     "RequestTimeout",
     "ServerError",
     "Timeout",

@@ -399,10 +399,12 @@ class BaseClient:
         return reply.parse(ProgramInfo.from_json)
 
     def _op_compile(self, program_id: str, in_avals: Iterable[Any] | None,
-                    static_key: str) -> Op[CompileInfo]:
+                    static_key: str, donate: Sequence[int] = ()) -> Op[CompileInfo]:
         body: dict[str, Any] = {"static_key": static_key}
         if in_avals is not None:
             body["in_avals"] = [Aval.of(a).to_json() for a in in_avals]
+        if donate:
+            body["donate"] = list(donate)
         content, ctype = self._encode(body)
         reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/compile", None, content, ctype)
         return reply.parse(CompileInfo.from_json)
@@ -634,6 +636,14 @@ class BaseClient:
             raise ValueError(f"a mesh of shape {shape} needs {need} devices; the server runs "
                              f"programs on at most {have}")
         return AbstractMesh(shape, axis_names)
+
+    def _op_executable(self, executable_id: str) -> Op[dict[str, Any] | None]:
+        """The server's record of an executable (``GET /v1/executables/{id}``); ``None``
+        when no tier holds it any more."""
+        try:
+            return (yield from self._op_get(f"/v1/executables/{_seg(executable_id)}"))
+        except NotFound:
+            return None
 
     def _op_platforms(self) -> Op[tuple[str, ...] | None]:
         """The server's jax.export platforms (from ``/v1/devices``), asked once per client."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from jitserve import wire
 from jitserve.client._ahead import Submit, _Queued
+from jitserve.client._aot import RemoteLowered
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _FutureState, _RemoteBase, local_value
 from jitserve.client._trace import Compiled, local_input, trace
@@ -272,7 +273,9 @@ class _RemoteFunctionBase:
 
     # ------------------------------------------------------------------ the call
 
-    def _op_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op[Any]:
+    def _op_call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 expect: Hashable | None = None) -> Op[Any]:
+        """A call; ``expect``: the signature it must have (a ``RemoteCompiled``'s)."""
         import jax
 
         split = self._split(args, kwargs)
@@ -280,6 +283,8 @@ class _RemoteFunctionBase:
         # A jaxpr names no platform; an export is made for the server's.
         platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
         key = self._key(split, inputs, platforms)
+        if expect is not None and key != expect:
+            raise TypeError(_mismatch(self._name, expect, key))
         compiled = self._cache.get(key)
         if compiled is None or not self._client._knows_program(compiled.program_id):
             compiled = yield from self._op_prepare(key, split, inputs, platforms)
@@ -305,8 +310,9 @@ class _RemoteFunctionBase:
         return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
 
     def _op_prepare(self, key: Hashable, split: _Split, inputs: list[_Input],
-                    platforms: tuple[str, ...] | None) -> Op[Compiled]:
-        """Trace and upload signature ``key`` once, however many calls want it at the same time."""
+                    platforms: tuple[str, ...] | None, upload: bool = True) -> Op[Compiled]:
+        """Trace and upload signature ``key`` once, however many calls want it at the same
+        time (``upload=False``: trace only, for ``lower``)."""
         lock = self._locks.setdefault(key, self._client._new_lock())
         yield _Acquire(lock)
         try:
@@ -316,7 +322,8 @@ class _RemoteFunctionBase:
                     self._bound(split), self._name, split.treedef, [i.spec for i in inputs],
                     [i.key for i in inputs], format=self._format, platforms=platforms,
                     in_shardings=self._leaf_shardings(split), out_shardings=self._out_shardings)
-            yield from self._op_ensure_uploaded(compiled)
+            if upload:
+                yield from self._op_ensure_uploaded(compiled)
         finally:
             lock.release()
         return compiled
@@ -356,6 +363,38 @@ class _RemoteFunctionBase:
             assert hold is not None
             hold.answered(ex.outputs is not None)
         return ex
+
+    # ------------------------------------------------------------------ ahead of time
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """Trace for these arguments' signature, as ``jax.jit(fn).lower``: a
+        ``RemoteLowered`` (``as_text()``, ``out_info``), whose ``compile()`` has the server
+        compile it (``client/_aot.py``). Sends nothing but, once per client, a question
+        of the server's platforms. ``AsyncClient``'s is awaited."""
+        return self._client._drive(self._op_lower(args, kwargs))  # type: ignore[attr-defined]
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' pytree of ``jax.ShapeDtypeStruct`` for these arguments, as
+        ``jax.jit(fn).eval_shape``; the trace is the one a call of them then uses.
+        ``AsyncClient``'s is awaited."""
+        return self._client._drive(self._op_eval_shape(args, kwargs))  # type: ignore[attr-defined]
+
+    def _op_lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op[RemoteLowered]:
+        split = self._split(args, kwargs)
+        inputs = [self._input(leaf) for leaf in split.leaves]
+        platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
+        key = self._key(split, inputs, platforms)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = yield from self._op_prepare(key, split, inputs, platforms, upload=False)
+        # What a call of these arguments donates: its remote arrays among the donated leaves.
+        donate = tuple(n for n, (d, i) in enumerate(zip(split.donated, inputs))
+                       if d and isinstance(i.value, _RemoteBase))
+        return RemoteLowered(self, key, compiled, donate, self._format)
+
+    def _op_eval_shape(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op[Any]:
+        lowered = yield from self._op_lower(args, kwargs)
+        return lowered.out_info
 
     def _hold(self, compiled: Compiled) -> _Hold | None:
         """The hold state of ``compiled``'s calls; ``None`` when they never ask: a
@@ -401,8 +440,12 @@ class RemoteFunction(_RemoteFunctionBase):
     """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+              expect: Hashable | None = None) -> Any:
         client = self._client
-        out = client._drive(self._op_call(args, kwargs))  # type: ignore[attr-defined]
+        out = client._drive(self._op_call(args, kwargs, expect))  # type: ignore[attr-defined]
         return out.to(client._ahead, client.timeout.request) if type(out) is Submit else out
 
 
@@ -414,8 +457,32 @@ class AsyncRemoteFunction(_RemoteFunctionBase):
     """
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call(args, kwargs)
+
+    async def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    expect: Hashable | None = None) -> Any:
         client = self._client
-        out = await client._drive(self._op_call(args, kwargs))  # type: ignore[attr-defined]
+        out = await client._drive(self._op_call(args, kwargs, expect))  # type: ignore[attr-defined]
         if type(out) is Submit:
             return await out.ato(client._ahead, client.timeout.request)
         return out
+
+
+def _mismatch(name: str, compiled: Any, called: Any) -> str:
+    """Why a call does not fit the signature a ``RemoteCompiled`` was compiled for
+    (signatures are ``_key``s: statics, tree, leaf avals, platforms, x64)."""
+    c_static_pos, c_static_kw, c_tree, c_avals = compiled[:4]
+    static_pos, static_kw, tree, avals = called[:4]
+    if (c_static_pos, c_static_kw) != (static_pos, static_kw):
+        what = "other static arguments"
+    elif c_tree != tree:
+        what = f"another pytree of arguments ({tree}, compiled for {c_tree})"
+    elif len(c_avals) == len(avals) and c_avals != avals:
+        n = next(i for i, (a, b) in enumerate(zip(c_avals, avals)) if a != b)
+        what = (f"argument leaf {n} of shape {avals[n][0]} and dtype {avals[n][1]}, compiled for "
+                f"shape {c_avals[n][0]} and dtype {c_avals[n][1]}")
+    else:
+        what = "another signature (jax_enable_x64 or the server's platforms changed)"
+    return (f"{name} was compiled for other arguments than it was called with: {what}. A "
+            "compiled function takes the arguments it was lowered for; call the function "
+            "itself for others, as with jax.jit")

@@ -379,6 +379,9 @@ class CompileRequest(_Strict):
     in_avals: list[AvalModel] | None = Field(
         None, description="needed only when the program has dynamic dimensions")
     static_key: str = Field("", max_length=4096)
+    donate: list[int] = Field(default_factory=list, max_length=MAX_RELEASE, description=(
+        "the inputs its calls will donate, as an execute's ``donate``: donation is "
+        "part of what is compiled, so this compiles the executable those calls run"))
 
 
 class CompileResult(BaseModel):

@@ -10,6 +10,7 @@ import copy
 import gc
 import pickle
 import re
+import time
 
 import httpx
 import jax
@@ -200,6 +201,68 @@ def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
     assert y.tolist() == [0, 2, 4, 6]
     with pytest.raises(TypeError, match="PRNGKey dtype"):  # as a local key array
         np.from_dlpack(key)
+
+
+def test_lower_and_compile_ahead_of_time_as_jax_does(client: Client, server_url: str) -> None:
+    """``f.lower(x).compile()``, as with ``jax.jit``: the program's text and output shapes
+    without the server compiling; then the server's compile of the executable the
+    calls run (donations included: the first donating step compiles nothing more),
+    its XLA cost and memory analyses, and a compiled function that takes only its own
+    signature."""
+    salt = float(time.time_ns() % 1_000_003)  # a program no earlier run compiled
+
+    def step(w, b):  # noqa: ANN001, ANN202
+        return w + salt, jnp.tanh(w @ b).sum()
+
+    f = client.jit(step, donate_argnums=0)
+    w, b = np.ones((64, 32), np.float32), np.full((32, 16), 0.5, np.float32)
+    compiles = _metric(server_url, "jitserve_compile_seconds_count")
+    lowered = f.lower(w, b)
+    assert "func.func public @main" in lowered.as_text() and "tensor<64x32xf32>" in lowered.as_text()
+    assert lowered.out_info == jax.eval_shape(step, w, b) == f.eval_shape(w, b)
+    assert _metric(server_url, "jitserve_compile_seconds_count") == compiles  # traced only
+
+    compiled = lowered.compile()
+    assert compiled.tier == "compiled" and compiled.executable_id
+    assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
+    assert f.lower(w, b).compile().tier == "memory"  # the server's cache, as a call finds it
+    cost = compiled.cost_analysis()
+    assert cost is not None and cost["flops"] >= 2 * 64 * 32 * 16 and cost["bytes accessed"] > 0
+    memory = compiled.memory_analysis()
+    assert memory is not None and memory.argument_size_in_bytes == w.nbytes + b.nbytes
+    new_w, total = compiled(w, b)
+    want_w, want_total = jax.jit(step)(w, b)
+    np.testing.assert_array_equal(np.asarray(new_w), want_w)
+    np.testing.assert_allclose(float(total), float(want_total), rtol=1e-6)
+    with pytest.raises(TypeError, match=r"compiled for other arguments.*leaf 0 of shape \(2, 32\)"):
+        compiled(np.ones((2, 32), np.float32), b)
+
+    # A remote w is donated: compiled ahead with its donation, the step compiles nothing.
+    remote = client.device_put(w)
+    compiles = _metric(server_url, "jitserve_compile_seconds_count")
+    donating = f.lower(remote, b).compile()
+    assert donating.executable_id != compiled.executable_id  # donating is compiled in
+    assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
+    new_w, _ = donating(remote, b)
+    np.testing.assert_array_equal(np.asarray(new_w), want_w)
+    assert remote.is_deleted()
+    assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
+
+    text = client.jit(lambda v: v * 2, format="jaxpr").lower(np.arange(3.0)).as_text()
+    assert '"primitive": "mul"' in text  # the jaxpr document the server gets
+
+
+async def test_async_lower_and_compile(server_url: str) -> None:
+    async with AsyncClient(server_url, timeout=120) as ac:
+        f = ac.jit(lambda v: v * 3 + 1)
+        lowered = await f.lower(np.arange(4.0))
+        assert lowered.out_info == jax.ShapeDtypeStruct((4,), np.float64)
+        assert await f.eval_shape(np.arange(4.0)) == lowered.out_info
+        compiled = await lowered.compile()
+        y = await compiled(np.arange(4.0))
+        assert (await y.result()).tolist() == [1, 4, 7, 10]
+        with pytest.raises(TypeError, match="compiled for other arguments"):
+            await compiled(np.arange(5.0))
 
 
 async def test_async_copies_are_values(server_url: str) -> None:

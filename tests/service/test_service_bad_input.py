@@ -94,6 +94,21 @@ async def test_future_ref_output_out_of_range(api) -> None:
     assert "has 2 outputs" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("donate", "status", "words"), [
+    ([2], 400, "donate names inputs [2]; the program takes 2"),
+    ([-1], 400, "donate names inputs [-1]"),
+    (["x"], 400, "donate.0"),
+    ([1, 1, 0], 200, ""),
+])
+async def test_compile_checks_the_inputs_it_donates(api, donate, status, words) -> None:
+    """A compile for donating calls (``RemoteLowered.compile``) names inputs of the program."""
+    pid = await api.upload("add_mul")
+    r = await api.http.post(f"/v1/programs/{pid}/compile", content=mp({"donate": donate}),
+                            headers=MP)
+    assert r.status_code == status, r.text
+    assert words in r.text
+
+
 @pytest.mark.parametrize("path", ["/v1/programs/{pid}/execute", "/v1/programs/{pid}/compile"])
 async def test_unknown_program_is_404(api, path) -> None:
     r = await api.http.post(path.format(pid="ab" * 32), content=mp({"args": []}), headers=MP)

@@ -1,0 +1,172 @@
+"""Ahead of time, as ``jax.jit(f).lower(x).compile()``: ``RemoteLowered`` and ``RemoteCompiled``.
+
+``f.lower(*args)`` traces ``f`` for those arguments' signature, as a call would, and
+sends nothing but the question of the server's platforms (asked once per client):
+its ``as_text()`` is the program the server will compile, its ``out_info`` the
+outputs' shapes and dtypes. ``compile()`` uploads the program if the server lacks
+it and has the server compile it (or find it in a cache), for the arguments
+``lower`` was given, donations included (donating is part of what XLA compiles):
+so a training loop's first step does not wait for a compile, and
+``cost_analysis()`` and ``memory_analysis()`` are the server's XLA's, of the
+executable its calls run. A ``RemoteCompiled`` is called as the function is, with
+arguments of the signature it was compiled for; others raise ``TypeError``, as
+jax's ``Compiled`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jitserve import wire
+from jitserve.client._models import CompileInfo
+from jitserve.client._trace import Compiled
+
+if TYPE_CHECKING:
+    from jitserve.client._base import Op
+    from jitserve.client._jit import _RemoteFunctionBase
+
+__all__ = ["MemoryAnalysis", "RemoteCompiled", "RemoteLowered"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAnalysis:
+    """XLA's account of the device bytes one run needs, with the field names of the
+    stats jax's ``Compiled.memory_analysis()`` gives."""
+
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+    generated_code_size_in_bytes: int
+
+
+class RemoteLowered:
+    """A function traced for one signature (``RemoteFunction.lower``), as ``jax.stages.Lowered``."""
+
+    def __init__(self, fn: _RemoteFunctionBase, key: Hashable, compiled: Compiled,
+                 donate: tuple[int, ...], format: str) -> None:
+        self._fn, self._key, self._compiled = fn, key, compiled
+        self._donate, self._format = donate, format
+
+    def __repr__(self) -> str:
+        return f"RemoteLowered({self._fn._name}, program {self.program_id[:12]})"
+
+    @property
+    def program_id(self) -> str:
+        """The program's id on the server (the sha256 of its bytes)."""
+        return self._compiled.program_id
+
+    @property
+    def out_info(self) -> Any:
+        """The outputs' pytree of ``jax.ShapeDtypeStruct`` (typed keys as key dtypes)."""
+        import jax
+
+        compiled = self._compiled
+        shardings = compiled.out_shardings or (None,) * len(compiled.out_avals)
+        leaves = []
+        for aval, key, sharding in zip(compiled.out_avals, compiled.out_keys, shardings):
+            shape = tuple(aval.shape)
+            if key is not None:
+                leaves.append(jax.ShapeDtypeStruct(shape[:len(shape) - key.data_ndim], key.dtype))
+            else:
+                leaves.append(jax.ShapeDtypeStruct(shape, wire.dtype_from_name(aval.dtype),
+                                                   sharding=sharding))
+        return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
+
+    def as_text(self) -> str:
+        """The program the server compiles, as text: StableHLO (MLIR) for the default
+        format, the jaxpr document (JSON) for ``format="jaxpr"``."""
+        program = self._compiled.program
+        if self._format == "jaxpr":
+            return json.dumps(wire.unpackb(program), indent=1, default=_array_text)
+        import jax
+
+        return str(jax.export.deserialize(bytearray(program)).mlir_module())
+
+    def compile(self) -> Any:
+        """Have the server compile the program (or find it in a cache), for the
+        arguments ``lower`` was given: a ``RemoteCompiled``. ``AsyncClient``'s is awaited."""
+        return self._fn._client._drive(self._op_compile())  # type: ignore[attr-defined]
+
+    def _op_compile(self) -> Op[RemoteCompiled]:
+        fn, compiled = self._fn, self._compiled
+        yield from fn._op_ensure_uploaded(compiled)
+        client = fn._client
+        info = yield from client._op_compile(compiled.program_id, None, "", self._donate)
+        record = yield from client._op_executable(info.executable_id)
+        return RemoteCompiled(self, info, record)
+
+
+class RemoteCompiled:
+    """A function compiled on the server for one signature (``RemoteLowered.compile``), as
+    ``jax.stages.Compiled``: call it as the function.
+
+    Attributes:
+      executable_id: the server's id of the executable (``GET /v1/executables/{id}``).
+      tier: where the server found it: ``compiled``, ``memory``, ``disk`` or ``redis``.
+      compile_seconds: how long its compile took.
+    """
+
+    def __init__(self, lowered: RemoteLowered, info: CompileInfo,
+                 record: dict[str, Any] | None) -> None:
+        self._lowered = lowered
+        self.executable_id = info.executable_id
+        self.tier = info.tier
+        self.compile_seconds = info.compile_seconds
+        self._record = record or {}
+
+    def __repr__(self) -> str:
+        return (f"RemoteCompiled({self._lowered._fn._name}, executable "
+                f"{self.executable_id[:12]}, {self.tier})")
+
+    @property
+    def out_info(self) -> Any:
+        return self._lowered.out_info
+
+    def as_text(self) -> str:
+        """The program's text, as ``RemoteLowered.as_text`` (the server keeps XLA's
+        optimized HLO to itself)."""
+        return self._lowered.as_text()
+
+    def cost_analysis(self) -> dict[str, float] | None:
+        """The server's XLA's estimates for one run: ``flops``, ``transcendentals`` and
+        ``bytes accessed``, as jax's ``Compiled.cost_analysis()`` names them; ``None``
+        where its backend gives none."""
+        cost = self._record.get("cost")
+        if not isinstance(cost, dict):
+            return None
+        names = {"flops": "flops", "transcendentals": "transcendentals",
+                 "bytes_accessed": "bytes accessed"}
+        return {names[k]: float(v) for k, v in cost.items()
+                if k in names and isinstance(v, (int, float))}
+
+    def memory_analysis(self) -> MemoryAnalysis | None:
+        """XLA's device bytes of one run on the server; ``None`` where its backend gives none."""
+        memory = self._record.get("memory")
+        if not isinstance(memory, dict):
+            return None
+        return MemoryAnalysis(
+            int(memory.get("argument_bytes", 0)), int(memory.get("output_bytes", 0)),
+            int(memory.get("alias_bytes", 0)), int(memory.get("temp_bytes", 0)),
+            int(memory.get("generated_code_bytes", 0)))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The function's call, for arguments of the compiled signature (``TypeError`` else):
+        ``AsyncClient``'s is awaited."""
+        lowered = self._lowered
+        return lowered._fn._call(args, kwargs, lowered._key)  # type: ignore[attr-defined]
+
+
+def _array_text(value: Any) -> Any:
+    """A constant of a jaxpr document, for JSON: its values when small, else its shape."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<{len(value)} bytes>"
+    array = np.asarray(value)
+    if array.size <= 16:
+        return array.tolist()
+    return f"<{array.dtype} array of shape {list(array.shape)}>"
