@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -169,6 +170,12 @@ class _RemoteFunctionBase:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self._fn, '__qualname__', self._fn)!r}>"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """Bound as a method, as ``jax.jit``'s functions are: a class attribute
+        ``step = functools.partial(c.jit, static_argnums=0)(fn)`` gets its instance
+        first when called as ``trainer.step(x)``."""
+        return self if obj is None else types.MethodType(self, obj)  # type: ignore[arg-type]
 
     def _cache_size(self) -> int:
         """How many signatures have been traced (like ``jax.jit``'s ``_cache_size``)."""

@@ -7,6 +7,7 @@ keeps arrays on the server; the async client does the same awaitably.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import pickle
 import re
@@ -201,6 +202,25 @@ def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
     assert y.tolist() == [0, 2, 4, 6]
     with pytest.raises(TypeError, match="PRNGKey dtype"):  # as a local key array
         np.from_dlpack(key)
+
+
+def test_a_jitted_function_binds_as_a_method(client: Client) -> None:
+    """``@functools.partial(c.jit, static_argnums=0)`` on a method, as with ``jax.jit``:
+    the instance comes first (it took the argument's place: "missing 1 required
+    positional argument"), one trace per instance."""
+    class Scaler:
+        def __init__(self, k: float) -> None:
+            self.k = k
+
+        @functools.partial(client.jit, static_argnums=0)
+        def apply(self, x):  # noqa: ANN001, ANN202
+            return x * self.k
+
+    two, three = Scaler(2.0), Scaler(3.0)
+    assert two.apply(np.ones(2)).tolist() == [2, 2]
+    assert three.apply(np.ones(2)).tolist() == [3, 3]
+    assert Scaler.apply(two, np.ones(2)).tolist() == [2, 2]  # through the class, as a function
+    assert Scaler.apply._cache_size() == 2
 
 
 def test_lower_and_compile_ahead_of_time_as_jax_does(client: Client, server_url: str) -> None:
