@@ -758,9 +758,11 @@ def register_with_jax() -> None:
     ``jax.random``'s functions tell a typed key from raw ``uint32`` key data by
     ``isinstance(key, jax.Array)``, so a remote array of typed keys looked like key
     data to them ("invalid PRNG key data"), and jax 0.8 wrapped remote raw key data
-    itself into a key array that failed on first use. Their one check of a key
-    (``_check_prng_key``, the same from jax 0.8 to 0.11) now takes a remote key as its
-    fetched value (a jax key array, or numpy key data), as ``jnp`` takes any remote array.
+    itself into a key array that failed on first use. Their check of a key
+    (``_check_prng_key``) and their wrap of key data (``prng.random_wrap``, also
+    ``jax.random.wrap_key_data``'s), the same from jax 0.8 to 0.11, now take a remote
+    array as its fetched value (a jax key array, or numpy key data), as ``jnp`` takes
+    any remote array.
     """
     try:
         from jax._src import core, dtypes
@@ -777,20 +779,32 @@ def register_with_jax() -> None:
 def _let_jax_random_take_remote_keys() -> None:
     import jax
 
-    # jax._src.random (0.8, 0.9) or jax._src.random.core (0.10 on)
+    # jax._src.random (0.8, 0.9) or jax._src.random.core (0.10 on), and the prng module
+    # it calls random_wrap (raw key data -> keys) of, by attribute.
     module = sys.modules.get(getattr(jax.random.split, "__module__", ""))
-    check = getattr(module, "_check_prng_key", None)
-    if check is None or getattr(check, "takes_remote_keys", False):
-        if check is None:
-            logger.warning("jax.random functions will not take remote keys "
-                           "(jax.random.split(y.result()) will): jax moved its key check")
-        return
+    prng = getattr(module, "prng", None)
+    patched = [_take_local_keys(module, "_check_prng_key", 1),
+               _take_local_keys(prng, "random_wrap", 0)]
+    if not all(patched):
+        logger.warning("jax.random functions will not take remote keys "
+                       "(jax.random.split(y.result()) will): jax moved its key checks")
 
-    @functools.wraps(check)
-    def _check_prng_key(name: str, key: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(key, _RemoteBase):  # raw key data too: jax 0.8 wrapped the array itself
-            key = key._local()
-        return check(name, key, *args, **kwargs)
 
-    _check_prng_key.takes_remote_keys = True  # type: ignore[attr-defined]
-    module._check_prng_key = _check_prng_key  # type: ignore[union-attr]
+def _take_local_keys(module: Any, name: str, position: int) -> bool:
+    """Make ``module.name`` take a remote array at argument ``position`` as its fetched
+    value (a jax key array, or numpy key data); whether ``module`` has it."""
+    fn = getattr(module, name, None)
+    if fn is None:
+        return False
+    if getattr(fn, "takes_remote_keys", False):
+        return True
+
+    @functools.wraps(fn)
+    def local_keys(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > position and isinstance(args[position], _RemoteBase):
+            args = (*args[:position], args[position]._local(), *args[position + 1:])
+        return fn(*args, **kwargs)
+
+    local_keys.takes_remote_keys = True  # type: ignore[attr-defined]
+    setattr(module, name, local_keys)
+    return True

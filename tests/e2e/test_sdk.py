@@ -186,6 +186,7 @@ def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
     raw = client.jit(lambda k: k)(jax.random.PRNGKey(7))  # raw uint32 data, as before
     np.testing.assert_array_equal(jax.random.uniform(raw, (3,)),
                                   jax.random.uniform(jax.random.PRNGKey(7), (3,)))
+    np.testing.assert_array_equal(data(jax.random.wrap_key_data(raw)), data(local))
 
     y = client.jit(lambda v: v * 2)(np.arange(4.0))
     loss = client.jit(lambda v: (v ** 2).mean())(y)
