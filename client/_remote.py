@@ -478,8 +478,10 @@ class _RemoteBase:
         that ``np.from_dlpack``, ``jnp.from_dlpack`` and ``torch.from_dlpack`` take a
         remote array; a key array has none, as in jax. A copy: the fetched value is
         read-only (every reader of this array shares it), and a consumer may write to
-        what it is handed (jax asks for a DLPack version that cannot say read-only)."""
-        return np.array(self).__dlpack__(**kwargs)
+        what it is handed (jax asks for a DLPack version that cannot say read-only).
+        Aligned as XLA aligns its buffers, so jax takes it without a copy of its own
+        (jax 0.8 logged "DLPack buffer is not aligned" for one)."""
+        return _aligned_copy(np.asarray(self)).__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # DLPack's kDLCPU, device 0: the value is fetched here
@@ -507,6 +509,19 @@ class _RemoteBase:
 def _unpickled(value: Any) -> Any:
     """A pickled remote array: its value."""
     return value
+
+
+#: The alignment of XLA:CPU's buffers, which jax's DLPack import asks of what it takes.
+_ALIGN = 64
+
+
+def _aligned_copy(value: np.ndarray) -> np.ndarray:
+    """A writable copy of ``value`` whose data starts at a multiple of ``_ALIGN`` bytes."""
+    block = np.empty(value.nbytes + _ALIGN, np.uint8)
+    start = -block.ctypes.data % _ALIGN
+    out = block[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    out[...] = value
+    return out
 
 
 def _as_requested(a: np.ndarray, dtype: Any, copy: bool | None) -> np.ndarray:
