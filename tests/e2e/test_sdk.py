@@ -164,7 +164,8 @@ def test_copies_outlive_their_originals_and_pickles_are_values(client: Client) -
         jax.random.key(3)).tolist()
 
 
-def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
+def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
     """What a training script does outside its jitted step, on what the step returned: a
     remote key split or drawn from by ``jax.random`` (which took a typed remote key for
     key data: "invalid PRNG key data"), ``y.at[i].set(v)``, ``from_dlpack``. Each works
@@ -196,8 +197,10 @@ def test_jax_random_at_and_dlpack_take_remote_arrays(client: Client) -> None:
     assert isinstance(updated, jax.Array) and updated.tolist() == [0, 12, 4, 6]
     assert y.tolist() == [0, 2, 4, 6]  # an update makes a new array
     assert y.__dlpack_device__() == (1, 0)
+    capfd.readouterr()
     for took in (np.from_dlpack(y), jnp.from_dlpack(y)):
         np.testing.assert_array_equal(took, np.arange(4.0) * 2)
+    assert "not aligned" not in capfd.readouterr().err  # jax takes the copy as it is
     mine = np.from_dlpack(y)
     mine[0] = 99.0  # the consumer's own copy: the array's value is unchanged
     assert y.tolist() == [0, 2, 4, 6]
