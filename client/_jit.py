@@ -437,7 +437,9 @@ class RemoteFunction(_RemoteFunctionBase):
     of ``donate_argnums`` arguments that are remote arrays of this client are
     donated: the server may reuse their memory, and they are deleted here.
     A function with host callbacks (``jax.debug.print``...) raises
-    ``HostCallbackError`` before anything is sent.
+    ``HostCallbackError`` before anything is sent. ``lower(*args)`` (then
+    ``compile()``) and ``eval_shape(*args)`` are ``jax.jit``'s, ahead of time
+    (``client/_aot.py``); as a class attribute it binds as a method.
 
     Example::
 
