@@ -25,6 +25,7 @@ import numpy as np
 from jitserve import wire
 from jitserve.client._models import CompileInfo
 from jitserve.client._trace import Compiled
+from jitserve.client.errors import NotFound
 
 if TYPE_CHECKING:
     from jitserve.client._base import Op
@@ -97,7 +98,12 @@ class RemoteLowered:
         fn, compiled = self._fn, self._compiled
         yield from fn._op_ensure_uploaded(compiled)
         client = fn._client
-        info = yield from client._op_compile(compiled.program_id, None, "", self._donate)
+        try:
+            info = yield from client._op_compile(compiled.program_id, None, "", self._donate)
+        except NotFound:  # the server lost the program (a restart, a delete): again, once
+            client._forget_programs([compiled.program_id])
+            yield from fn._op_ensure_uploaded(compiled, check=False)
+            info = yield from client._op_compile(compiled.program_id, None, "", self._donate)
         record = yield from client._op_executable(info.executable_id)
         return RemoteCompiled(self, info, record)
 

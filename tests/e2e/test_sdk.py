@@ -272,6 +272,12 @@ def test_lower_and_compile_ahead_of_time_as_jax_does(client: Client, server_url:
     assert remote.is_deleted()
     assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
 
+    # The server lost the program since it was uploaded (a restart, a delete): compile()
+    # uploads it again, as a call does.
+    lowered = f.lower(w, b)
+    assert httpx.delete(f"{server_url}/v1/programs/{lowered.program_id}").status_code == 200
+    assert lowered.compile().tier == "memory"
+
     text = client.jit(lambda v: v * 2, format="jaxpr").lower(np.arange(3.0)).as_text()
     assert '"primitive": "mul"' in text  # the jaxpr document the server gets
 
