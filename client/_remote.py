@@ -436,8 +436,31 @@ class _RemoteBase:
     __ne__ = _binary(operator.ne)[0]
     __lt__, __le__ = _binary(operator.lt)[0], _binary(operator.le)[0]
     __gt__, __ge__ = _binary(operator.gt)[0], _binary(operator.ge)[0]
+    __divmod__, __rdivmod__ = _binary(divmod)
     __neg__, __pos__ = _unary(operator.neg), _unary(operator.pos)
     __abs__, __invert__ = _unary(operator.abs), _unary(operator.invert)
+
+    def __round__(self, ndigits: int | None = None) -> Any:
+        """``numpy.round`` of the value; integers without ``ndigits``, as jax rounds."""
+        value = np.round(self._local(), ndigits or 0)
+        return value if ndigits is not None else value.astype(int)
+
+    def __contains__(self, value: Any) -> bool:
+        return local_value(value) in self._local()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError(f"{type(self).__name__} is immutable, as JAX arrays are: instead of "
+                        "x[idx] = y, use x = x.at[idx].set(y) (in a jitted function, on the "
+                        "server)")
+
+    @property
+    def weak_type(self) -> bool:
+        """Whether the array is weakly typed, as ``jax.Array.weak_type`` (known at once)."""
+        return bool(self.aval.weak_type)
+
+    def tobytes(self, order: str = "C") -> bytes:
+        """The value's bytes, as ``jax.Array.tobytes``."""
+        return self._local().tobytes(order)
     __hash__ = None  # type: ignore[assignment]  # unhashable, like jax and numpy arrays
 
     # jax.Array's array methods, on the fetched value, as numpy computes them; not the

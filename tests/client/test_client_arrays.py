@@ -56,6 +56,12 @@ def test_metadata_and_conversions(offline: Client) -> None:
     assert float(s) == 2.5 and int(s) == 2 and bool(s) and complex(s) == 2.5
     assert s.item() == 2.5 and y.tolist() == X.tolist() and y.item(5) == 5.0
     assert f"{s:.2f}" == "2.50" and f"{s}" == str(s) == "2.5"  # printed as jax prints
+    assert round(s) == 2 and round(y).dtype.kind == "i" and round(s, 1) == 2.5
+    assert divmod(s, 2) == (1.0, 0.5)
+    assert divmod(7, s) == (2.0, 2.0) and 5.0 in y and 99.0 not in y
+    assert y.tobytes() == X.tobytes() and y.weak_type is False
+    with pytest.raises(TypeError, match=r"immutable.*x.at\[idx\].set\(y\)"):
+        y[0] = 1.0
     assert str(y) == f"{y}" == str(X) and repr(y).startswith("RemoteArray(future=")
     with pytest.raises(TypeError, match="len"):
         len(s)
