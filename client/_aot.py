@@ -147,9 +147,9 @@ class RemoteCompiled:
         if not isinstance(cost, dict):
             return None
         names = {"flops": "flops", "transcendentals": "transcendentals",
-                 "bytes_accessed": "bytes accessed"}
-        return {names[k]: float(v) for k, v in cost.items()
-                if k in names and isinstance(v, (int, float))}
+                 "bytes_accessed": "bytes accessed"}  # the server's -> jax's
+        return {jax_name: float(cost[name]) for name, jax_name in names.items()
+                if isinstance(cost.get(name), (int, float))}
 
     def memory_analysis(self) -> MemoryAnalysis | None:
         """XLA's device bytes of one run on the server; ``None`` where its backend gives none."""

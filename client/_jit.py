@@ -285,18 +285,14 @@ class _RemoteFunctionBase:
         """A call; ``expect``: the signature it must have (a ``RemoteCompiled``'s)."""
         import jax
 
-        split = self._split(args, kwargs)
-        inputs = [self._input(leaf) for leaf in split.leaves]
-        # A jaxpr names no platform; an export is made for the server's.
-        platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
-        key = self._key(split, inputs, platforms)
+        split, inputs, platforms, key = yield from self._op_signature(args, kwargs)
         if expect is not None and key != expect:
             raise TypeError(_mismatch(self._name, expect, key))
         compiled = self._cache.get(key)
         if compiled is None or not self._client._knows_program(compiled.program_id):
             compiled = yield from self._op_prepare(key, split, inputs, platforms)
         values = [i.value for i in inputs]
-        donate = [n for n, d in enumerate(split.donated) if d and isinstance(values[n], _RemoteBase)]
+        donate = _donated_refs(split, inputs)
         ahead = self._client._ahead
         # Queued, sent in order with others (Client(run_ahead=N)); a signature's first
         # call waits for the server to take it, so that what it refuses in a program
@@ -315,6 +311,15 @@ class _RemoteFunctionBase:
         arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name,
                                     compiled.out_shardings)
         return jax.tree_util.tree_unflatten(compiled.out_tree, arrays)
+
+    def _op_signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> Op[tuple[_Split, list[_Input], tuple[str, ...] | None, Hashable]]:
+        """A call's arguments split, its inputs, the server's platforms and its signature."""
+        split = self._split(args, kwargs)
+        inputs = [self._input(leaf) for leaf in split.leaves]
+        # A jaxpr names no platform; an export is made for the server's.
+        platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
+        return split, inputs, platforms, self._key(split, inputs, platforms)
 
     def _op_prepare(self, key: Hashable, split: _Split, inputs: list[_Input],
                     platforms: tuple[str, ...] | None, upload: bool = True) -> Op[Compiled]:
@@ -387,17 +392,12 @@ class _RemoteFunctionBase:
         return self._client._drive(self._op_eval_shape(args, kwargs))  # type: ignore[attr-defined]
 
     def _op_lower(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op[RemoteLowered]:
-        split = self._split(args, kwargs)
-        inputs = [self._input(leaf) for leaf in split.leaves]
-        platforms = None if self._format == "jaxpr" else (yield from self._client._op_platforms())
-        key = self._key(split, inputs, platforms)
+        split, inputs, platforms, key = yield from self._op_signature(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = yield from self._op_prepare(key, split, inputs, platforms, upload=False)
-        # What a call of these arguments donates: its remote arrays among the donated leaves.
-        donate = tuple(n for n, (d, i) in enumerate(zip(split.donated, inputs))
-                       if d and isinstance(i.value, _RemoteBase))
-        return RemoteLowered(self, key, compiled, donate, self._format)
+        return RemoteLowered(self, key, compiled, tuple(_donated_refs(split, inputs)),
+                             self._format)
 
     def _op_eval_shape(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Op[Any]:
         lowered = yield from self._op_lower(args, kwargs)
@@ -475,6 +475,13 @@ class AsyncRemoteFunction(_RemoteFunctionBase):
         if type(out) is Submit:
             return await out.ato(client._ahead, client.timeout.request)
         return out
+
+
+def _donated_refs(split: _Split, inputs: list[_Input]) -> list[int]:
+    """The inputs a call donates: its remote arrays among the donated leaves (a host
+    array has no buffer on the server to give)."""
+    return [n for n, (d, i) in enumerate(zip(split.donated, inputs))
+            if d and isinstance(i.value, _RemoteBase)]
 
 
 def _mismatch(name: str, compiled: Any, called: Any) -> str:

@@ -439,6 +439,7 @@ class _RemoteBase:
     __divmod__, __rdivmod__ = _binary(divmod)
     __neg__, __pos__ = _unary(operator.neg), _unary(operator.pos)
     __abs__, __invert__ = _unary(operator.abs), _unary(operator.invert)
+    __hash__ = None  # type: ignore[assignment]  # unhashable, like jax and numpy arrays
 
     def __round__(self, ndigits: int | None = None) -> Any:
         """``numpy.round`` of the value; integers without ``ndigits``, as jax rounds."""
@@ -461,7 +462,6 @@ class _RemoteBase:
     def tobytes(self, order: str = "C") -> bytes:
         """The value's bytes, as ``jax.Array.tobytes``."""
         return self._local().tobytes(order)
-    __hash__ = None  # type: ignore[assignment]  # unhashable, like jax and numpy arrays
 
     # jax.Array's array methods, on the fetched value, as numpy computes them; not the
     # ones that say where an array lives (``devices``, ``addressable_shards``).
