@@ -91,7 +91,7 @@ class _Queued:
 
     ``hold``: the call's outputs are small, and its signature asks for them with the
     answer (``_jit._Hold``); ``upload``: uploads the program again, should the server
-    have lost it.
+    have lost it; ``compiler_options``: the function's (``jax.jit``'s).
     """
 
     program_id: str
@@ -101,6 +101,7 @@ class _Queued:
     hold: Any = None
     upload: Callable[[], Op[None]] | None = None
     retried: bool = False
+    compiler_options: dict[str, Any] | None = None
 
 
 class Submit:
@@ -257,6 +258,8 @@ class _Batches:
             body: dict[str, Any] = {"program_id": queued.program_id, "args": args}
             if queued.donate:
                 body["donate"] = queued.donate
+            if queued.compiler_options:
+                body["compiler_options"] = queued.compiler_options
             position[id(queued.state)] = len(position)
             calls.append(body)
         sent = [c for c in calls if c is not None]

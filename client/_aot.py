@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,23 +89,28 @@ class RemoteLowered:
 
         return str(jax.export.deserialize(bytearray(program)).mlir_module())
 
-    def compile(self) -> Any:
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Any:
         """Have the server compile the program (or find it in a cache), for the
-        arguments ``lower`` was given: a ``RemoteCompiled``. ``AsyncClient``'s is awaited."""
-        return self._fn._client._drive(self._op_compile())  # type: ignore[attr-defined]
+        arguments ``lower`` was given: a ``RemoteCompiled``. ``compiler_options``: as
+        ``jax.stages.Lowered.compile``'s, added to (and over) the function's own; its
+        calls run with them. ``AsyncClient``'s is awaited."""
+        options = {**self._fn._compiler_options, **check_options(compiler_options)}
+        return self._fn._client._drive(self._op_compile(options))  # type: ignore[attr-defined]
 
-    def _op_compile(self) -> Op[RemoteCompiled]:
+    def _op_compile(self, options: dict[str, Any]) -> Op[RemoteCompiled]:
         fn, compiled = self._fn, self._compiled
         yield from fn._op_ensure_uploaded(compiled)
         client = fn._client
         try:
-            info = yield from client._op_compile(compiled.program_id, None, "", self._donate)
+            info = yield from client._op_compile(compiled.program_id, None, "", self._donate,
+                                                 options)
         except NotFound:  # the server lost the program (a restart, a delete): again, once
             client._forget_programs([compiled.program_id])
             yield from fn._op_ensure_uploaded(compiled, check=False)
-            info = yield from client._op_compile(compiled.program_id, None, "", self._donate)
+            info = yield from client._op_compile(compiled.program_id, None, "", self._donate,
+                                                 options)
         record = yield from client._op_executable(info.executable_id)
-        return RemoteCompiled(self, info, record)
+        return RemoteCompiled(self, info, record, options)
 
 
 class RemoteCompiled:
@@ -119,8 +124,8 @@ class RemoteCompiled:
     """
 
     def __init__(self, lowered: RemoteLowered, info: CompileInfo,
-                 record: dict[str, Any] | None) -> None:
-        self._lowered = lowered
+                 record: dict[str, Any] | None, options: dict[str, Any]) -> None:
+        self._lowered, self._options = lowered, options
         self.executable_id = info.executable_id
         self.tier = info.tier
         self.compile_seconds = info.compile_seconds
@@ -165,7 +170,23 @@ class RemoteCompiled:
         """The function's call, for arguments of the compiled signature (``TypeError`` else):
         ``AsyncClient``'s is awaited."""
         lowered = self._lowered
-        return lowered._fn._call(args, kwargs, lowered._key)  # type: ignore[attr-defined]
+        return lowered._fn._call(args, kwargs, lowered._key,  # type: ignore[attr-defined]
+                                 self._options)
+
+
+def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``jax.jit``'s ``compiler_options``, as a new dict: XLA option names to bools,
+    numbers or strings (``TypeError`` otherwise). The server says which names it allows."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"compiler_options must be a dict of XLA option names to values, "
+                        f"got {type(options).__name__}")
+    for name, value in options.items():
+        if not isinstance(name, str) or not isinstance(value, (bool, int, float, str)):
+            raise TypeError(f"compiler_options: {name!r:.100} -> {value!r:.100}: names are "
+                            "strings, values bools, numbers or strings")
+    return dict(options)
 
 
 def _array_text(value: Any) -> Any:

@@ -273,26 +273,36 @@ class AsyncClient(BaseClient):
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
             format: str = "jax_export", in_shardings: Any = None,
-            out_shardings: Any = None) -> AsyncRemoteFunction: ...
+            out_shardings: Any = None, keep_unused: bool = False, inline: bool = False,
+            compiler_options: dict[str, Any] | None = None, device: Any = None,
+            backend: str | None = None) -> AsyncRemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
             format: str = "jax_export", in_shardings: Any = None,
-            out_shardings: Any = None) -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
+            out_shardings: Any = None, keep_unused: bool = False, inline: bool = False,
+            compiler_options: dict[str, Any] | None = None, device: Any = None,
+            backend: str | None = None) -> Callable[[Callable[..., Any]], AsyncRemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export", in_shardings: Any = None, out_shardings: Any = None) -> Any:
+            format: str = "jax_export", in_shardings: Any = None, out_shardings: Any = None,
+            keep_unused: bool = False, inline: bool = False,
+            compiler_options: dict[str, Any] | None = None, device: Any = None,
+            backend: str | None = None) -> Any:
         """See ``Client.jit``; calls of the result are awaitable."""
         def make(f: Callable[..., Any]) -> AsyncRemoteFunction:
             return AsyncRemoteFunction(self, f, static_argnums=static_argnums,
                                        static_argnames=static_argnames,
                                        donate_argnums=donate_argnums,
                                        donate_argnames=donate_argnames, format=format,
-                                       in_shardings=in_shardings, out_shardings=out_shardings)
+                                       in_shardings=in_shardings, out_shardings=out_shardings,
+                                       keep_unused=keep_unused, inline=inline,
+                                       compiler_options=compiler_options, device=device,
+                                       backend=backend)
         check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

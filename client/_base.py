@@ -399,22 +399,27 @@ class BaseClient:
         return reply.parse(ProgramInfo.from_json)
 
     def _op_compile(self, program_id: str, in_avals: Iterable[Any] | None,
-                    static_key: str, donate: Sequence[int] = ()) -> Op[CompileInfo]:
+                    static_key: str, donate: Sequence[int] = (),
+                    compiler_options: Mapping[str, Any] | None = None) -> Op[CompileInfo]:
         body: dict[str, Any] = {"static_key": static_key}
         if in_avals is not None:
             body["in_avals"] = [Aval.of(a).to_json() for a in in_avals]
         if donate:
             body["donate"] = list(donate)
+        if compiler_options:
+            body["compiler_options"] = dict(compiler_options)
         content, ctype = self._encode(body)
         reply = yield _Call("POST", f"/v1/programs/{_seg(program_id)}/compile", None, content, ctype)
         return reply.parse(CompileInfo.from_json)
 
     def _op_execute(self, program_id: str, args: Sequence[Any], wait: float | None,
                     static_key: str, donate: Sequence[int] = (),
-                    out_avals: Sequence[Aval] | None = None) -> Op[_Execution]:
+                    out_avals: Sequence[Aval] | None = None,
+                    compiler_options: Mapping[str, Any] | None = None) -> Op[_Execution]:
         """Run a program; the remote arrays of ours at ``donate`` are deleted once it is
         queued. ``out_avals``: the outputs' avals where the caller knows them (a
-        ``jit``), so an answer's are not read again on every call."""
+        ``jit``), so an answer's are not read again on every call. ``compiler_options``:
+        XLA options of its executable (``jax.jit``'s)."""
         for a in args:  # an input from a call on its way (``_ahead``): once it is answered
             if isinstance(a, _RemoteBase) and a._belongs_to(self) and not a._future.is_known():
                 yield _Settle(a._future)
@@ -423,6 +428,8 @@ class BaseClient:
             body["static_key"] = static_key
         if donate:
             body["donate"] = list(donate)
+        if compiler_options:
+            body["compiler_options"] = dict(compiler_options)
         content, ctype = self._encode(body)
         ask = None if wait is None else min(wait, self.timeout.poll)
         params = None if ask is None else {"wait": _ms(ask)}

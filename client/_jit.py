@@ -13,12 +13,12 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jitserve import wire
 from jitserve.client._ahead import Submit, _Queued
-from jitserve.client._aot import RemoteLowered
+from jitserve.client._aot import RemoteLowered, check_options
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _FutureState, _RemoteBase, local_value
 from jitserve.client._trace import Compiled, local_input, trace
@@ -148,10 +148,22 @@ class _RemoteFunctionBase:
                  donate_argnums: int | Sequence[int] = (),
                  donate_argnames: str | Iterable[str] = (),
                  format: str = "jax_export", in_shardings: Any = None,
-                 out_shardings: Any = None) -> None:
+                 out_shardings: Any = None, keep_unused: bool = False, inline: bool = False,
+                 compiler_options: Mapping[str, Any] | None = None, device: Any = None,
+                 backend: str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"jit needs a callable, got {fn!r:.100}")
+        if device is not None or backend is not None:
+            raise TypeError(
+                "a function of client.jit runs on the jitserve server's devices, so it takes "
+                "no device= or backend= (both deprecated in jax.jit too): give in_shardings= "
+                "over c.mesh(...) to choose the server's devices")
         self._client = client
+        # jax.jit's: they shape the trace (keep_unused keeps unused arguments as the
+        # program's inputs; inline matters only inside another trace, where a function
+        # of client.jit is never called) and the server's compile (compiler_options).
+        self._keep_unused, self._inline = bool(keep_unused), bool(inline)
+        self._compiler_options = check_options(compiler_options)
         self._fn = fn
         self._name = str(getattr(fn, "__name__", "fn"))
         self._format = check_jit_format(format)
@@ -281,8 +293,11 @@ class _RemoteFunctionBase:
     # ------------------------------------------------------------------ the call
 
     def _op_call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 expect: Hashable | None = None) -> Op[Any]:
-        """A call; ``expect``: the signature it must have (a ``RemoteCompiled``'s)."""
+                 expect: Hashable | None = None,
+                 options: dict[str, Any] | None = None) -> Op[Any]:
+        """A call; ``expect``: the signature it must have, and ``options`` the compiler
+        options it runs with (a ``RemoteCompiled``'s; the function's by default)."""
+        options = self._compiler_options if options is None else options
         import jax
 
         split, inputs, platforms, key = yield from self._op_signature(args, kwargs)
@@ -302,11 +317,12 @@ class _RemoteFunctionBase:
                                  self._client._releases, name=self._name,
                                  nbytes=[a.nbytes for a in compiled.out_avals])
             queued = _Queued(compiled.program_id, values, donate, state, self._hold(compiled),
-                             lambda: self._op_ensure_uploaded(compiled, check=False))
+                             lambda: self._op_ensure_uploaded(compiled, check=False),
+                             compiler_options=options)
             arrays = self._client._arrays(state, compiled.out_avals, compiled.out_keys,
                                           compiled.out_shardings)
             return Submit(queued, jax.tree_util.tree_unflatten(compiled.out_tree, arrays))
-        ex = yield from self._op_execute(compiled, values, donate)
+        ex = yield from self._op_execute(compiled, values, donate, options)
         self._started.add(compiled.program_id)
         arrays = self._client._wrap(ex, compiled.out_avals, compiled.out_keys, self._name,
                                     compiled.out_shardings)
@@ -333,7 +349,8 @@ class _RemoteFunctionBase:
                 compiled = self._cache[key] = trace(
                     self._bound(split), self._name, split.treedef, [i.spec for i in inputs],
                     [i.key for i in inputs], format=self._format, platforms=platforms,
-                    in_shardings=self._leaf_shardings(split), out_shardings=self._out_shardings)
+                    in_shardings=self._leaf_shardings(split), out_shardings=self._out_shardings,
+                    keep_unused=self._keep_unused, inline=self._inline)
             if upload:
                 yield from self._op_ensure_uploaded(compiled)
         finally:
@@ -357,10 +374,11 @@ class _RemoteFunctionBase:
                     request=e.request, response=e.response) from None
         client._remember_program(compiled.program_id)
 
-    def _op_execute(self, compiled: Compiled, values: list[Any], donate: list[int]) -> Op[_Execution]:
+    def _op_execute(self, compiled: Compiled, values: list[Any], donate: list[int],
+                    options: dict[str, Any]) -> Op[_Execution]:
         hold = self._hold(compiled)
         wait = self._client.timeout.hold if hold is not None and hold.ask() else None
-        op = self._client._op_execute
+        op = functools.partial(self._client._op_execute, compiler_options=options)
         try:
             ex = yield from op(compiled.program_id, values, wait, "", donate, compiled.out_avals)
         except NotFound:
@@ -452,9 +470,9 @@ class RemoteFunction(_RemoteFunctionBase):
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-              expect: Hashable | None = None) -> Any:
+              expect: Hashable | None = None, options: dict[str, Any] | None = None) -> Any:
         client = self._client
-        out = client._drive(self._op_call(args, kwargs, expect))  # type: ignore[attr-defined]
+        out = client._drive(self._op_call(args, kwargs, expect, options))  # type: ignore[attr-defined]
         return out.to(client._ahead, client.timeout.request) if type(out) is Submit else out
 
 
@@ -469,9 +487,9 @@ class AsyncRemoteFunction(_RemoteFunctionBase):
         return await self._call(args, kwargs)
 
     async def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    expect: Hashable | None = None) -> Any:
+                    expect: Hashable | None = None, options: dict[str, Any] | None = None) -> Any:
         client = self._client
-        out = await client._drive(self._op_call(args, kwargs, expect))  # type: ignore[attr-defined]
+        out = await client._drive(self._op_call(args, kwargs, expect, options))  # type: ignore[attr-defined]
         if type(out) is Submit:
             return await out.ato(client._ahead, client.timeout.request)
         return out

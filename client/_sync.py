@@ -314,20 +314,27 @@ class Client(BaseClient):
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
             format: str = "jax_export", in_shardings: Any = None,
-            out_shardings: Any = None) -> RemoteFunction: ...
+            out_shardings: Any = None, keep_unused: bool = False, inline: bool = False,
+            compiler_options: dict[str, Any] | None = None, device: Any = None,
+            backend: str | None = None) -> RemoteFunction: ...
 
     @overload
     def jit(self, fn: None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
             format: str = "jax_export", in_shardings: Any = None,
-            out_shardings: Any = None) -> Callable[[Callable[..., Any]], RemoteFunction]: ...
+            out_shardings: Any = None, keep_unused: bool = False, inline: bool = False,
+            compiler_options: dict[str, Any] | None = None, device: Any = None,
+            backend: str | None = None) -> Callable[[Callable[..., Any]], RemoteFunction]: ...
 
     def jit(self, fn: Callable[..., Any] | None = None, *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Iterable[str] = (),
             donate_argnums: int | Sequence[int] = (), donate_argnames: str | Iterable[str] = (),
-            format: str = "jax_export", in_shardings: Any = None, out_shardings: Any = None) -> Any:
+            format: str = "jax_export", in_shardings: Any = None, out_shardings: Any = None,
+            keep_unused: bool = False, inline: bool = False,
+            compiler_options: dict[str, Any] | None = None, device: Any = None,
+            backend: str | None = None) -> Any:
         """Like ``jax.jit``, but the function runs on the server; see ``RemoteFunction``.
 
         Also a decorator: ``@c.jit`` or ``@c.jit(static_argnums=1)``.
@@ -341,6 +348,11 @@ class Client(BaseClient):
         the positional arguments and of the outputs), over a mesh of the server's
         devices (``mesh``): the function runs sharded across them, and ``shard_map``,
         collectives and sharding constraints over that mesh work inside it.
+        ``keep_unused`` and ``inline`` are ``jax.jit``'s; ``compiler_options`` too (XLA
+        options by name, such as ``{"xla_cpu_enable_fast_math": True}``): the server
+        compiles with those it allows, and refuses others (``ProgramError`` on the first
+        call, naming the option). ``device`` and ``backend`` raise ``TypeError``: the
+        function runs on the server's devices (``in_shardings`` chooses among them).
 
         >>> f = c.jit(lambda x, n: x ** n, static_argnums=1)   # doctest: +SKIP
         >>> f(np.arange(3.0), 2).result()                       # doctest: +SKIP
@@ -351,6 +363,8 @@ class Client(BaseClient):
                                   static_argnames=static_argnames,
                                   donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                                   format=format, in_shardings=in_shardings,
-                                  out_shardings=out_shardings)
+                                  out_shardings=out_shardings, keep_unused=keep_unused,
+                                  inline=inline, compiler_options=compiler_options,
+                                  device=device, backend=backend)
         check_jit_format(format)  # now, not when the decorator is applied
         return make if fn is None else make(fn)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -122,12 +123,14 @@ class FlatFunction:
 def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
           in_keys: Sequence[str | None], *, format: str,
           platforms: tuple[str, ...] | None, in_shardings: Sequence[Any] | None = None,
-          out_shardings: Any = None) -> Compiled:
+          out_shardings: Any = None, keep_unused: bool = False,
+          inline: bool = False) -> Compiled:
     """Trace ``fn`` on flat ``specs`` and make the program of ``format``.
 
     ``in_shardings``: one ``Sharding`` (or ``None``) per flat input; ``out_shardings``:
     ``jax.jit``'s, a pytree prefix of ``fn``'s outputs. With shardings over a mesh
-    of N devices the program is one for N devices of the server.
+    of N devices the program is one for N devices of the server. ``keep_unused``
+    and ``inline``: ``jax.jit``'s.
 
     Raises ``HostCallbackError`` before anything is exported if ``fn`` calls back
     into Python, and ``ValueError`` if ``fn`` uses a mesh of several devices inside
@@ -139,15 +142,16 @@ def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
     layouts: tuple[Any, ...] = ()  # the outputs' shardings, of a sharded export
     ins = tuple(in_shardings) if in_shardings is not None else ()
     sharded = any(s is not None for s in ins)
-    jitted = jax.jit(flat, in_shardings=ins) if sharded else jax.jit(flat)
+    jit = functools.partial(jax.jit, keep_unused=keep_unused, inline=inline)
+    jitted = jit(flat, in_shardings=ins) if sharded else jit(flat)
     with _no_source_locations():
         traced = jitted.trace(*specs)
         check_host_callbacks(traced.jaxpr, name)
         if out_shardings is not None:  # a prefix of fn's outputs: known once traced
             outs = jax.tree.broadcast(out_shardings, flat.out_tree.unflatten(
                 [0] * flat.out_tree.num_leaves), is_leaf=lambda x: x is None)
-            jitted = jax.jit(flat, in_shardings=ins if sharded else None,
-                             out_shardings=jax.tree.leaves(outs, is_leaf=lambda x: x is None))
+            jitted = jit(flat, in_shardings=ins if sharded else None,
+                         out_shardings=jax.tree.leaves(outs, is_leaf=lambda x: x is None))
             traced = jitted.trace(*specs)
             sharded = True
         if format == "jaxpr":

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -54,22 +55,26 @@ def configure_jax() -> None:
 
 
 def compile_options(partitions: int = 1, replicas: int = 1,
-                    device_ids: tuple[int, ...] | None = None) -> Any:
+                    device_ids: tuple[int, ...] | None = None,
+                    overrides: Sequence[tuple[str, Any]] = ()) -> Any:
     """The XLA compile options of jitserve's executables (their digest is in the key):
     SPMD over ``partitions`` devices, or ``replicas``, on the first devices of the
     process, in order (the device assignment is the same for every process and
     executable of that size, so it is no part of a key but their count).
     ``device_ids``: another assignment, to load an executable onto other devices
-    (``Compiler.on_device``)."""
+    (``Compiler.on_device``). ``overrides``: a caller's ``compiler_options``, checked
+    (``compiler.options``), as ``jax.jit`` passes its own to XLA."""
     import numpy as np
     from jax._src import compiler
 
+    env = dict(overrides) if overrides else None
     if partitions == replicas == 1 and device_ids is None:
-        return compiler.get_compile_options(num_replicas=1, num_partitions=1)
+        return compiler.get_compile_options(num_replicas=1, num_partitions=1,
+                                            env_options_overrides=env)
     ids = device_ids if device_ids is not None else range(replicas * partitions)
     assignment = np.array(ids).reshape(replicas, partitions)
     return compiler.get_compile_options(num_replicas=replicas, num_partitions=partitions,
-                                        device_assignment=assignment)
+                                        device_assignment=assignment, env_options_overrides=env)
 
 
 def device_count(options: Any) -> int:

@@ -24,7 +24,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -68,6 +68,7 @@ from jitserve.compiler.keys import (
     nearest_reasons,
     options_digest,
 )
+from jitserve.compiler.options import check_compiler_options, overrides_text
 from jitserve.compiler.program_store import StoredPrograms
 from jitserve.compiler.programs import decode_program, lower
 from jitserve.compiler.records import Limits, MemoryStats, Program, check_donate, check_inputs
@@ -83,6 +84,8 @@ __all__ = ["Compiler", "CompilerConfig", "Executable", "Lookup", "cost_of"]
 logger = logging.getLogger("jitserve.compiler")
 
 _EXECUTABLE_ID = re.compile(r"[0-9a-f]{64}")
+# A call's XLA options, checked and sorted (``compiler.options.check_compiler_options``).
+Overrides = tuple[tuple[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +383,8 @@ class Compiler:
                               devices=self.config.program_devices or len(self.devices))
 
     def lookup(self, program: Program, in_avals: Sequence[Aval] | None = None,
-               static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> Lookup:
+               static_key: str = "", donate: Sequence[int] = (), scope: str = "", *,
+               overrides: Mapping[str, Any] | None = None) -> Lookup:
         """The executable of ``program`` for ``in_avals`` (default: the program's own).
 
         ``donate``: the inputs the executable may consume (XLA buffer donation, as
@@ -391,24 +395,28 @@ class Compiler:
         are its own (``keys.key_parts``), so nothing it observes (tier, timings,
         recompile reasons) depends on another tenant's calls. An executable of no
         scope (one the operator warmed) serves it too: that says nothing of others.
+
+        ``overrides``: the caller's XLA options (``jax.jit``'s ``compiler_options``),
+        of those ``compiler.options`` allows (``InvalidProgram`` for any other).
         """
         if program.nr_devices > len(self.devices):
             raise TooManyDevices(f"program needs {program.nr_devices} devices; this runtime has "
                                  f"{len(self.devices)}")
         concrete = self._concrete_avals(program, in_avals)
         donate = check_donate(donate, len(concrete))
-        parts = self._parts(program, concrete, static_key, donate, scope)
+        chosen = check_compiler_options(overrides)
+        parts = self._parts(program, concrete, static_key, donate, scope, chosen)
         key = cache_key(parts)
 
         def resolve() -> Lookup:
             if scope:
-                public = self._key(program, concrete, static_key, donate)
+                public = self._key(program, concrete, static_key, donate, "", chosen)
                 hit = self._executables.cached(public)
                 found = (Lookup(hit, public, TierName.MEMORY, 0.0) if hit is not None
                          else self._from_tiers(public))
                 if found is not None:
                     return found
-            lookup = self._resolve(program, concrete, static_key, donate, key, parts)
+            lookup = self._resolve(program, concrete, static_key, donate, key, parts, chosen)
             self._history.record(program.program_id, key, parts,
                                  lookup.executable.meta.get("created"))
             return lookup
@@ -562,18 +570,22 @@ class Compiler:
         return proto.SerializeToString(deterministic=True), partitions, replicas, devices
 
     def executable_id(self, program: Program, in_avals: Sequence[Aval] | None = None,
-                      static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> str:
+                      static_key: str = "", donate: Sequence[int] = (), scope: str = "", *,
+                      overrides: Mapping[str, Any] | None = None) -> str:
         """The cache key ``lookup`` would compile under, without looking anything up."""
         concrete = self._concrete_avals(program, in_avals)
         return self._key(program, concrete, static_key, check_donate(donate, len(concrete)),
-                         scope)
+                         scope, check_compiler_options(overrides))
 
     def cached(self, program: Program, in_avals: Sequence[Aval] | None = None,
-               static_key: str = "", donate: Sequence[int] = (), scope: str = "") -> Lookup | None:
+               static_key: str = "", donate: Sequence[int] = (), scope: str = "", *,
+               overrides: Mapping[str, Any] | None = None) -> Lookup | None:
         """``lookup`` from L1 alone, or ``None``: never blocks, so an event loop may call it."""
-        keys = [self.executable_id(program, in_avals, static_key, donate, scope)]
+        keys = [self.executable_id(program, in_avals, static_key, donate, scope,
+                                   overrides=overrides)]
         if scope:  # as ``lookup``: the operator's own (warmed) executable serves too
-            keys.append(self.executable_id(program, in_avals, static_key, donate))
+            keys.append(self.executable_id(program, in_avals, static_key, donate,
+                                           overrides=overrides))
         for key in keys:
             hit = self._executables.cached(key)
             if hit is not None:
@@ -631,14 +643,15 @@ class Compiler:
     # -- internals -----------------------------------------------------------------
 
     def _key(self, program: Program, concrete: Sequence[Aval], static_key: str,
-             donate: tuple[int, ...], scope: str = "") -> str:
-        return cache_key(self._parts(program, concrete, static_key, donate, scope))
+             donate: tuple[int, ...], scope: str = "", overrides: Overrides = ()) -> str:
+        return cache_key(self._parts(program, concrete, static_key, donate, scope, overrides))
 
     def _parts(self, program: Program, concrete: Sequence[Aval], static_key: str,
-               donate: tuple[int, ...], scope: str = "") -> list[tuple[str, str]]:
+               donate: tuple[int, ...], scope: str = "", overrides: Overrides = ()
+               ) -> list[tuple[str, str]]:
         return key_parts(program_id=program.program_id, in_avals=concrete,
                          static_key=static_key, backend=self._backend_for(program.nr_devices),
-                         donate=donate, scope=scope)
+                         donate=donate, scope=scope, overrides=overrides_text(overrides))
 
     def _backend_for(self, n: int) -> Backend:
         """The key's backend parts for an executable of ``n`` devices: their count, the
@@ -703,7 +716,8 @@ class Compiler:
             return future, True
 
     def _resolve(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                 donate: tuple[int, ...], key: str, parts: list[tuple[str, str]]) -> Lookup:
+                 donate: tuple[int, ...], key: str, parts: list[tuple[str, str]],
+                 overrides: Overrides = ()) -> Lookup:
         hit = self._from_tiers(key)
         if hit is not None:
             return hit
@@ -712,7 +726,8 @@ class Compiler:
                 hit = self._from_tiers(key)  # another process compiled it while we waited
                 if hit is not None:
                     return hit
-            return self._compile_and_store(program, concrete, static_key, donate, key, parts)
+            return self._compile_and_store(program, concrete, static_key, donate, key, parts,
+                                           overrides)
 
     def _from_tiers(self, key: str) -> Lookup | None:
         found = self._executables.get(key)
@@ -727,9 +742,10 @@ class Compiler:
 
     def _compile_and_store(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
                            donate: tuple[int, ...], key: str,
-                           parts: list[tuple[str, str]]) -> Lookup:
+                           parts: list[tuple[str, str]], overrides: Overrides = ()) -> Lookup:
         start = time.perf_counter()
-        executable, serialized = self._compile(program, concrete, static_key, donate, key)
+        executable, serialized = self._compile(program, concrete, static_key, donate, key,
+                                               overrides)
         executable.meta["key_parts"] = dict(parts)
         executable.meta["recompiled_because"] = self._recompile_reasons(
             program.program_id, key, parts)
@@ -743,7 +759,8 @@ class Compiler:
         return Lookup(executable, key, TierName.COMPILED, seconds)
 
     def _compile(self, program: Program, concrete: tuple[Aval, ...], static_key: str,
-                 donate: tuple[int, ...], key: str) -> tuple[Executable, bytes]:
+                 donate: tuple[int, ...], key: str, overrides: Overrides = ()
+                 ) -> tuple[Executable, bytes]:
         """Compile in a worker; the loaded executable and the bytes it was loaded from."""
         limits = self.config.limits
         with stablehlo.new_context() as ctx:
@@ -757,11 +774,14 @@ class Compiler:
         if n != program.nr_devices:  # lowering decides, and must agree with the upload
             raise CompileFailed(f"program was uploaded for {program.nr_devices} devices but "
                                 f"lowers for {n}")
-        options = None if n == 1 else compile_options(partitions, replicas).SerializeAsString()
+        options = (None if n == 1 and not overrides else
+                   compile_options(partitions, replicas, overrides=overrides).SerializeAsString())
         serialized = self._pool.compile(bytecode, options)
         self._compilations += 1
         meta = self._meta(key, program, concrete, out_avals, static_key)
         meta["donate"] = list(donate)
+        if overrides:
+            meta["compiler_options"] = dict(overrides)
         meta["device_count"] = n
         meta["partitions"], meta["replicas"] = partitions, replicas
         executable = Executable(self._deserialize(serialized, meta), key, meta, len(serialized),

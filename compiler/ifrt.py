@@ -16,6 +16,11 @@ from typing import Any
 
 from jitserve.compiler.errors import InvalidProgram
 from jitserve.compiler.ifrt_protos import message
+from jitserve.compiler.options import (
+    ALLOWED_DEBUG_OPTIONS,
+    ALLOWED_OVERRIDES,
+    BUILD_OVERRIDES,
+)
 
 __all__ = ["ALLOWED_BUILD_OPTIONS", "ALLOWED_DEBUG_OPTIONS", "program_bytes", "sanitize_options"]
 
@@ -28,29 +33,8 @@ ALLOWED_BUILD_OPTIONS = frozenset({
     "allow_spmd_sharding_propagation_to_parameters", "allow_spmd_sharding_propagation_to_output",
     "auto_spmd_partitioning_mesh_shape", "auto_spmd_partitioning_mesh_ids", "deduplicate_hlo",
 })
-# DebugOptions fields a client chooses: numerics jax itself sets from its config.
-ALLOWED_DEBUG_OPTIONS = frozenset({
-    "xla_cpu_enable_fast_math", "xla_cpu_fast_math_honor_nans", "xla_cpu_fast_math_honor_infs",
-    "xla_cpu_fast_math_honor_division", "xla_cpu_fast_math_honor_functions",
-    "xla_cpu_enable_fast_min_max", "xla_gpu_enable_fast_min_max", "xla_enable_fast_math",
-    "xla_allow_excess_precision", "xla_cpu_ftz",
-})
 # CompileOptionsProto fields a client chooses.
 _ALLOWED_TOP = frozenset({"argument_layouts", "parameter_is_tupled_arguments", "profile_version"})
-# ``jax.jit(..., compiler_options={...})`` arrives as ``env_option_overrides``, which XLA
-# applies by name: these (and ALLOWED_DEBUG_OPTIONS) are kept, for XLA to check their
-# values; a name XLA knows but that is not here is refused, and one it does not know is
-# refused as XLA would ("No such compile option").
-ALLOWED_OVERRIDES = ALLOWED_DEBUG_OPTIONS | frozenset({
-    "xla_embed_ir_in_executable", "xla_llvm_disable_expensive_passes",
-    "xla_backend_optimization_level", "exec_time_optimization_effort", "memory_fitting_effort",
-    "optimization_level", "memory_fitting_level", "xla_gpu_auto_spmd_partitioning_memory_budget_ratio",
-    # a cap on dumps, which cannot happen: xla_dump_to is not allowed
-    "xla_dump_max_hlo_modules",
-})
-# Override names XLA reads from ExecutableBuildOptions rather than DebugOptions.
-_BUILD_OVERRIDES = frozenset({"exec_time_optimization_effort", "memory_fitting_effort",
-                              "optimization_level", "memory_fitting_level"})
 _SERIALIZED_PROGRAM_TYPES = frozenset({"xla::ifrt::XlaProgram", "xla::ifrt::HloProgram"})
 _SERIALIZED_OPTIONS_TYPES = frozenset({"xla::ifrt::XlaCompileOptions"})
 
@@ -80,8 +64,12 @@ def sanitize_options(serialized: Any, server_options: bytes) -> bytes:
     ours = message("xla.CompileOptionsProto").FromString(server_options)
     _copy(theirs, ours, _ALLOWED_TOP)
     debug_fields = ours.executable_build_options.debug_options.DESCRIPTOR.fields_by_name
+    # ``jax.jit(..., compiler_options={...})`` arrives as ``env_option_overrides``, which
+    # XLA applies by name: those of ``compiler.options`` are kept, for XLA to check their
+    # values; a name XLA knows but that is not there is refused, and one it does not know
+    # is refused as XLA would ("No such compile option").
     for name in theirs.env_option_overrides:
-        if name not in debug_fields and name not in _BUILD_OVERRIDES:
+        if name not in debug_fields and name not in BUILD_OVERRIDES:
             raise InvalidProgram(f"No such compile option: '{name}'")
         if name not in ALLOWED_OVERRIDES:
             raise InvalidProgram(f"compile option '{name}' is not allowed on this server "

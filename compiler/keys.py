@@ -119,15 +119,18 @@ def xla_flags(environ: Mapping[str, str] | None = None) -> str:
 
 def key_parts(*, program_id: str, in_avals: Sequence[Aval], static_key: str,
               backend: Backend, donate: Sequence[int] = (),
-              scope: str = "") -> list[tuple[str, str]]:
-    """The named parts of a key, in a fixed order (donated inputs and the tenant's
-    scope only when there are some, so that other keys stay what they were).
+              scope: str = "", overrides: str = "") -> list[tuple[str, str]]:
+    """The named parts of a key, in a fixed order (donated inputs, the tenant's scope
+    and the caller's compiler options only when there are some, so that other keys
+    stay what they were).
 
     ``scope``: the tenant whose executables these are, when tenants do not share
     compiled code (``service.calls.tenants``): each has keys of its own.
+    ``overrides``: the call's ``compiler_options`` (``compiler.options.overrides_text``).
     """
     donated = [("donate", ",".join(map(str, donate)))] if donate else []
     scoped = [("tenant", scope)] if scope else []
+    chosen = [("compiler_options", overrides)] if overrides else []
     return [
         ("schema", str(KEY_SCHEMA_VERSION)),
         ("program", program_id),
@@ -135,6 +138,7 @@ def key_parts(*, program_id: str, in_avals: Sequence[Aval], static_key: str,
         ("static", static_key),
         *donated,
         *scoped,
+        *chosen,
         ("compile_options", backend.options_digest),
         ("platform", f"{backend.platform} {backend.platform_version}"),
         ("runtime_type", backend.runtime_type),
@@ -162,7 +166,7 @@ def cache_key(parts: Sequence[tuple[str, str]]) -> str:
 # What kind of difference each part is, as a recompile reason names it.
 _PART_KINDS = {
     "static": "static", "donate": "donate", "program": "program",
-    "compile_options": "flags", "xla_flags": "flags",
+    "compile_options": "flags", "compiler_options": "flags", "xla_flags": "flags",
     "schema": "versions", "jax": "versions", "jaxlib": "versions",
     "platform": "backend", "runtime_type": "backend", "device_kind": "backend",
     "device_count": "backend",

@@ -10,8 +10,18 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
+from jitserve.compiler.options import MAX_OPTIONS
 from jitserve.wire import FutureStatus
 
 from ..calls.futures import Future
@@ -138,6 +148,13 @@ class FutureRef(_Strict):
     output: int = Field(ge=0, description="which output of that future")
 
 
+_COMPILER_OPTIONS = (
+    "XLA options for the executable, as jax.jit's compiler_options (for example "
+    "{\"xla_cpu_enable_fast_math\": true}): part of its cache key. Only the names "
+    "jitserve.compiler.options allows (numerics and optimization effort); any other "
+    "is refused with 400 invalid_program naming it")
+
+
 class _ExecuteOptions(_Strict):
     """What an execute's body says besides its arguments."""
 
@@ -150,6 +167,8 @@ class _ExecuteOptions(_Strict):
         default_factory=list, max_length=MAX_RELEASE, description="indices of args the "
         "run may consume (jax.jit's donate_argnums): an output of the same type reuses "
         "its buffer; the future outputs they name are released")
+    compiler_options: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+        default_factory=dict, max_length=MAX_OPTIONS, description=_COMPILER_OPTIONS)
 
 
 class ExecuteJSON(_ExecuteOptions):
@@ -382,6 +401,8 @@ class CompileRequest(_Strict):
     donate: list[int] = Field(default_factory=list, max_length=MAX_RELEASE, description=(
         "the inputs its calls will donate, as an execute's ``donate``: donation is "
         "part of what is compiled, so this compiles the executable those calls run"))
+    compiler_options: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+        default_factory=dict, max_length=MAX_OPTIONS, description=_COMPILER_OPTIONS)
 
 
 class CompileResult(BaseModel):

@@ -40,6 +40,7 @@ import numpy as np
 
 from jitserve import wire
 from jitserve.compiler.errors import CompilerError
+from jitserve.compiler.options import check_compiler_options
 from jitserve.compiler.records import Program, check_donate, check_inputs
 from jitserve.wire import Aval, ErrorCode, FutureStatus, TierName
 
@@ -229,6 +230,8 @@ class Calls:
             "avals": None if in_avals is None else [a.to_json() for a in in_avals]}
         if options.scope:
             message["scope"] = options.scope
+        if options.compiler_options:
+            message["compiler_options"] = dict(options.compiler_options)
         if self._scheduler is None or owner is None or not self._tenants.scoped:
             return _lookup_of(await self._ask(runtime, {**message, "compile": True}, program))
         probe = await self._ask(runtime, {**message, "compile": False}, program)
@@ -260,7 +263,8 @@ class Calls:
 
     async def execute(self, program: Program, args: Sequence[Any], static_key: str,
                       owner: str | None, timeout_s: float | None = None,
-                      donate: Sequence[int] = ()) -> Call:
+                      donate: Sequence[int] = (),
+                      compiler_options: Mapping[str, Any] | None = None) -> Call:
         """Start running ``program`` on ``args``; returns before it compiles or runs.
 
         ``args`` are decoded wire values: numpy arrays or ``{"future", "output"}``
@@ -268,10 +272,12 @@ class Calls:
         for the run (the server's ``execution_timeout_s`` caps it). ``donate``: the
         arguments the run may consume (``jax.jit``'s ``donate_argnums``, on the
         flat arguments); the outputs they name are released for the caller.
+        ``compiler_options``: XLA options for its executable, as ``jax.jit``'s (those
+        ``compiler.options`` allows; ``InvalidProgram`` names any other).
         """
         options = CallOptions(static_key, check_donate(donate, len(args)),
-                              self._tenants.scope(owner))
-        if not options.donate:  # opted in (service.calls.batching)
+                              self._tenants.scope(owner), check_compiler_options(compiler_options))
+        if not options.donate and not options.compiler_options:  # opted in (calls.batching)
             await self.batcher.refresh(owner, program.program_id)
             batched = self.batcher.offer(program, args, static_key, owner, timeout_s)
             if batched is not None:

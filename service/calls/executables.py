@@ -57,12 +57,15 @@ def host_aval(array: np.ndarray) -> Aval:
 @dataclasses.dataclass(frozen=True)
 class CallOptions:
     """What picks an executable besides the inputs' avals: the caller's static key,
-    the inputs a run may consume (``donate``, sorted input indices), and the
-    tenant's scope (``Tenants.scope``: its own keys, unless keys share executables)."""
+    the inputs a run may consume (``donate``, sorted input indices), the tenant's
+    scope (``Tenants.scope``: its own keys, unless keys share executables) and the
+    caller's XLA options (``jax.jit``'s ``compiler_options``: sorted pairs, checked
+    by ``compiler.options.check_compiler_options``)."""
 
     static_key: str = ""
     donate: tuple[int, ...] = ()
     scope: str = ""
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,14 +118,14 @@ class Resolved:
     compile_seconds: float
 
 
-CallKey = tuple[str, "tuple[Aval, ...] | None", str, tuple[int, ...], str]
+CallKey = tuple[str, "tuple[Aval, ...] | None", str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]
 
 
 def call_key(program_id: str, in_avals: Sequence[Aval] | None, options: CallOptions) -> CallKey:
     """What an ``ExecutableIndex`` knows a call by (avals compare by shape, dtype and
     weak type: a tuple, not JSON, since every call looks one up)."""
     return (program_id, None if in_avals is None else tuple(in_avals), options.static_key,
-            options.donate, options.scope)
+            options.donate, options.scope, options.compiler_options)
 
 
 class ExecutableIndex:

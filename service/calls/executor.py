@@ -822,6 +822,8 @@ def _run_message(program: Program, executable: RemoteExecutable, options: CallOp
         "avals": executable.in_avals_json, "args": descs}
     if options.scope:
         message["scope"] = options.scope
+    if options.compiler_options:
+        message["compiler_options"] = dict(options.compiler_options)
     return message
 
 

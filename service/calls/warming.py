@@ -17,6 +17,7 @@ A manifest is TOML or JSON; paths are relative to it::
                   ["float32[16,3]"]]    # optional: the program's own avals (static programs)
     static_keys = ["", "train"]         # optional: each signature with each static key
     donate = [0]                        # optional: inputs the runs may consume
+    compiler_options = {xla_cpu_enable_fast_math = true}  # optional: jax.jit's, as the calls give them
 
 Example::
 
@@ -38,6 +39,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jitserve.compiler.errors import InvalidProgram
+from jitserve.compiler.options import check_compiler_options
 from jitserve.wire import Aval, WireError
 
 if TYPE_CHECKING:
@@ -50,7 +53,8 @@ __all__ = ["ManifestError", "WarmItem", "WarmResult", "Warming", "load_manifest"
 log = logging.getLogger("jitserve.warm")
 
 _AVAL = re.compile(r"^\s*(\w+)\s*\[([^\]]*)\]\s*$")
-_PROGRAM_KEYS = frozenset({"file", "format", "signatures", "static_keys", "donate"})
+_PROGRAM_KEYS = frozenset({"file", "format", "signatures", "static_keys", "donate",
+                           "compiler_options"})
 
 
 class ManifestError(ValueError):
@@ -65,7 +69,7 @@ class WarmItem:
       file: the program's bytes.
       format: ``jax_export``, ``stablehlo``, ``jaxpr``, or ``None`` to detect it.
       in_avals: concrete input avals; ``None`` for the program's own (static) ones.
-      static_key, donate: as an execute's (``CallOptions``).
+      static_key, donate, compiler_options: as an execute's (``CallOptions``).
     """
 
     file: Path
@@ -73,6 +77,7 @@ class WarmItem:
     in_avals: tuple[Aval, ...] | None
     static_key: str = ""
     donate: tuple[int, ...] = ()
+    compiler_options: tuple[tuple[str, Any], ...] = ()
 
     def __str__(self) -> str:
         avals = "own avals" if self.in_avals is None else ", ".join(map(str, self.in_avals))
@@ -125,6 +130,10 @@ def _items_of(entry: Any, base: Path, where: str) -> list[WarmItem]:
         raise ManifestError(f"{where}: 'static_keys' is a list of strings")
     if not (isinstance(donate, list) and all(isinstance(i, int) for i in donate)):
         raise ManifestError(f"{where}: 'donate' is a list of input indices")
+    try:
+        options = check_compiler_options(entry.get("compiler_options"))
+    except InvalidProgram as e:
+        raise ManifestError(f"{where}: {e}") from None
     if signatures is not None and not (isinstance(signatures, list)
                                        and all(isinstance(s, list) for s in signatures)):
         raise ManifestError(f"{where}: 'signatures' is a list of lists of avals")
@@ -132,7 +141,7 @@ def _items_of(entry: Any, base: Path, where: str) -> list[WarmItem]:
         [None] if signatures is None else
         [tuple(_aval(a, f"{where}.signatures[{i}]") for a in sig)
          for i, sig in enumerate(signatures)])
-    return [WarmItem(file, entry.get("format"), a, s, tuple(sorted(set(donate))))
+    return [WarmItem(file, entry.get("format"), a, s, tuple(sorted(set(donate))), options)
             for a in avals for s in statics]
 
 
@@ -239,8 +248,8 @@ class Warming:
             if key not in decoded:  # the bytes go to a runtime; this process never parses them
                 decoded[key] = asyncio.ensure_future(self._decode(item, programs))
             program = await decoded[key]
-            lookup = await calls.compile(program, item.in_avals,
-                                         CallOptions(item.static_key, item.donate))
+            lookup = await calls.compile(program, item.in_avals, CallOptions(
+                item.static_key, item.donate, compiler_options=item.compiler_options))
         except Exception as e:  # noqa: BLE001 - every refusal is the item's result
             log.warning("warming %s failed: %s", item, e)
             return WarmResult(item, error=f"{type(e).__name__}: {e}")

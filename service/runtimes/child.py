@@ -517,13 +517,17 @@ class RuntimeServer:
         docs = m.get("avals")
         avals = None if docs is None else [Aval.from_json(a) for a in docs]
         static_key, donate, scope = m.get("static_key", ""), m.get("donate", ()), m.get("scope", "")
+        chosen = m.get("compiler_options")
         if not m.get("compile", True):
-            key = self.compiler.executable_id(program, avals, static_key, donate, scope)
-            public = self.compiler.executable_id(program, avals, static_key, donate) if scope else key
-            if (self.compiler.cached(program, avals, static_key, donate, scope) is None
+            key = self.compiler.executable_id(program, avals, static_key, donate, scope,
+                                              overrides=chosen)
+            public = (self.compiler.executable_id(program, avals, static_key, donate,
+                                                  overrides=chosen) if scope else key)
+            if (self.compiler.cached(program, avals, static_key, donate, scope,
+                                     overrides=chosen) is None
                     and not self._in_l2(key) and not self._in_l2(public)):
                 return {"miss": key}
-        lookup = self.compiler.lookup(program, avals, static_key, donate, scope)
+        lookup = self.compiler.lookup(program, avals, static_key, donate, scope, overrides=chosen)
         return {"executable": _lookup_json(lookup)}
 
     def _in_l2(self, key: str) -> bool:
@@ -547,7 +551,8 @@ class RuntimeServer:
             docs = m.get("avals")
             avals = None if docs is None else [Aval.from_json(a) for a in docs]
             exe = self.compiler.lookup(program, avals, m.get("static_key", ""),
-                                       m.get("donate", ()), m.get("scope", "")).executable
+                                       m.get("donate", ()), m.get("scope", ""),
+                                       overrides=m.get("compiler_options")).executable
         return exe
 
     # -- runs and buffers --------------------------------------------------------

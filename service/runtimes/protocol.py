@@ -251,6 +251,8 @@ class LookupRequest(TypedDict):
     avals: list[AvalDoc] | None  # ``None``: the program's own
     compile: NotRequired[bool]  # ``False``: answer ``miss`` rather than compile (default ``True``)
     scope: NotRequired[str]  # the tenant's keys, when tenants share no executables
+    # the caller's XLA options (``jax.jit``'s ``compiler_options``), of ``compiler.options``
+    compiler_options: NotRequired[dict[str, Any]]
 
 
 class LookupAnswer(TypedDict, total=False):
@@ -270,6 +272,7 @@ class RunRequest(TypedDict):
     args: list[ArgDesc]
     split: NotRequired[list[int]]  # a batch's rows per call (``calls.batching``)
     scope: NotRequired[str]  # as ``LookupRequest``'s, to compile again under
+    compiler_options: NotRequired[dict[str, Any]]  # as ``LookupRequest``'s
     # The handles its outputs take, chosen by the API process (negative: the
     # runtime's own are positive), so that runs sent after it may name them as
     # arguments before it has run ("Runs sent ahead" above).

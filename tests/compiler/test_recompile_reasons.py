@@ -27,6 +27,8 @@ BASE = {"schema": "2", "program": "p" * 64, "in_avals": "float32[8]", "static": 
     ({"in_avals": "float32[8];float32[2]"}, ["shape: 1 -> 2 inputs"]),
     ({"static": "[3]"}, ["static: static '' -> '[3]'"]),
     ({"donate": "0"}, ["donate: donate '' -> '0'"]),
+    ({"compiler_options": "xla_cpu_enable_fast_math=true"},
+     ["flags: compiler_options '' -> 'xla_cpu_enable_fast_math=true'"]),
     ({"xla_flags": "--xla_cpu_fast_math=true"},
      ["flags: xla_flags '' -> '--xla_cpu_fast_math=true'"]),
     ({"compile_options": "b" * 64}, [f"flags: compile_options {'a' * 12} -> {'b' * 12}"]),
@@ -122,3 +124,36 @@ def test_redis_keeps_the_history_and_the_record(make_compiler, tmp_path: Path,  
     assert b.catalog.describe(second.executable_id) is None
     assert {k.decode() for k in raw.hkeys(history)} == {first.executable_id}
     raw.close()
+
+
+def test_compiler_options_key_their_own_executable(make_compiler, tmp_path: Path) -> None:  # noqa: ANN001
+    """A caller's XLA options (``jax.jit``'s ``compiler_options``) reach XLA, key their
+    own executable (kept on disk with them) and are checked against the allowlist."""
+    from jitserve.compiler.errors import InvalidProgram
+
+    compiler = make_compiler(tmp_path / "cache")
+    exported = jax.export.export(jax.jit(lambda x: x - x))(jax.ShapeDtypeStruct((2,), np.float32))
+    program = compiler.decode(bytes(exported.serialize()))
+    fast = {"xla_cpu_fast_math_honor_infs": False, "xla_cpu_enable_fast_math": True,
+            "xla_cpu_fast_math_honor_nans": False}
+    plain = compiler.lookup(program)
+    chosen = compiler.lookup(program, overrides=fast)
+    assert chosen.tier == "compiled" and chosen.executable_id != plain.executable_id
+    assert chosen.executable.meta["compiler_options"] == fast
+    (reason,) = chosen.executable.meta["recompiled_because"]  # long values are cut at 80
+    assert reason.startswith("flags: compiler_options '' -> 'xla_cpu_enable_fast_math=true;"
+                             "xla_cpu_fast_math_honor_infs=false;")
+    # The same options in another order are the same executable.
+    assert compiler.executable_id(program, overrides=dict(reversed(fast.items()))) == \
+        chosen.executable_id
+    assert compiler.lookup(program, overrides={**fast}).tier == "memory"
+    inf = jnp.full((2,), np.inf, np.float32)
+    assert np.isnan(np.asarray(plain.executable.run([inf])[0])).all()
+    np.testing.assert_array_equal(np.asarray(chosen.executable.run([inf])[0]), [0, 0])
+    loaded = make_compiler(tmp_path / "cache").lookup(program, overrides=fast)
+    assert loaded.tier == "disk" and loaded.executable_id == chosen.executable_id
+    np.testing.assert_array_equal(np.asarray(loaded.executable.run([inf])[0]), [0, 0])
+    with pytest.raises(InvalidProgram, match="compile option 'xla_dump_to' is not allowed"):
+        compiler.lookup(program, overrides={"xla_dump_to": "/tmp"})
+    with pytest.raises(InvalidProgram, match="must be a bool, a number or a string"):
+        compiler.lookup(program, overrides={"xla_cpu_ftz": None})

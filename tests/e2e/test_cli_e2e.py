@@ -99,14 +99,18 @@ def test_flags_beat_the_file_which_beats_the_environment(warmed: dict[str, Any])
 def test_warm_fills_the_disk_tier(tmp_path: Path) -> None:
     (tmp_path / "p.export").write_bytes(_program())
     cache = tmp_path / "cache"
-    run = subprocess.run([*JITSERVE, "warm", str(_manifest(tmp_path, "p.export")),
-                          "--cache-dir", str(cache)], capture_output=True, text=True,
-                         env=_env(), timeout=180)
+    manifest = _manifest(tmp_path, "p.export")
+    fast = {"xla_cpu_enable_fast_math": True}  # calls that give these find their own
+    manifest.write_text(manifest.read_text() + '[[programs]]\nfile = "p.export"\n'
+                        'signatures = [["float32[16]"]]\n'
+                        'compiler_options = {xla_cpu_enable_fast_math = true}\n')
+    run = subprocess.run([*JITSERVE, "warm", str(manifest), "--cache-dir", str(cache)],
+                         capture_output=True, text=True, env=_env(), timeout=180)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.count(" compiled ") == 2 and "warmed 2 of 2 executables" in run.stdout
+    assert run.stdout.count(" compiled ") == 3 and "warmed 3 of 3 executables" in run.stdout
     listed = subprocess.run([*JITSERVE, "cache", "ls", "--cache-dir", str(cache)],
                             capture_output=True, text=True, env=_env(), timeout=60).stdout
-    assert sum(line.startswith("executables") for line in listed.splitlines()) == 2
+    assert sum(line.startswith("executables") for line in listed.splitlines()) == 3
     # With API keys, each key's executables are its own; those the operator warmed
     # serve every key (they say nothing about another key's calls).
     key = "warm-test-key-0123456789"
@@ -116,6 +120,10 @@ def test_warm_fills_the_disk_tier(tmp_path: Path) -> None:
         pid = http.post("/v1/programs", content=_program()).json()["program_id"]
         r = http.post(f"/v1/programs/{pid}/compile",
                       json={"in_avals": [{"shape": [16], "dtype": "float32"}]})
+        assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
+        r = http.post(f"/v1/programs/{pid}/compile",
+                      json={"in_avals": [{"shape": [16], "dtype": "float32"}],
+                            "compiler_options": fast})
         assert r.status_code == 200 and r.json()["tier"] == "disk", r.text
 
 

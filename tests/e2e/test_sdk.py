@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from corpus import CASES, Case, assert_outputs_match, expected
 
-from jitserve.client import AsyncClient, Client, RemoteArray, Timeout
+from jitserve.client import AsyncClient, Client, ProgramError, RemoteArray, Timeout
 
 jax.config.update("jax_enable_x64", True)
 
@@ -280,6 +280,56 @@ def test_lower_and_compile_ahead_of_time_as_jax_does(client: Client, server_url:
 
     text = client.jit(lambda v: v * 2, format="jaxpr").lower(np.arange(3.0)).as_text()
     assert '"primitive": "mul"' in text  # the jaxpr document the server gets
+
+
+def test_jax_jit_s_other_keywords(client: Client, server_url: str) -> None:
+    """``keep_unused``, ``inline`` and ``compiler_options`` are ``jax.jit``'s: the options
+    reach the server's XLA (fast math turns ``inf - inf`` from nan into 0, as it does
+    locally), key their own executable and name themselves as a recompile reason; an
+    option the server does not allow is refused naming it; ``device`` and ``backend``
+    say where the function runs instead."""
+    salt = float(time.time_ns() % 1_000_003)  # programs no earlier run compiled
+    inf = np.array([np.inf, 1.0, -np.inf], np.float32)
+
+    def diff(x):  # noqa: ANN001, ANN202
+        return x - x + (salt - salt)
+
+    fast = {"xla_cpu_enable_fast_math": True, "xla_cpu_fast_math_honor_nans": False,
+            "xla_cpu_fast_math_honor_infs": False}
+    want_plain, want_fast = jax.jit(diff)(inf), jax.jit(diff, compiler_options=fast)(inf)
+    assert np.isnan(want_plain[0]) and want_fast[0] == 0  # what the options do locally
+    plain = client.jit(diff)
+    np.testing.assert_array_equal(np.asarray(plain(inf)), want_plain)
+    compiles = _metric(server_url, "jitserve_compile_seconds_count")
+    fast_f = client.jit(diff, compiler_options=fast)
+    np.testing.assert_array_equal(np.asarray(fast_f(inf)), want_fast)
+    np.testing.assert_array_equal(np.asarray(fast_f(inf)), want_fast)  # its own, kept
+    assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
+    compiled = fast_f.lower(inf).compile()
+    assert compiled.tier == "memory"
+    assert compiled.executable_id != plain.lower(inf).compile().executable_id
+    record = httpx.get(f"{server_url}/v1/executables/{compiled.executable_id}").json()
+    assert any(r.startswith("flags: compiler_options") for r in record["recompiled_because"])
+    np.testing.assert_array_equal(np.asarray(compiled(inf)), want_fast)
+    # Lowered.compile's options go over the function's, and its calls run with them.
+    honest = plain.lower(inf).compile(compiler_options={"xla_cpu_enable_fast_math": False})
+    assert honest.executable_id != compiled.executable_id
+    assert np.isnan(np.asarray(honest(inf))[0])
+
+    with pytest.raises(ProgramError, match="compile option 'xla_dump_to' is not allowed"):
+        client.jit(diff, compiler_options={"xla_dump_to": "/tmp/x"})(inf).result()
+    with pytest.raises(TypeError, match="compiler_options"):
+        client.jit(diff, compiler_options={"xla_cpu_ftz": [1]})
+    with pytest.raises(TypeError, match="runs on the jitserve server's devices"):
+        client.jit(diff, backend="cpu")
+
+    def first(x, unused):  # noqa: ANN001, ANN202
+        return x * 2
+
+    kept = client.jit(first, keep_unused=True, inline=True)
+    assert kept.lower(inf, inf).as_text().count("tensor<3xf32>") > client.jit(first).lower(
+        inf, inf).as_text().count("tensor<3xf32>")
+    np.testing.assert_array_equal(np.asarray(kept(inf, inf)), inf * 2)
 
 
 async def test_async_lower_and_compile(server_url: str) -> None:

@@ -116,6 +116,8 @@ def test_a_manifest_crosses_signatures_and_static_keys(tmp_path: Path) -> None:
     ('[[programs]]\nfile = "f.export"\nsignatures = [["float32(8)"]]\n', "not an aval"),
     ('[[programs]]\nfile = "f.export"\nsignatures = [["complex7[8]"]]\n', "unsupported dtype"),
     ('[[programs]]\nfile = "f.export"\nshapes = []\n', "unknown keys ['shapes']"),
+    ('[[programs]]\nfile = "f.export"\ncompiler_options = {xla_dump_to = "/tmp"}\n',
+     "compile option 'xla_dump_to' is not allowed"),
     ('programs = 3\n', "expected a list 'programs'"),
 ])
 def test_a_bad_manifest_says_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:

@@ -68,6 +68,14 @@ CASES = [
      400, "bad_request", "args[1]"),
     ("ragged json lists", b'{"args": [{"dtype": "float32", "shape": [2, 3], "data": [[1]]}]}',
      "application/json", 400, "bad_request", "shape"),
+    ("compile option not allowed", mp({"args": [arr(), arr()],
+                                       "compiler_options": {"xla_dump_to": "/tmp"}}),
+     wire.MSGPACK, 400, "invalid_program", "compile option 'xla_dump_to' is not allowed"),
+    ("compile option of a list", mp({"args": [arr(), arr()],
+                                     "compiler_options": {"xla_cpu_ftz": [1]}}),
+     wire.MSGPACK, 400, "bad_request", "compiler_options.xla_cpu_ftz"),
+    ("compile options not a map", mp({"args": [arr(), arr()], "compiler_options": [1]}),
+     wire.MSGPACK, 400, "bad_request", "compiler_options"),
     ("unsupported content type", b"args=1", "application/x-www-form-urlencoded", 415,
      "unsupported_media_type", "Content-Type"),
 ]
@@ -107,6 +115,22 @@ async def test_compile_checks_the_inputs_it_donates(api, donate, status, words) 
                             headers=MP)
     assert r.status_code == status, r.text
     assert words in r.text
+
+
+@pytest.mark.parametrize(("options", "status", "words"), [
+    ({"xla_gpu_cuda_data_dir": "/"}, 400, "compile option 'xla_gpu_cuda_data_dir' is not allowed"),
+    ({"xla_cpu_enable_fast_math": "maybe"}, 422, "'maybe' is not a valid bool"),  # XLA's word
+    ({"xla_cpu_enable_fast_math": True}, 200, '"tier":"compiled"'),
+])
+async def test_compile_checks_its_compiler_options(api, options, status, words) -> None:
+    """Only allowed XLA options reach the compile; XLA checks their values (a value it
+    refuses fails the compile, ``compile_failed`` with its message)."""
+    pid = await api.upload("add_mul")
+    r = await api.http.post(f"/v1/programs/{pid}/compile",
+                            content=mp({"compiler_options": options}), headers=MP)
+    assert r.status_code == status, r.text
+    assert words in r.text
+    assert (await api.http.get("/healthz")).status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/v1/programs/{pid}/execute", "/v1/programs/{pid}/compile"])

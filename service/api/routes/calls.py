@@ -192,7 +192,7 @@ async def _start(request: Request, item: CallsItem, index: int, started: list[Ca
         args.append(arg)
     program = await services.programs.get(item.program_id, owner)
     call = await services.calls.execute(program, args, item.static_key, owner, item.timeout_s,
-                                        item.donate)
+                                        item.donate, item.compiler_options)
     if given:
         assert cluster is not None
         await cluster.relay.release(given, owner)

@@ -86,7 +86,7 @@ async def execute(request: Request, program_id: str, wait: int | None, keep: boo
             return relayed
     del raw
     call = await services.calls.execute(program, req.args, req.static_key, owner, req.timeout_s,
-                                        req.donate)
+                                        req.donate, req.compiler_options)
     if given:
         assert cluster is not None
         await cluster.relay.release(given, owner)

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 
 from jitserve import wire
+from jitserve.compiler.options import check_compiler_options
 from jitserve.compiler.records import check_donate
 from jitserve.wire import Aval, ErrorCode, ProgramFormat
 
@@ -89,14 +90,15 @@ async def delete_program(program_id: str, services: ServicesDep,
              openapi_extra=message_body(CompileRequest, CompileRequest, required=False))
 async def compile_program(program_id: str, services: ServicesDep, body: Body,
                           owner: Owner) -> CompileResult:
-    """Compile (or find in a cache) the executable for the given input avals and donated inputs."""
+    """Compile (or find in a cache) the executable for the given input avals, donated
+    inputs and compiler options."""
     program = await services.programs.get(program_id, owner)
     req = parse(CompileRequest, await body.message(), "compile request")
     in_avals = None if req.in_avals is None else [Aval.from_json(a.model_dump())
                                                    for a in req.in_avals]
-    donate = check_donate(req.donate, len(program.in_avals))
-    lookup = await services.calls.compile(program, in_avals, CallOptions(req.static_key, donate),
-                                          owner)
+    options = CallOptions(req.static_key, check_donate(req.donate, len(program.in_avals)),
+                          compiler_options=check_compiler_options(req.compiler_options))
+    lookup = await services.calls.compile(program, in_avals, options, owner)
     exe = lookup.executable
     return CompileResult(
         executable_id=lookup.executable_id, tier=lookup.tier,
