@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from jitserve import wire
 from jitserve.client import errors
-from jitserve.client._aot import MemoryAnalysis, RemoteCompiled, RemoteLowered
+from jitserve.client._aot import MemoryAnalysis, RemoteCompiled, RemoteLowered, RemoteTraced
 from jitserve.client._async import AsyncClient
 from jitserve.client._jit import AsyncRemoteFunction, RemoteFunction
 from jitserve.client._models import NOT_GIVEN, Aval, CompileInfo, FutureInfo, NotGiven, ProgramInfo, Timeout
@@ -84,6 +84,7 @@ __all__ = [
     "RemoteCompiled",
     "RemoteFunction",
     "RemoteLowered",
+    "RemoteTraced",
     "RequestTimeout",
     "ServerError",
     "Timeout",

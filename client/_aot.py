@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from jitserve.client._base import Op
     from jitserve.client._jit import _RemoteFunctionBase
 
-__all__ = ["MemoryAnalysis", "RemoteCompiled", "RemoteLowered"]
+__all__ = ["MemoryAnalysis", "RemoteCompiled", "RemoteLowered", "RemoteTraced"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,31 @@ class MemoryAnalysis:
     alias_size_in_bytes: int
     temp_size_in_bytes: int
     generated_code_size_in_bytes: int
+
+
+class RemoteTraced:
+    """A function traced for one signature (``RemoteFunction.trace``), as ``jax.stages.Traced``.
+
+    Attributes:
+      jaxpr: the traced ``ClosedJaxpr``, of the flattened arguments (typed keys as
+        their data), as the program has it.
+      out_info: the outputs' pytree of ``jax.ShapeDtypeStruct`` (typed keys as key dtypes).
+      fun_name: the function's name.
+    """
+
+    def __init__(self, fn: _RemoteFunctionBase, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 jaxpr: Any, out_info: Any) -> None:
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+        self.jaxpr, self.out_info = jaxpr, out_info
+        self.fun_name = fn._name
+
+    def __repr__(self) -> str:
+        return f"RemoteTraced({self.fun_name})"
+
+    def lower(self) -> Any:
+        """``RemoteFunction.lower`` of the traced arguments: a ``RemoteLowered``.
+        ``AsyncClient``'s is awaited."""
+        return self._fn.lower(*self._args, **self._kwargs)
 
 
 class RemoteLowered:
@@ -65,19 +90,9 @@ class RemoteLowered:
     @property
     def out_info(self) -> Any:
         """The outputs' pytree of ``jax.ShapeDtypeStruct`` (typed keys as key dtypes)."""
-        import jax
-
         compiled = self._compiled
-        shardings = compiled.out_shardings or (None,) * len(compiled.out_avals)
-        leaves = []
-        for aval, key, sharding in zip(compiled.out_avals, compiled.out_keys, shardings):
-            shape = tuple(aval.shape)
-            if key is not None:
-                leaves.append(jax.ShapeDtypeStruct(shape[:len(shape) - key.data_ndim], key.dtype))
-            else:
-                leaves.append(jax.ShapeDtypeStruct(shape, wire.dtype_from_name(aval.dtype),
-                                                   sharding=sharding))
-        return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
+        return out_info_of(compiled.out_tree, compiled.out_avals, compiled.out_keys,
+                           compiled.out_shardings)
 
     def as_text(self) -> str:
         """The program the server compiles, as text: StableHLO (MLIR) for the default
@@ -126,6 +141,7 @@ class RemoteCompiled:
     def __init__(self, lowered: RemoteLowered, info: CompileInfo,
                  record: dict[str, Any] | None, options: dict[str, Any]) -> None:
         self._lowered, self._options = lowered, options
+        self._text: str | None = None
         self.executable_id = info.executable_id
         self.tier = info.tier
         self.compile_seconds = info.compile_seconds
@@ -139,10 +155,18 @@ class RemoteCompiled:
     def out_info(self) -> Any:
         return self._lowered.out_info
 
-    def as_text(self) -> str:
-        """The program's text, as ``RemoteLowered.as_text`` (the server keeps XLA's
-        optimized HLO to itself)."""
-        return self._lowered.as_text()
+    def as_text(self) -> Any:
+        """XLA's optimized HLO of the executable, as the server compiled it and as
+        ``jax.stages.Compiled.as_text()`` prints it (fusions, layouts, the schedule);
+        the program before XLA's passes is ``RemoteLowered.as_text()``. Asked of the
+        server once. ``AsyncClient``'s is awaited."""
+        return self._lowered._fn._client._drive(self._op_text())  # type: ignore[attr-defined]
+
+    def _op_text(self) -> Op[str]:
+        if self._text is None:
+            self._text = yield from self._lowered._fn._client._op_executable_text(
+                self.executable_id)
+        return self._text
 
     def cost_analysis(self) -> dict[str, float] | None:
         """The server's XLA's estimates for one run: ``flops``, ``transcendentals`` and
@@ -172,6 +196,23 @@ class RemoteCompiled:
         lowered = self._lowered
         return lowered._fn._call(args, kwargs, lowered._key,  # type: ignore[attr-defined]
                                  self._options)
+
+
+def out_info_of(out_tree: Any, out_avals: Sequence[Any], out_keys: Sequence[Any],
+                shardings: Sequence[Any] = ()) -> Any:
+    """The outputs' pytree of ``jax.ShapeDtypeStruct`` of a program's flat outputs
+    (wire avals; per output its ``KeyType`` or ``None``; its sharding, where known)."""
+    import jax
+
+    leaves = []
+    for aval, key, sharding in zip(out_avals, out_keys, shardings or (None,) * len(out_avals)):
+        shape = tuple(aval.shape)
+        if key is not None:
+            leaves.append(jax.ShapeDtypeStruct(shape[:len(shape) - key.data_ndim], key.dtype))
+        else:
+            leaves.append(jax.ShapeDtypeStruct(shape, wire.dtype_from_name(aval.dtype),
+                                               sharding=sharding))
+    return jax.tree_util.tree_unflatten(out_tree, leaves)
 
 
 def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:

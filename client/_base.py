@@ -652,6 +652,11 @@ class BaseClient:
         except NotFound:
             return None
 
+    def _op_executable_text(self, executable_id: str) -> Op[str]:
+        """An executable's optimized HLO (``GET /v1/executables/{id}/text``)."""
+        text = yield from self._op_get(f"/v1/executables/{_seg(executable_id)}/text")
+        return text if isinstance(text, str) else ""
+
     def _op_platforms(self) -> Op[tuple[str, ...] | None]:
         """The server's jax.export platforms (from ``/v1/devices``), asked once per client."""
         if isinstance(self._platforms, NotGiven):

@@ -18,10 +18,10 @@ from typing import Any
 
 from jitserve import wire
 from jitserve.client._ahead import Submit, _Queued
-from jitserve.client._aot import RemoteLowered, check_options
+from jitserve.client._aot import RemoteLowered, RemoteTraced, check_options, out_info_of
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _FutureState, _RemoteBase, local_value
-from jitserve.client._trace import Compiled, local_input, trace
+from jitserve.client._trace import Compiled, _aval, local_input, trace, trace_jaxpr
 from jitserve.client.errors import NotFound, PayloadTooLarge
 
 __all__ = ["AsyncRemoteFunction", "JIT_FORMATS", "RemoteFunction"]
@@ -402,6 +402,20 @@ class _RemoteFunctionBase:
         compile it (``client/_aot.py``). Sends nothing but, once per client, a question
         of the server's platforms. ``AsyncClient``'s is awaited."""
         return self._client._drive(self._op_lower(args, kwargs))  # type: ignore[attr-defined]
+
+    def trace(self, *args: Any, **kwargs: Any) -> RemoteTraced:
+        """Trace for these arguments, as ``jax.jit(fn).trace``, here and now: a
+        ``RemoteTraced`` whose ``jaxpr`` is the traced jaxpr and whose ``lower()`` is
+        ``lower(*args)``. Sends nothing (``lower`` and ``out_info`` ask the server its
+        platforms, once per client); not awaited, with either client."""
+        split = self._split(args, kwargs)
+        inputs = [self._input(leaf) for leaf in split.leaves]
+        jaxpr, flat = trace_jaxpr(self._bound(split), self._name, split.treedef,
+                                  [i.spec for i in inputs], [i.key for i in inputs],
+                                  keep_unused=self._keep_unused, inline=self._inline)
+        out_info = out_info_of(flat.out_tree, [_aval(a) for a in jaxpr.out_avals],
+                               flat.out_keys)
+        return RemoteTraced(self, args, kwargs, jaxpr, out_info)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' pytree of ``jax.ShapeDtypeStruct`` for these arguments, as

@@ -30,7 +30,8 @@ from jitserve.client._models import Aval
 from jitserve.client._remote import KeyType
 from jitserve.client.errors import HostCallbackError
 
-__all__ = ["Compiled", "FlatFunction", "check_host_callbacks", "local_input", "split_key", "trace"]
+__all__ = ["Compiled", "FlatFunction", "check_host_callbacks", "local_input", "split_key", "trace",
+           "trace_jaxpr"]
 
 #: Primitives that call back into the caller's Python process, with what to do instead.
 HOST_CALLBACKS = {
@@ -118,6 +119,20 @@ class FlatFunction:
         data, keys = zip(*map(split_key, out_leaves)) if out_leaves else ((), ())
         self.out_keys = tuple(keys)
         return list(data)
+
+
+def trace_jaxpr(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
+                in_keys: Sequence[str | None], *, keep_unused: bool = False,
+                inline: bool = False) -> tuple[Any, FlatFunction]:
+    """The closed jaxpr of ``fn`` on flat ``specs``, as ``jax.jit(f).trace(...).jaxpr``
+    gives it (typed key inputs and outputs as their data, as the program has them),
+    and the flat function, which knows the outputs' tree and keys once traced."""
+    import jax
+
+    flat = FlatFunction(fn, in_tree, in_keys, name)
+    with _no_source_locations():
+        traced = jax.jit(flat, keep_unused=keep_unused, inline=inline).trace(*specs)
+    return traced.jaxpr, flat
 
 
 def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],

@@ -55,7 +55,7 @@ from ..errors import (
 )
 from ..metrics import Metrics
 from ..runtimes import Buffer, Op, RemoteError, Runtime, RuntimeLost, RuntimePool
-from ..runtimes.protocol import ForgetRequest, LookupRequest
+from ..runtimes.protocol import ForgetRequest, LookupRequest, TextRequest
 from .batching import Batcher, SharedConfigs
 from .executables import (
     CallKey,
@@ -475,6 +475,25 @@ class Calls:
     def known(self) -> list[RemoteExecutable]:
         """The executables this process has looked up (the catalog's local listing)."""
         return self._index.values()
+
+    async def text(self, executable_id: str, owner: str | None) -> str | None:
+        """Executable ``executable_id``'s optimized HLO, as XLA prints it, from a runtime
+        of ``owner``'s that holds it or loads it by id (a sharded one, on as many
+        devices as it takes), else from another that does; ``None`` when none has it."""
+        devices = next((int(e.meta.get("device_count", 1)) for e in self._index.values()
+                        if e.executable_id == executable_id), 1)
+        first = self._runtimes.place(owner, executable_id, devices)
+        for runtime in [first, *(r for r in self._runtimes.fitting(devices) if r is not first)]:
+            try:
+                reply = await runtime.request(Op.TEXT, TextRequest(executable_id=executable_id),
+                                              timeout_s=self._lookup_timeout_s, retry=True)
+            except RemoteError as e:
+                raise RuntimeRefusal(_code(e.code), f"reading executable {executable_id} "
+                                                    f"failed: {e}") from None
+            text = reply.get("text")
+            if isinstance(text, str):
+                return text
+        return None
 
     async def forget(self, executable_id: str) -> list[str]:
         """Drop ``executable_id`` wherever it is kept: every runtime's L1, the disk and

@@ -88,6 +88,8 @@ from .protocol import (
     SplitAnswer,
     StatsAnswer,
     StatsRequest,
+    TextAnswer,
+    TextRequest,
 )
 
 log = logging.getLogger("jitserve.runtime")
@@ -797,6 +799,20 @@ class RuntimeServer:
         """Drop an executable from every tier (``DELETE /v1/executables/{id}``)."""
         return {"tiers": self.compiler.forget(str(m["executable_id"]))}
 
+    def op_text(self, m: TextRequest) -> TextAnswer:
+        """An executable's optimized HLO, as XLA prints it (``jax.stages.Compiled.as_text``),
+        from L1 or loaded from a tier by its id; ``None`` when no tier has it."""
+        exe = self.compiler.loaded_executable(str(m["executable_id"]))
+        if exe is None:
+            found = self.compiler.load(str(m["executable_id"]))
+            exe = None if found is None else found.executable
+        if exe is None:
+            return {"text": None}
+        loaded = exe.loaded
+        if hasattr(loaded, "get_hlo_text"):
+            return {"text": str(loaded.get_hlo_text())}
+        return {"text": "\n\n".join(m.to_string() for m in loaded.hlo_modules())}
+
     def op_stats(self, m: StatsRequest) -> StatsAnswer:
         catalog = self.compiler.catalog
         compiler = self.compiler.stats()
@@ -994,6 +1010,7 @@ HANDLERS: Final[dict[Op, Handler]] = {
     Op.PUT: RuntimeServer.op_put,
     Op.FETCH: RuntimeServer.op_fetch,
     Op.FORGET: RuntimeServer.op_forget,
+    Op.TEXT: RuntimeServer.op_text,
     Op.STATS: RuntimeServer.op_stats,
     Op.FREE: RuntimeServer.op_free,
     Op.CANCEL: RuntimeServer.op_cancel,

@@ -28,6 +28,7 @@ is served (frees ride on requests: ``RuntimePool.free``)::
     put      PutRequest       PutAnswer        keep host arrays on the device
     fetch    FetchRequest     FetchAnswer      copy outputs back to the host
     forget   ForgetRequest    ForgetAnswer     drop an executable from every tier
+    text     TextRequest      TextAnswer       an executable's optimized HLO, as text
     stats    StatsRequest     StatsAnswer      counters, for /metrics and /readyz
     free     FreeRequest      (none)           drop outputs; no ``id``, no answer
     ifrt     IfrtRequest      IfrtAnswer       one batch of an IFRT proxy session, in order
@@ -103,6 +104,7 @@ class Op(enum.StrEnum):
     PUT = "put"
     FETCH = "fetch"
     FORGET = "forget"
+    TEXT = "text"
     STATS = "stats"
     FREE = "free"
     CANCEL = "cancel"  # no answer of its own: a queued run leaves the queue
@@ -317,6 +319,14 @@ class ForgetRequest(TypedDict):
 
 class ForgetAnswer(TypedDict):
     tiers: list[str]  # those that held it
+
+
+class TextRequest(TypedDict):
+    executable_id: str
+
+
+class TextAnswer(TypedDict):
+    text: str | None  # ``None``: no tier has it
 
 
 class StatsRequest(TypedDict, total=False):

@@ -246,9 +246,19 @@ def test_lower_and_compile_ahead_of_time_as_jax_does(client: Client, server_url:
     assert lowered.out_info == jax.eval_shape(step, w, b) == f.eval_shape(w, b)
     assert _metric(server_url, "jitserve_compile_seconds_count") == compiles  # traced only
 
+    traced = f.trace(w, b)  # here, as jax.jit(f).trace
+    assert "tanh" in {e.primitive.name for e in traced.jaxpr.jaxpr.eqns}
+    assert traced.out_info == lowered.out_info and traced.fun_name == "step"
+    assert traced.lower().as_text() == lowered.as_text()
+
     compiled = lowered.compile()
     assert compiled.tier == "compiled" and compiled.executable_id
     assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
+    # XLA's optimized HLO of the executable, as jax's Compiled.as_text() prints it.
+    hlo = compiled.as_text()
+    assert hlo.startswith("HloModule") and "is_scheduled=true" in hlo and "f32[64,16]" in hlo
+    r = httpx.get(f"{server_url}/v1/executables/{'0' * 64}/text")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert f.lower(w, b).compile().tier == "memory"  # the server's cache, as a call finds it
     cost = compiled.cost_analysis()
     assert cost is not None and cost["flops"] >= 2 * 64 * 32 * 16 and cost["bytes accessed"] > 0
@@ -339,6 +349,9 @@ async def test_async_lower_and_compile(server_url: str) -> None:
         assert lowered.out_info == jax.ShapeDtypeStruct((4,), np.float64)
         assert await f.eval_shape(np.arange(4.0)) == lowered.out_info
         compiled = await lowered.compile()
+        assert (await compiled.as_text()).startswith("HloModule")
+        assert f.trace(np.arange(4.0)).out_info == lowered.out_info
+        assert (await f.trace(np.arange(4.0)).lower()).program_id == lowered.program_id
         y = await compiled(np.arange(4.0))
         assert (await y.result()).tolist() == [1, 4, 7, 10]
         with pytest.raises(TypeError, match="compiled for other arguments"):

@@ -11,6 +11,9 @@ With API keys on, a key lists and reads only its own executables (those looked
 up for its programs, ``service.tenants``); another key's is ``404 not_found``,
 worded as for an unknown id.
 
+``GET /v1/executables/{id}/text`` is its optimized HLO, as XLA prints it (read by a
+runtime, which loads the executable by id).
+
 ``DELETE /v1/executables/{id}`` is an admin route: with API keys on, only the
 keys in ``JITSERVE_ADMIN_KEYS`` may use it (``403 forbidden`` for the others);
 it drops the executable from every tier, so the next call compiles it again.
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from jitserve.compiler import Catalog, EntryPage
@@ -73,6 +77,23 @@ async def get_executable(executable_id: str, services: ServicesDep,
     return _info(record)
 
 
+@router.get("/{executable_id}/text", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "the optimized HLO, as XLA prints it"},
+                       **errors(ErrorCode.NOT_FOUND)})
+async def get_executable_text(executable_id: str, services: ServicesDep,
+                              owner: Owner) -> PlainTextResponse:
+    """The executable's optimized HLO, as XLA prints it (``jax.stages.Compiled.as_text``):
+    what the program became after XLA's passes (fusions, layouts, schedule). 404 as for
+    its record."""
+    text = None
+    if services.tenants.sees_executable(owner, executable_id) and _is_id(executable_id):
+        text = await services.calls.text(executable_id, owner)
+    if text is None:
+        raise NotFound(f"no cached executable {executable_id!r:.80}")
+    return PlainTextResponse(text)
+
+
 @router.delete("/{executable_id}", response_model=ExecutableDeleted,
                responses=errors(ErrorCode.FORBIDDEN, ErrorCode.NOT_FOUND))
 async def delete_executable(executable_id: str, services: ServicesDep,
@@ -83,12 +104,17 @@ async def delete_executable(executable_id: str, services: ServicesDep,
     """
     if not services.settings.is_admin(owner):
         raise Forbidden("deleting executables needs an admin key (JITSERVE_ADMIN_KEYS)")
-    if len(executable_id) != 64 or not all(c in "0123456789abcdef" for c in executable_id):
+    if not _is_id(executable_id):
         raise NotFound(f"no cached executable {executable_id!r:.80}")
     tiers = await services.calls.forget(executable_id)
     if not tiers:
         raise NotFound(f"no cached executable {executable_id!r:.80}")
     return ExecutableDeleted(executable_id=executable_id, tiers=tiers)
+
+
+def _is_id(executable_id: str) -> bool:
+    """Whether ``executable_id`` could be one: 64 lowercase hex digits (a sha256)."""
+    return len(executable_id) == 64 and all(c in "0123456789abcdef" for c in executable_id)
 
 
 def _owned_page(catalog: Catalog, owned: Sequence[str], cursor: str | None,
