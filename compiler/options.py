@@ -38,9 +38,12 @@ ALLOWED_OVERRIDES = ALLOWED_DEBUG_OPTIONS | frozenset({
     # a cap on dumps, which cannot happen: xla_dump_to is not allowed
     "xla_dump_max_hlo_modules",
 })
-# Override names XLA reads from ExecutableBuildOptions rather than DebugOptions.
-BUILD_OVERRIDES = frozenset({"exec_time_optimization_effort", "memory_fitting_effort",
-                             "optimization_level", "memory_fitting_level"})
+# Override names XLA reads from ExecutableBuildOptions rather than DebugOptions: jax
+# sets them as attributes, which take a number (efforts) or a level's number, and
+# nothing else (XLA parses the other options' values from text, and says what is wrong).
+_EFFORTS = frozenset({"exec_time_optimization_effort", "memory_fitting_effort"})
+_LEVELS = frozenset({"optimization_level", "memory_fitting_level"})
+BUILD_OVERRIDES = _EFFORTS | _LEVELS
 #: Options in one call: more than there are names to allow.
 MAX_OPTIONS = len(ALLOWED_OVERRIDES)
 _MAX_VALUE_CHARS = 256
@@ -72,6 +75,10 @@ def check_compiler_options(options: Mapping[str, Any] | None) -> tuple[tuple[str
         elif not isinstance(value, (bool, int, float)):
             raise InvalidProgram(f"compile option {name!r}: the value must be a bool, a "
                                  f"number or a string, got {type(value).__name__}")
+        wanted = (int, float) if name in _EFFORTS else int if name in _LEVELS else None
+        if wanted is not None and (isinstance(value, (bool, str)) or not isinstance(value, wanted)):
+            kind = "a number" if name in _EFFORTS else "an integer (the level)"
+            raise InvalidProgram(f"compile option {name!r} takes {kind}, got {value!r:.40}")
         out.append((name, value))
     return tuple(out)
 

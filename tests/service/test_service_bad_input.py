@@ -120,6 +120,10 @@ async def test_compile_checks_the_inputs_it_donates(api, donate, status, words) 
 @pytest.mark.parametrize(("options", "status", "words"), [
     ({"xla_gpu_cuda_data_dir": "/"}, 400, "compile option 'xla_gpu_cuda_data_dir' is not allowed"),
     ({"xla_cpu_enable_fast_math": "maybe"}, 422, "'maybe' is not a valid bool"),  # XLA's word
+    ({"xla_cpu_ftz": 1.5}, 422, "'1.5' is not a valid bool"),
+    ({"optimization_level": "O9"}, 400, "'optimization_level' takes an integer (the level)"),
+    ({"exec_time_optimization_effort": "x"}, 400, "'exec_time_optimization_effort' takes a number"),
+    ({"xla_backend_optimization_level": -5, "memory_fitting_effort": float("nan")}, 200, "tier"),
     ({"xla_cpu_enable_fast_math": True}, 200, '"tier":"compiled"'),
 ])
 async def test_compile_checks_its_compiler_options(api, options, status, words) -> None:
