@@ -207,6 +207,17 @@ def local_value(x: Any) -> Any:
     return x._local() if isinstance(x, _RemoteBase) else x
 
 
+def _owned(value: Any) -> Any:
+    """``value``, or a copy of it where it is a fetched value or a view of one (read-only,
+    and shared by every reader): ``v = y[0]; v += 1`` then changes ``v`` alone, as with a
+    jax array, where ``+=`` makes a new array, rather than failing with numpy's
+    ``output array is read-only`` (flax's ``nnx.Rngs`` counts that way on a model a
+    jitted step returned)."""
+    if isinstance(value, np.ndarray) and not value.flags.writeable:
+        return value.copy()
+    return value
+
+
 def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """An operator method and its reflected twin, both on the fetched values."""
     def forward(self: _RemoteBase, other: Any) -> Any:
@@ -229,8 +240,8 @@ def _on_value(fn: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]
     """A method of remote arrays: ``fn`` of the fetched value (and the values of remote
     arguments)."""
     def method(self: _RemoteBase, *args: Any, **kwargs: Any) -> Any:
-        return fn(self._local(), *map(local_value, args),
-                  **{k: local_value(v) for k, v in kwargs.items()})
+        return _owned(fn(self._local(), *map(local_value, args),
+                         **{k: local_value(v) for k, v in kwargs.items()}))
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"As ``jax.Array.{name}``: {doc} of the fetched value."
@@ -251,7 +262,7 @@ def _function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _viewed(view: Callable[[Any], Any], name: str) -> Any:
     """``jax.Array``'s property ``name``, of the fetched value."""
-    return property(lambda self: view(self._local()),
+    return property(lambda self: _owned(view(self._local())),
                     doc=f"As ``jax.Array.{name}``, of the fetched value (numpy).")
 
 
@@ -378,10 +389,10 @@ class _RemoteBase:
     def __iter__(self) -> Iterator[Any]:
         if not self.shape:
             raise TypeError("iteration over a 0-d array")
-        return iter(self._local())
+        return map(_owned, self._local())
 
     def __getitem__(self, idx: Any) -> Any:
-        return self._local()[local_value(idx)]
+        return _owned(self._local()[local_value(idx)])
 
     def __bool__(self) -> bool:
         return bool(self._local())
@@ -800,7 +811,10 @@ def register_with_jax() -> None:
     (``_check_prng_key``) and their wrap of key data (``prng.random_wrap``, also
     ``jax.random.wrap_key_data``'s), the same from jax 0.8 to 0.11, now take a remote
     array as its fetched value (a jax key array, or numpy key data), as ``jnp`` takes
-    any remote array.
+    any remote array. So does ``jax.device_get``'s per leaf (``api._device_get``): it
+    fetches a remote key as a key array, as it does a local one, where ``__array__``
+    raises jax's "PRNGKey dtype cannot be converted" (a ``TrainState``'s rng, a flax
+    ``nnx.Rngs``).
     """
     try:
         from jax._src import core, dtypes
@@ -821,10 +835,12 @@ def _let_jax_random_take_remote_keys() -> None:
     # it calls random_wrap (raw key data -> keys) of, by attribute.
     module = sys.modules.get(getattr(jax.random.split, "__module__", ""))
     prng = getattr(module, "prng", None)
+    from jax._src import api
+
     patched = [_take_local_keys(module, "_check_prng_key", 1),
-               _take_local_keys(prng, "random_wrap", 0)]
+               _take_local_keys(prng, "random_wrap", 0), _take_local_keys(api, "_device_get", 0)]
     if not all(patched):
-        logger.warning("jax.random functions will not take remote keys "
+        logger.warning("jax.random functions and jax.device_get will not take remote keys "
                        "(jax.random.split(y.result()) will): jax moved its key checks")
 
 

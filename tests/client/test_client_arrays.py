@@ -46,8 +46,15 @@ def offline() -> Iterator[Client]:
 
 
 def fetched(c: Client | AsyncClient, *values: np.ndarray) -> list[Any]:
+    """Remote arrays already fetched, their values read-only copies, as the wire's are."""
     avals = tuple(Aval(v.shape, v.dtype.name) for v in values)
-    return c._wrap(_Execution("f1", avals, list(values), None))
+    return c._wrap(_Execution("f1", avals, [_read_only(v) for v in values], None))
+
+
+def _read_only(value: np.ndarray) -> np.ndarray:
+    value = value.copy()
+    value.flags.writeable = False
+    return value
 
 
 def test_metadata_and_conversions(offline: Client) -> None:
@@ -62,6 +69,11 @@ def test_metadata_and_conversions(offline: Client) -> None:
     assert y.tobytes() == X.tobytes() and y.weak_type is False
     with pytest.raises(TypeError, match=r"immutable.*x.at\[idx\].set\(y\)"):
         y[0] = 1.0
+    # What indexing and views give is the caller's own, as a jax array's results are:
+    # in-place arithmetic on it changes it alone (not the fetched value every read shares).
+    for part in (y[...], y[1:], y.reshape(-1), y.T, next(iter(y)), y.real):
+        part += 1
+    np.testing.assert_array_equal(np.asarray(y), X)
     assert str(y) == f"{y}" == str(X) and repr(y).startswith("RemoteArray(future=")
     with pytest.raises(TypeError, match="len"):
         len(s)

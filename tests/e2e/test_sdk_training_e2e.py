@@ -299,6 +299,57 @@ async def test_concurrent_first_calls_of_an_async_client_upload_once(url: str) -
 # ---------------------------------------------------------------------------- keys, arrays
 
 
+# flax 0.12.0, the newest on jax 0.8 (.ci/jax-range), imports names jax 0.8 deprecated.
+@pytest.mark.filterwarnings("ignore:jax.array_ref is deprecated:DeprecationWarning",
+                            "ignore:jax.ArrayRef is deprecated:DeprecationWarning")
+def test_flax_nnx_trains_as_under_jax_jit(client: Client) -> None:
+    """flax's nnx, as its pytree-mode docs write a step for ``jax.jit``: a model with
+    dropout (its ``Rngs`` keep typed keys and counts) and an ``nnx.Optimizer``, passed
+    and returned. The losses are local jax's; ``jax.device_get`` fetches the trained
+    model, its keys as key arrays, as it does a local one; a local copy of it
+    (``jnp.asarray`` per leaf) runs eagerly, as the local model does."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 2, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+    def step(model: Any, opt: Any, x: Any, y: Any) -> Any:
+        def loss_fn(model: Any) -> Any:
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return model, opt, loss
+
+    x = np.random.default_rng(0).random((32, 8), np.float32)
+    y = (x.sum(axis=1) > 4).astype(np.int32)
+
+    def train(jit: Callable[..., Any]) -> tuple[Any, list[float]]:
+        model = MLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        f, losses = jit(step, donate_argnums=(0, 1)), []
+        for _ in range(5):
+            model, opt, loss = f(model, opt, x, y)
+            losses.append(float(loss))
+        return model, losses
+
+    (remote, remote_losses), (local, local_losses) = train(client.jit), train(jax.jit)
+    np.testing.assert_allclose(remote_losses, local_losses, rtol=1e-5)
+    assert all(isinstance(leaf, RemoteArray) for leaf in jax.tree.leaves(remote))
+    fetched, want = jax.device_get(remote), jax.device_get(local)
+    for got, expected in zip(jax.tree.leaves(fetched), jax.tree.leaves(want)):
+        if jax.dtypes.issubdtype(expected.dtype, jax.dtypes.prng_key):
+            expected, got = jax.random.key_data(expected), jax.random.key_data(got)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    here = jax.tree.map(jnp.asarray, remote)
+    np.testing.assert_allclose(here(jnp.ones((1, 8))), local(jnp.ones((1, 8))), rtol=1e-5)
+
+
 def test_typed_keys_in_and_out(client: Client) -> None:
     key = jax.random.key(0)
     keys = client.jit(lambda k: jax.random.split(k, 3))(key)
