@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -88,6 +88,16 @@ class RemoteLowered:
         return self._compiled.program_id
 
     @property
+    def in_tree(self) -> Any:
+        """The ``PyTreeDef`` of the dynamic arguments, ``((args...), {kwargs})``, as jax's."""
+        return cast(tuple[Any, ...], self._key)[2]  # _RemoteFunctionBase._key: statics, then it
+
+    @property
+    def out_tree(self) -> Any:
+        """The ``PyTreeDef`` of the outputs."""
+        return self._compiled.out_tree
+
+    @property
     def out_info(self) -> Any:
         """The outputs' pytree of ``jax.ShapeDtypeStruct`` (typed keys as key dtypes)."""
         compiled = self._compiled
@@ -154,6 +164,14 @@ class RemoteCompiled:
     @property
     def out_info(self) -> Any:
         return self._lowered.out_info
+
+    @property
+    def in_tree(self) -> Any:
+        return self._lowered.in_tree
+
+    @property
+    def out_tree(self) -> Any:
+        return self._lowered.out_tree
 
     def as_text(self) -> Any:
         """XLA's optimized HLO of the executable, as the server compiled it and as

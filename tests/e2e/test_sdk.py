@@ -254,6 +254,9 @@ def test_lower_and_compile_ahead_of_time_as_jax_does(client: Client, server_url:
     compiled = lowered.compile()
     assert compiled.tier == "compiled" and compiled.executable_id
     assert _metric(server_url, "jitserve_compile_seconds_count") == compiles + 1
+    local = jax.jit(step).lower(w, b)
+    assert (compiled.in_tree, compiled.out_tree) == (lowered.in_tree, lowered.out_tree) == (
+        local.in_tree, local.out_tree)
     # XLA's optimized HLO of the executable, as jax's Compiled.as_text() prints it.
     hlo = compiled.as_text()
     assert hlo.startswith("HloModule") and "is_scheduled=true" in hlo and "f32[64,16]" in hlo
