@@ -15,6 +15,7 @@ is queued.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +48,7 @@ BUILD_OVERRIDES = _EFFORTS | _LEVELS
 #: Options in one call: more than there are names to allow.
 MAX_OPTIONS = len(ALLOWED_OVERRIDES)
 _MAX_VALUE_CHARS = 256
+_NAN = float("nan")
 
 
 def check_compiler_options(options: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -79,6 +81,8 @@ def check_compiler_options(options: Mapping[str, Any] | None) -> tuple[tuple[str
         if wanted is not None and (isinstance(value, (bool, str)) or not isinstance(value, wanted)):
             kind = "a number" if name in _EFFORTS else "an integer (the level)"
             raise InvalidProgram(f"compile option {name!r} takes {kind}, got {value!r:.40}")
+        if isinstance(value, float) and math.isnan(value):
+            value = _NAN  # one nan, so that a call's options equal the last call's (``is``)
         out.append((name, value))
     return tuple(out)
 
