@@ -21,7 +21,7 @@ from jitserve.client._ahead import Submit, _Queued
 from jitserve.client._aot import RemoteLowered, RemoteTraced, check_options, out_info_of
 from jitserve.client._base import BaseClient, Op, _Acquire, _Execution
 from jitserve.client._remote import _FutureState, _RemoteBase, local_value
-from jitserve.client._trace import Compiled, _aval, local_input, trace, trace_jaxpr
+from jitserve.client._trace import Compiled, local_input, trace, trace_jaxpr, wire_aval
 from jitserve.client.errors import NotFound, PayloadTooLarge
 
 __all__ = ["AsyncRemoteFunction", "JIT_FORMATS", "RemoteFunction"]
@@ -297,8 +297,9 @@ class _RemoteFunctionBase:
                  options: dict[str, Any] | None = None) -> Op[Any]:
         """A call; ``expect``: the signature it must have, and ``options`` the compiler
         options it runs with (a ``RemoteCompiled``'s; the function's by default)."""
-        options = self._compiler_options if options is None else options
         import jax
+
+        options = self._compiler_options if options is None else options
 
         split, inputs, platforms, key = yield from self._op_signature(args, kwargs)
         if expect is not None and key != expect:
@@ -413,7 +414,7 @@ class _RemoteFunctionBase:
         jaxpr, flat = trace_jaxpr(self._bound(split), self._name, split.treedef,
                                   [i.spec for i in inputs], [i.key for i in inputs],
                                   keep_unused=self._keep_unused, inline=self._inline)
-        out_info = out_info_of(flat.out_tree, [_aval(a) for a in jaxpr.out_avals],
+        out_info = out_info_of(flat.out_tree, [wire_aval(a) for a in jaxpr.out_avals],
                                flat.out_keys)
         return RemoteTraced(self, args, kwargs, jaxpr, out_info)
 

@@ -31,7 +31,7 @@ from jitserve.client._remote import KeyType
 from jitserve.client.errors import HostCallbackError
 
 __all__ = ["Compiled", "FlatFunction", "check_host_callbacks", "local_input", "split_key", "trace",
-           "trace_jaxpr"]
+           "trace_jaxpr", "wire_aval"]
 
 #: Primitives that call back into the caller's Python process, with what to do instead.
 HOST_CALLBACKS = {
@@ -185,7 +185,7 @@ def trace(fn: Callable[..., Any], name: str, in_tree: Any, specs: Sequence[Any],
             if exported.nr_devices > 1 and getattr(exported, "_has_named_shardings", False):
                 layouts = tuple(exported._out_named_shardings)
     return Compiled(hashlib.sha256(program).hexdigest(), program, flat.out_tree,
-                    tuple(map(_aval, out_avals)), flat.out_keys, layouts)
+                    tuple(map(wire_aval, out_avals)), flat.out_keys, layouts)
 
 
 def check_host_callbacks(closed_jaxpr: Any, name: str) -> None:
@@ -248,7 +248,8 @@ def _source(eqn: Any) -> str:
     return f"{frame.file_name}:{frame.start_line}" if frame else "an unknown line"
 
 
-def _aval(aval: Any) -> Aval:
+def wire_aval(aval: Any) -> Aval:
+    """A jax aval (shape, dtype, weak type) as the wire's ``Aval``."""
     return Aval(tuple(int(d) for d in aval.shape), wire.dtype_name(aval.dtype), bool(aval.weak_type))
 
 

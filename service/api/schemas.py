@@ -148,6 +148,8 @@ class FutureRef(_Strict):
     output: int = Field(ge=0, description="which output of that future")
 
 
+# XLA option names to their values (``compiler.options`` says which names are taken).
+CompilerOptions = dict[str, StrictBool | StrictInt | StrictFloat | StrictStr]
 _COMPILER_OPTIONS = (
     "XLA options for the executable, as jax.jit's compiler_options (for example "
     "{\"xla_cpu_enable_fast_math\": true}): part of its cache key. Only the names "
@@ -167,7 +169,7 @@ class _ExecuteOptions(_Strict):
         default_factory=list, max_length=MAX_RELEASE, description="indices of args the "
         "run may consume (jax.jit's donate_argnums): an output of the same type reuses "
         "its buffer; the future outputs they name are released")
-    compiler_options: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+    compiler_options: CompilerOptions = Field(
         default_factory=dict, max_length=MAX_OPTIONS, description=_COMPILER_OPTIONS)
 
 
@@ -401,7 +403,7 @@ class CompileRequest(_Strict):
     donate: list[int] = Field(default_factory=list, max_length=MAX_RELEASE, description=(
         "the inputs its calls will donate, as an execute's ``donate``: donation is "
         "part of what is compiled, so this compiles the executable those calls run"))
-    compiler_options: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] = Field(
+    compiler_options: CompilerOptions = Field(
         default_factory=dict, max_length=MAX_OPTIONS, description=_COMPILER_OPTIONS)
 
 
